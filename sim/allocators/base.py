@@ -1,0 +1,401 @@
+"""The allocator protocol: admit / grow / step / free / account, with explicit results.
+
+An allocator manages a KV budget of `capacity` bytes for requests that store one token's keys
+and values (`bytes_per_token` bytes) per token. Every operation returns a `Grant` (truthy:
+what was allocated) or a `Refusal` (falsy: why not), the way vLLM's `allocate_slots` returns
+blocks or None. Allocators are plain Python: the engine in `sim.engine` drives them.
+
+Continuous batching grows every running request by one token per iteration. Doing that one
+request at a time would make the simulation cost grow with tokens, so the protocol has a batch
+operation: `step(n)` advances every *decoding* request by `n` tokens at once. A decoding
+request's length is stored as a phase `c` against a shared decode clock `K` (length = c + K),
+so a step is O(1) for slab allocators and O(block_size) for the paged one, however many
+requests run. `integrate(n, ...)` returns the exact weighted sum of the accounting over the
+next `n` steps, so time averages stay exact without visiting each token.
+
+Accounting (exact, to the byte; b = bytes per token, per live request with L tokens stored,
+final length F and A bytes allocated):
+- token_states = b*L
+- reserved     = min(A, b*F) - b*L   (held for tokens it will still write)
+- internal     = A - min(A, b*F)     (held, never written)
+- free         = capacity - sum(A)
+- usable_free  = the free bytes that can hold whole placement units of the next request (the
+  head of the waiting queue, or a reference request): hole by hole for slab allocators, every
+  free block for the paged one
+- external     = free - usable_free
+and token_states + reserved + internal + external + usable_free == capacity, always.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import ClassVar
+
+from sortedcontainers import SortedList
+
+#: The five parts of the budget, in the order plots stack them.
+PARTS = ("token_states", "reserved", "internal", "external", "usable_free")
+
+
+class Reason(str, Enum):
+    """Why an allocation was refused."""
+
+    OUT_OF_MEMORY = "out_of_memory"  # fewer free bytes than the allocation needs
+    FRAGMENTED = "fragmented"  # enough free bytes in total, but no single place fits
+    PROMPT_TOO_LONG = "prompt_too_long"  # prompt leaves no room for output under max_model_len
+    TOO_LARGE = "too_large"  # would not fit even in an empty allocator
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What an allocator may know of a request: its lengths and any declared output limit."""
+
+    rid: int
+    prompt: int
+    output: int
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt < 1 or self.output < 1:
+            raise ValueError(f"request {self.rid}: prompt and output must be >= 1 token")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"request {self.rid}: max_tokens must be >= 1")
+
+    @property
+    def final(self) -> int:
+        """Tokens stored once every output token is generated."""
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A successful operation: what it newly allocated."""
+
+    rid: int
+    nbytes: int  # bytes newly allocated by this operation
+    capacity_tokens: int  # tokens the request may store in total (its truncation point)
+    offset: int | None = None  # slab allocators: byte offset of the slab
+    blocks: tuple[int, ...] = ()  # paged: block ids newly handed out
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A refused operation and why; nothing was changed."""
+
+    rid: int
+    reason: Reason
+    needed: int  # bytes the operation needed
+    free: int  # bytes free at the time
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """The budget split into its five parts, in bytes, at one instant."""
+
+    capacity: int
+    token_states: int
+    reserved: int
+    internal: int
+    external: int
+    usable_free: int
+    largest_hole: int
+    live: int
+
+    @property
+    def free(self) -> int:
+        return self.external + self.usable_free
+
+    @property
+    def allocated(self) -> int:
+        return self.capacity - self.free
+
+    @property
+    def hole_index(self) -> float:
+        """1 - largest_hole / free: 0 when all free memory is one hole (or none is free)."""
+        return 1.0 - self.largest_hole / self.free if self.free else 0.0
+
+    def check(self) -> None:
+        """Raise AssertionError unless the parts are non-negative and sum to the capacity."""
+        parts = [getattr(self, p) for p in PARTS]
+        if any(p < 0 for p in parts) or sum(parts) != self.capacity:
+            raise AssertionError(f"accounting identity broken: {self}")
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class Live:
+    """One live request inside an allocator."""
+
+    req: Request
+    final: int  # effective final length: min(true final, capacity in tokens)
+    cap: int  # tokens the request may ever store (reservation, or max_model_len)
+    base: int  # tokens stored, or the phase c (tokens = c + clock) while decoding
+    decoding: bool
+    nbytes: int = 0  # bytes held (slab allocators; paged keeps its own block counts)
+    offset: int = -1  # slab allocators: byte offset
+    table: list[int] | None = None  # paged: materialised block ids
+
+
+class Allocator(ABC):
+    """Common bookkeeping: live requests, the decode clock, and the protocol's checks.
+
+    Subclasses implement placement (`_admit`, `_grow`, `_release`), the free-space view
+    (`_usable_free`, `_largest_hole`) and how allocated bytes evolve under `step`.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, capacity: int, bytes_per_token: int, max_model_len: int) -> None:
+        for name, value in (
+            ("capacity", capacity),
+            ("bytes_per_token", bytes_per_token),
+            ("max_model_len", max_model_len),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.capacity = capacity
+        self.bytes_per_token = bytes_per_token
+        self.max_model_len = max_model_len
+        self._live: dict[int, Live] = {}
+        self._clock = 0  # decode steps taken so far
+        self._fixed_tokens = 0  # sum of tokens over non-decoding requests
+        self._phase_sum = 0  # sum of phases c over decoding requests
+        self._done = SortedList()  # (final - c, rid): the clock at which each decoder is done
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    @property
+    def n_decoding(self) -> int:
+        return len(self._done)
+
+    def rids(self) -> list[int]:
+        return list(self._live)
+
+    def tokens(self, rid: int) -> int:
+        """Tokens request `rid` stores now."""
+        live = self._get(rid)
+        return live.base + self._clock if live.decoding else live.base
+
+    def final_tokens(self, rid: int) -> int:
+        """Tokens request `rid` will store when done (after truncation at its reservation)."""
+        return self._get(rid).final
+
+    def total_tokens(self) -> int:
+        return self._fixed_tokens + self._phase_sum + self.n_decoding * self._clock
+
+    def steps_until_done(self) -> int | None:
+        """Steps until the first decoding request reaches its final length (None: no decoder)."""
+        return self._done[0][0] - self._clock if self._done else None
+
+    def steps_until_full(self) -> int | None:
+        """Steps every decoder can take before an allocation fails (None: never)."""
+        return None
+
+    @abstractmethod
+    def allocated_bytes(self, rid: int) -> int:
+        """Bytes request `rid` holds now."""
+
+    def reservation_tokens(self, req: Request) -> int:
+        """Tokens this allocator would set aside for `req` at admission (its placement unit)."""
+        return self.max_model_len
+
+    # --------------------------------------------------------------- operations
+    def admit(self, req: Request, tokens: int | None = None, decoding: bool = True) -> Grant | Refusal:
+        """Allocate room for a new request storing `tokens` tokens (default: its prompt)."""
+        if req.rid in self._live:
+            raise ValueError(f"request {req.rid} is already live")
+        if req.prompt >= self.max_model_len:
+            need = req.prompt * self.bytes_per_token
+            return Refusal(
+                req.rid,
+                Reason.PROMPT_TOO_LONG,
+                need,
+                self.free_bytes(),
+                f"prompt of {req.prompt} tokens leaves no room under max_model_len "
+                f"{self.max_model_len}",
+            )
+        cap = min(self.reservation_tokens(req), self.max_model_len)
+        live = Live(req=req, final=min(req.final, cap), cap=cap, base=0, decoding=False)
+        tokens = req.prompt if tokens is None else tokens
+        if not 1 <= tokens <= live.final:
+            raise ValueError(f"request {req.rid}: cannot store {tokens} of {live.final} tokens")
+        result = self._admit(live, tokens)
+        if result:
+            live.base = tokens
+            self._live[req.rid] = live
+            self._fixed_tokens += tokens
+            if decoding:
+                self.set_decoding(req.rid, True)
+        return result
+
+    def grow(self, rid: int, n: int = 1) -> Grant | Refusal:
+        """Add `n` tokens to one request, allocating if it needs more room."""
+        live = self._get(rid)
+        old = self.tokens(rid)
+        if n < 1 or old + n > live.final:
+            raise ValueError(f"request {rid}: cannot grow {old} by {n} past {live.final} tokens")
+        was_decoding = live.decoding
+        if was_decoding:
+            self.set_decoding(rid, False)
+        result = self._grow(live, old, old + n)
+        if result:
+            live.base += n
+            self._fixed_tokens += n
+        if was_decoding:
+            self.set_decoding(rid, True)
+        return result
+
+    def set_decoding(self, rid: int, decoding: bool) -> None:
+        """Enter or leave the decode cohort that `step` advances together."""
+        live = self._get(rid)
+        if live.decoding == decoding:
+            return
+        if decoding:
+            tokens = live.base
+            live.base = tokens - self._clock
+            live.decoding = True
+            self._fixed_tokens -= tokens
+            self._phase_sum += live.base
+            self._done.add((live.final - live.base, rid))
+        else:
+            self._done.remove((live.final - live.base, rid))
+            self._phase_sum -= live.base
+            live.base += self._clock
+            live.decoding = False
+            self._fixed_tokens += live.base
+        self._cohort_changed(live, decoding)
+
+    def step(self, n: int = 1) -> Grant | Refusal:
+        """Every decoding request gains `n` tokens; all or nothing."""
+        if n < 0:
+            raise ValueError("cannot step backwards")
+        done = self.steps_until_done()
+        if done is not None and n > done:
+            raise ValueError(f"step of {n} takes a request past its final length ({done} left)")
+        full = self.steps_until_full()
+        if full is not None and n > full:
+            return Refusal(-1, Reason.OUT_OF_MEMORY, 0, self.free_bytes(), "no block for a decoder")
+        before = self.capacity - self.free_bytes()
+        self._clock += n
+        self._stepped()
+        return Grant(-1, self.capacity - self.free_bytes() - before, 0)
+
+    def free(self, rid: int) -> int:
+        """Release everything request `rid` holds; returns the bytes freed."""
+        live = self._get(rid)
+        self.set_decoding(rid, False)
+        nbytes = self.allocated_bytes(rid)
+        self._release(live)
+        self._fixed_tokens -= live.base
+        del self._live[rid]
+        return nbytes
+
+    def free_bytes(self) -> int:
+        return self.capacity - self._allocated_total()
+
+    def account(self, probe: Request | None = None) -> Accounting:
+        """The budget's five parts now. `probe` is the request the free space is judged by."""
+        b = self.bytes_per_token
+        allocated = self._allocated_total()
+        token_states = b * self.total_tokens()
+        internal = self._internal_total()
+        free = self.capacity - allocated
+        usable = self._usable_free(probe)
+        return Accounting(
+            capacity=self.capacity,
+            token_states=token_states,
+            reserved=allocated - internal - token_states,
+            internal=internal,
+            external=free - usable,
+            usable_free=usable,
+            largest_hole=self._largest_hole(),
+            live=len(self._live),
+        )
+
+    def integrate(
+        self, n: int, probe: Request | None = None, w0: float = 1.0, w1: float = 0.0
+    ) -> dict[str, float]:
+        """Sum over the next `n` steps of account(after step j) x (w0 + w1*(j-1)), j=1..n.
+
+        With w = step durations this is the exact time integral of each part while the batch
+        stays the same; nothing is changed. Slab allocators hold their bytes fixed between
+        admissions, so only token_states and reserved move, linearly.
+        """
+        b = self.bytes_per_token
+        weight = n * w0 + w1 * n * (n - 1) / 2
+        # sum_j j * w_j for j = 1..n
+        jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3
+        tokens = b * (self.total_tokens() * weight + self.n_decoding * jw)
+        allocated, internal = self._integrate_held(n, w0, w1, weight)
+        free = self.capacity * weight - allocated
+        usable = self._integrate_usable(n, probe, w0, w1, weight, allocated)
+        return {
+            "token_states": tokens,
+            "reserved": allocated - internal - tokens,
+            "internal": internal,
+            "external": free - usable,
+            "usable_free": usable,
+        }
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal: ...
+
+    @abstractmethod
+    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal: ...
+
+    @abstractmethod
+    def _release(self, live: Live) -> None: ...
+
+    @abstractmethod
+    def _allocated_total(self) -> int: ...
+
+    @abstractmethod
+    def _internal_total(self) -> int: ...
+
+    @abstractmethod
+    def _usable_free(self, probe: Request | None) -> int: ...
+
+    @abstractmethod
+    def _largest_hole(self) -> int: ...
+
+    def _cohort_changed(self, live: Live, decoding: bool) -> None:
+        """A request joined (or left) the decode cohort; its phase is `live.base`."""
+
+    def _stepped(self) -> None:
+        """The decode clock moved."""
+
+    def _integrate_held(self, n: int, w0: float, w1: float, weight: float) -> tuple[float, float]:
+        """Weighted sums of allocated and internal bytes over the next n steps."""
+        return self._allocated_total() * weight, self._internal_total() * weight
+
+    def _integrate_usable(
+        self, n: int, probe: Request | None, w0: float, w1: float, weight: float, allocated: float
+    ) -> float:
+        return self._usable_free(probe) * weight
+
+    def _get(self, rid: int) -> Live:
+        try:
+            return self._live[rid]
+        except KeyError:
+            raise ValueError(f"request {rid} is not live") from None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(capacity={self.capacity}, bytes_per_token="
+            f"{self.bytes_per_token}, live={len(self._live)})"
+        )

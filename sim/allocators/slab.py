@@ -1,0 +1,128 @@
+"""What contiguous and buddy allocators share: one slab per request, sized at admission.
+
+A slab allocator must decide at admission how many tokens to set aside, before the request
+has generated anything. The reservation policy is that guess:
+- `max_model_len`: the worst case, what a server that knows nothing must assume;
+- `pow2`: the final length rounded up to a power of two (knows it within 2x; Orca's Pow2);
+- `oracle`: exactly the final length (Orca's Oracle: the best a slab can do);
+- `max_tokens`: prompt + the request's declared output limit (max_model_len when undeclared).
+Every reservation is capped at max_model_len. A request whose real final length exceeds its
+reservation ends at the reservation, as a server enforcing max_tokens would end it.
+
+The slab never changes size, so between admissions the allocated bytes are constant and
+`step` only moves the decode clock.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from enum import Enum
+
+from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
+
+
+class Reserve(str, Enum):
+    MAX_MODEL_LEN = "max_model_len"
+    POW2 = "pow2"
+    ORACLE = "oracle"
+    MAX_TOKENS = "max_tokens"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def parse_enum(enum: type[Enum], value: str | Enum, what: str) -> Enum:
+    """Turn a user's string into an enum member, listing the valid names when it is not one."""
+    try:
+        return enum(value)
+    except ValueError:
+        valid = ", ".join(m.value for m in enum)
+        raise ValueError(f"unknown {what} {value!r} (valid: {valid})") from None
+
+
+class SlabAllocator(Allocator):
+    """One fixed-size slab per request; subclasses say where slabs go and how big they are."""
+
+    def __init__(
+        self,
+        capacity: int,
+        bytes_per_token: int,
+        max_model_len: int,
+        reserve: Reserve | str = Reserve.MAX_MODEL_LEN,
+    ) -> None:
+        super().__init__(capacity, bytes_per_token, max_model_len)
+        self.reserve = parse_enum(Reserve, reserve, "reservation policy")
+        self._held = 0  # sum of slab bytes
+        self._written = 0  # sum of min(A, b*F): bytes that will hold tokens
+
+    def reservation_tokens(self, req: Request) -> int:
+        mml = self.max_model_len
+        if self.reserve is Reserve.MAX_MODEL_LEN:
+            tokens = mml
+        elif self.reserve is Reserve.POW2:
+            tokens = next_pow2(req.final)
+        elif self.reserve is Reserve.ORACLE:
+            tokens = req.final
+        else:
+            tokens = req.prompt + req.max_tokens if req.max_tokens else mml
+        return min(tokens, mml)
+
+    @abstractmethod
+    def slab_bytes(self, tokens: int) -> int:
+        """Bytes of the slab that holds a reservation of `tokens` tokens."""
+
+    @abstractmethod
+    def _place(self, nbytes: int) -> int | None:
+        """Find room for `nbytes`; return its offset, or None when no hole fits."""
+
+    @abstractmethod
+    def _unplace(self, offset: int, nbytes: int) -> None:
+        """Return a slab's bytes to the free space (coalescing as the structure allows)."""
+
+    @abstractmethod
+    def _max_slab(self) -> int:
+        """The largest slab an empty allocator could hold."""
+
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
+        rid = live.req.rid
+        nbytes = self.slab_bytes(live.cap)
+        free = self.capacity - self._held
+        if nbytes > self._max_slab():
+            return Refusal(rid, Reason.TOO_LARGE, nbytes, free, "slab larger than the budget")
+        if nbytes > free:
+            return Refusal(rid, Reason.OUT_OF_MEMORY, nbytes, free)
+        offset = self._place(nbytes)
+        if offset is None:
+            return Refusal(rid, Reason.FRAGMENTED, nbytes, free, "no free hole is large enough")
+        live.offset, live.nbytes = offset, nbytes
+        self._held += nbytes
+        self._written += min(nbytes, self.bytes_per_token * live.final)
+        return Grant(rid, nbytes, live.cap, offset=offset)
+
+    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
+        return Grant(live.req.rid, 0, live.cap, offset=live.offset)
+
+    def _release(self, live: Live) -> None:
+        self._unplace(live.offset, live.nbytes)
+        self._held -= live.nbytes
+        self._written -= min(live.nbytes, self.bytes_per_token * live.final)
+
+    def allocated_bytes(self, rid: int) -> int:
+        return self._get(rid).nbytes
+
+    def slabs(self) -> list[tuple[int, int, int]]:
+        """(offset, bytes, rid) of every live slab, by offset."""
+        return sorted((lv.offset, lv.nbytes, rid) for rid, lv in self._live.items())
+
+    def _allocated_total(self) -> int:
+        return self._held
+
+    def _internal_total(self) -> int:
+        return self._held - self._written
+
+    def _unit(self, probe: Request | None) -> int:
+        """The placement unit free space is judged by: the probe's slab, or one token."""
+        if probe is None:
+            return self.slab_bytes(1)
+        return self.slab_bytes(min(self.reservation_tokens(probe), self.max_model_len))

@@ -1,0 +1,66 @@
+"""How many bytes one token's keys and values take: the unit all KV memory is counted in.
+
+bytes_per_token = layers x kv_heads x head_dim x 2 (K and V) x dtype_bytes. Grouped-query
+models (llama-3, mistral, qwen2.5) store far fewer KV heads than attention heads, which is why
+llama-3-8b needs 128 KiB per token where llama-2-7b needs 512 KiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one token's KV cache for one model (whole model, all layers)."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {self.name!r}: {field} must be a positive integer")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
+    def bytes_per_buffer_token(self) -> int:
+        """Bytes one token takes in one layer's K (or V) buffer: what a per-buffer page holds."""
+        return self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+# Published configs (config.json of each model); fp16/bf16 KV unless stated otherwise.
+PRESETS: dict[str, KVGeometry] = {
+    g.name: g
+    for g in (
+        KVGeometry("llama-2-7b", layers=32, kv_heads=32, head_dim=128),
+        KVGeometry("llama-2-13b", layers=40, kv_heads=40, head_dim=128),
+        KVGeometry("llama-2-70b", layers=80, kv_heads=8, head_dim=128),
+        KVGeometry("llama-3-8b", layers=32, kv_heads=8, head_dim=128),
+        KVGeometry("llama-3-70b", layers=80, kv_heads=8, head_dim=128),
+        KVGeometry("mistral-7b", layers=32, kv_heads=8, head_dim=128),
+        KVGeometry("opt-13b", layers=40, kv_heads=40, head_dim=128),
+        KVGeometry("opt-66b", layers=64, kv_heads=72, head_dim=128),
+        KVGeometry("opt-175b", layers=96, kv_heads=96, head_dim=128),
+        KVGeometry("qwen2.5-7b", layers=28, kv_heads=4, head_dim=128),
+        KVGeometry("qwen2.5-72b", layers=80, kv_heads=8, head_dim=128),
+    )
+}
+
+
+def preset(name: str) -> KVGeometry:
+    """Look up a preset by name; the error lists the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model {name!r} (presets: {', '.join(sorted(PRESETS))}; "
+            "or give layers, kv_heads, head_dim, dtype_bytes)"
+        ) from None

@@ -1,0 +1,60 @@
+"""Byte sizes as people write them: "50GB" is 50 * 10**9 bytes, "12GiB" is 12 * 2**30.
+
+The distinction matters: 50 GB of KV at 128 KiB per token and 8,192-token slabs is 46 slabs
+(50e9 // 2**30), not 50.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size ("50GB", "12GiB", "800 KiB", 4096) into a whole number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size {value} is negative")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a size (write e.g. 50GB or 12GiB)")
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"{value!r} is not a size (write e.g. 50GB or 12GiB)")
+    number, unit = m.group(1).replace("_", "").replace(",", ""), m.group(2).upper()
+    if unit not in _UNITS:
+        valid = ", ".join(u for u in _UNITS if u)
+        raise ValueError(f"{value!r}: unknown unit {m.group(2)!r} (valid: {valid})")
+    try:
+        exact = Decimal(number) * _UNITS[unit]
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only digits
+        raise ValueError(f"{value!r} is not a size") from exc
+    if exact != exact.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(exact)
+
+
+def format_size(nbytes: float) -> str:
+    """Render bytes for people, in binary units (the way memory is allocated)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
