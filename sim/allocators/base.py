@@ -214,7 +214,9 @@ class Allocator(ABC):
         return self.max_model_len
 
     # --------------------------------------------------------------- operations
-    def admit(self, req: Request, tokens: int | None = None, decoding: bool = True) -> Grant | Refusal:
+    def admit(
+        self, req: Request, tokens: int | None = None, decoding: bool = True
+    ) -> Grant | Refusal:
         """Allocate room for a new request storing `tokens` tokens (default: its prompt)."""
         if req.rid in self._live:
             raise ValueError(f"request {req.rid} is already live")
@@ -375,9 +377,11 @@ class Allocator(ABC):
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         """A request joined (or left) the decode cohort; its phase is `live.base`."""
+        return
 
     def _stepped(self) -> None:
         """The decode clock moved."""
+        return
 
     def _integrate_held(self, n: int, w0: float, w1: float, weight: float) -> tuple[float, float]:
         """Weighted sums of allocated and internal bytes over the next n steps."""

@@ -100,7 +100,7 @@ class PagedAllocator(Allocator):
         return (-live.final % self.block_size) * self.bytes_per_token
 
     def _tail_waste(self, live: Live, tokens: int) -> int:
-        """Internal fragmentation of a request holding `tokens` tokens: nonzero in its last block."""
+        """Internal fragmentation of a request holding `tokens` tokens (only its last block)."""
         bs = self.block_size
         held = -(-tokens // bs) * bs
         return max(0, held - live.final) * self.bytes_per_token
