@@ -201,6 +201,13 @@ class Allocator(ABC):
         """Steps until the first decoding request reaches its final length (None: no decoder)."""
         return self._done[0][0] - self._clock if self._done else None
 
+    def is_decoding(self, rid: int) -> bool:
+        return self._get(rid).decoding
+
+    def first_done(self) -> int | None:
+        """The decoder that reaches its final length first (ties: lowest rid), if any."""
+        return self._done[0][1] if self._done else None
+
     def steps_until_full(self) -> int | None:
         """Steps every decoder can take before an allocation fails (None: never)."""
         return None
@@ -208,6 +215,10 @@ class Allocator(ABC):
     @abstractmethod
     def allocated_bytes(self, rid: int) -> int:
         """Bytes request `rid` holds now."""
+
+    @abstractmethod
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        """Bytes `admit(req, tokens)` would allocate (for watermarks and what-ifs)."""
 
     def reservation_tokens(self, req: Request) -> int:
         """Tokens this allocator would set aside for `req` at admission (its placement unit)."""

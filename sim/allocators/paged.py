@@ -67,6 +67,9 @@ class PagedAllocator(Allocator):
     def allocated_bytes(self, rid: int) -> int:
         return self.blocks_of(rid) * self.block_bytes
 
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        return -(-tokens // self.block_size) * self.block_bytes
+
     def block_table(self, rid: int) -> tuple[int, ...]:
         """The request's block ids, in token order (handing out any not yet named)."""
         live = self._get(rid)

@@ -84,6 +84,9 @@ class SlabAllocator(Allocator):
     def _max_slab(self) -> int:
         """The largest slab an empty allocator could hold."""
 
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        return self.slab_bytes(min(self.reservation_tokens(req), self.max_model_len))
+
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         rid = live.req.rid
         nbytes = self.slab_bytes(live.cap)

@@ -1,0 +1,587 @@
+"""The serving engine: a workload replayed against one allocator, continuously batched.
+
+A thin SimPy layer. One process runs the serving loop; SimPy keeps the clock. Each turn of
+the loop is one *segment*: either a single iteration in which something other than decoding
+happens (admissions, prefill chunks), or a stretch of decode-only iterations that ends at the
+next event: a completion, an arrival, or the moment a decoder needs a block and none is free.
+Inside a stretch every running request gains one token per iteration, so the allocator's
+`step(n)` and `integrate(n, ...)` advance token counts, block counts, step times and the
+accounting integrals in closed form: the cost grows with requests, never with tokens.
+
+Iteration semantics (the reference the tests hold the fast path to):
+1. Decoders claim their next token's slot first: if a block cannot be had, the most recently
+   admitted request is preempted by recomputation (its memory freed, requeued at the head,
+   its stored tokens to prefill again), as vLLM does.
+2. Waiting requests are admitted in arrival order while `max_num_seqs`, the token budget
+   (`max_num_batched_tokens` less one token per decoder) and the allocator allow. Strict FCFS
+   stops at the first refusal; `admission="skip"` lets later requests that fit jump ahead
+   (within `lookahead`). A request is admitted with its prompt plus the first output token's
+   slot; with chunked prefill its prompt arrives chunk by chunk over several iterations.
+3. The iteration takes base + a x batched_tokens + c x KV tokens resident seconds.
+4. At its end, prefilled requests start decoding; a request that stored its final token is
+   done and frees its memory (static batching: the batch frees together when all are done).
+
+Requests that can never run (prompt over max_model_len, or too large for an empty
+allocator) are rejected with the allocator's reason, and counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from sim.allocators.base import PARTS, Allocator, Reason, Request
+
+_NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per iteration: base + per_batched_token x batched + per_kv_token x resident."""
+
+    base_s: float = 0.02
+    per_batched_token_s: float = 0.0
+    per_kv_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.base_s, self.per_batched_token_s, self.per_kv_token_s) < 0:
+            raise ValueError("step time coefficients must be >= 0")
+        if self.base_s + self.per_batched_token_s <= 0:
+            raise ValueError("an iteration must take time: base_s or per_batched_token_s > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the server batches, admits and times iterations."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    batching: str = "continuous"  # or "static"
+    chunked_prefill: bool = False
+    admission: str = "fcfs"  # or "skip"
+    lookahead: int = 64  # with admission="skip": how deep into the queue to look
+    watermark: float = 0.0  # fraction of the budget left free at admission
+    step_time: StepTime = field(default_factory=StepTime)
+    max_time_s: float | None = None  # stop the simulation here (None: run to the end)
+
+    def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
+        if self.admission not in ("fcfs", "skip"):
+            raise ValueError(f"admission must be fcfs or skip, got {self.admission!r}")
+        if self.max_num_seqs < 1 or self.lookahead < 1:
+            raise ValueError("max_num_seqs and lookahead must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")
+
+
+@dataclass
+class RunResult:
+    """What a run produced: a summary, the accounting over time, one row per request."""
+
+    summary: dict[str, float | int | str]
+    timeseries: pd.DataFrame
+    requests: pd.DataFrame
+
+
+class _Req:
+    """Engine-side state of one request."""
+
+    __slots__ = (
+        "admitted",
+        "arrival",
+        "finished",
+        "first_token",
+        "frag_refused",
+        "generated",
+        "idx",
+        "peak",
+        "preemptions",
+        "prefill",
+        "prefill_left",
+        "reason",
+        "recomputed",
+        "req",
+        "status",
+        "think",
+        "user",
+    )
+
+    def __init__(self, idx: int, req: Request, arrival: float) -> None:
+        self.idx = idx
+        self.req = req
+        self.arrival = arrival
+        self.admitted = math.nan
+        self.first_token = math.nan
+        self.finished = math.nan
+        self.status = "pending"
+        self.reason = ""
+        self.preemptions = 0
+        self.recomputed = 0
+        self.peak = 0
+        self.prefill = req.prompt  # tokens to prefill on (re)admission
+        self.prefill_left = 0
+        self.frag_refused = False
+        self.generated = 0
+        self.user = -1
+        self.think = 0.0
+
+
+_SERIES = (
+    "t",
+    "dt",
+    "iterations",
+    "running",
+    "waiting",
+    *PARTS,
+    "largest_hole",
+    "frag_blocked",
+)
+
+
+class Engine:
+    """Drives one allocator through one workload. Use `run()`; an Engine is single-use."""
+
+    def __init__(self, workload: pd.DataFrame, allocator: Allocator, config: EngineConfig):
+        if allocator.live or allocator.total_tokens():
+            raise ValueError("the allocator must be fresh (nothing live)")
+        if not config.chunked_prefill and config.max_num_batched_tokens < allocator.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({allocator.max_model_len}) unless chunked_prefill is on"
+            )
+        self.alloc = allocator
+        self.cfg = config
+        self.st = config.step_time
+        self.env = simpy.Environment()
+        self.reqs = _requests_from(workload)
+        self.by_rid = {r.req.rid: r for r in self.reqs}
+        if len(self.by_rid) != len(self.reqs):
+            raise ValueError("workload request ids are not unique")
+        self.reference = _reference_request(self.reqs)
+        self.queue: deque[_Req] = deque()
+        self.running: list[_Req] = []  # in admission order: the last one is the victim
+        self.prefilling: list[_Req] = []  # admitted, prompt not fully stored yet
+        self.prefilled: list[_Req] = []  # prompt fully stored this iteration
+        self.batch_done: list[_Req] = []  # static batching: finished, still holding memory
+        self.held_done_tokens = 0
+        self.arrivals: list[tuple[float, int]] = []  # heap of (time, idx)
+        self.next_of_user: dict[int, deque[int]] = {}
+        self._init_arrivals()
+        self.rows: list[tuple] = []
+        self.integrals = dict.fromkeys(PARTS, 0.0)
+        self.busy_running = 0.0  # integral of running requests over time
+        self.max_running = 0
+        self.preemptions = 0
+        self.recomputed = 0
+        self.frag_blocked_s = 0.0
+        self.head_reason: Reason | None = None
+        self.stopped = False
+
+    # ------------------------------------------------------------------ set-up
+    def _init_arrivals(self) -> None:
+        for r in self.reqs:
+            if r.user >= 0 and math.isnan(r.arrival):
+                self.next_of_user.setdefault(r.user, deque()).append(r.idx)
+            else:
+                self.arrivals.append((r.arrival, r.idx))
+        heapq.heapify(self.arrivals)
+
+    # -------------------------------------------------------------------- loop
+    def run(self) -> RunResult:
+        self.env.process(self._serve())
+        self.env.run()
+        return self._result()
+
+    def _serve(self):
+        env, cfg = self.env, self.cfg
+        while True:
+            self._release_arrivals(env.now)
+            if cfg.max_time_s is not None and env.now >= cfg.max_time_s:
+                self.stopped = True
+                return
+            if not self.running and not self.queue:
+                if not self.arrivals:
+                    return
+                wait = self.arrivals[0][0] - env.now
+                if cfg.max_time_s is not None:
+                    wait = min(wait, cfg.max_time_s - env.now)
+                self._record(wait, 0)
+                yield env.timeout(wait)
+                continue
+            self._ensure_decode_room()
+            decoders = self.alloc.n_decoding
+            if decoders:
+                self.alloc.step(1)
+            prefill_tokens = self._schedule(decoders)
+            if not prefill_tokens and not decoders:
+                raise RuntimeError("engine stalled: nothing to run and nothing admitted")
+            if prefill_tokens:
+                dt = self._iteration_time(decoders + prefill_tokens)
+                self._record(dt, 1)
+                yield env.timeout(dt)
+                self._end_iteration()
+                continue
+            # Decode only: this iteration and as many more as nothing happens.
+            n, w0, w1, duration = self._stretch(decoders)
+            self._record_stretch(n, w0, w1, duration)
+            if n > 1:
+                self.alloc.step(n - 1)
+            yield env.timeout(duration)
+            self._end_iteration()
+
+    # -------------------------------------------------------------- arrivals
+    def _release_arrivals(self, now: float) -> None:
+        arrivals = self.arrivals
+        while arrivals and arrivals[0][0] <= now:
+            _, idx = heapq.heappop(arrivals)
+            r = self.reqs[idx]
+            r.status = "waiting"
+            self.queue.append(r)
+
+    def _next_of(self, r: _Req, now: float) -> None:
+        """Closed loop: the user's next request comes `think` seconds after this one ends."""
+        pending = self.next_of_user.get(r.user)
+        if pending:
+            nxt = self.reqs[pending.popleft()]
+            nxt.arrival = now + nxt.think
+            heapq.heappush(self.arrivals, (nxt.arrival, nxt.idx))
+
+    # ------------------------------------------------------------- scheduling
+    def _ensure_decode_room(self) -> None:
+        """Preempt the newest requests until every decoder can store its next token."""
+        alloc = self.alloc
+        while alloc.n_decoding and alloc.steps_until_full() == 0:
+            self._preempt(self.running[-1])
+
+    def _preempt(self, r: _Req) -> None:
+        alloc, rid = self.alloc, r.req.rid
+        stored = alloc.tokens(rid)
+        r.peak = max(r.peak, alloc.allocated_bytes(rid))
+        decoded = alloc.is_decoding(rid)
+        alloc.free(rid)
+        self.running.remove(r)
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        r.recomputed += stored
+        r.preemptions += 1
+        self.recomputed += stored
+        self.preemptions += 1
+        # A decoder recomputes everything it stored; a half-prefilled one starts its prefill over.
+        r.prefill = stored if decoded else r.prefill
+        r.status = "waiting"
+        self.queue.appendleft(r)
+
+    def _schedule(self, decoders: int) -> int:
+        """Admit and prefill for this iteration; returns the prefill tokens it processes."""
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens - decoders
+        used = self._continue_prefills(budget)
+        if cfg.batching == "static" and (self.running or self.batch_done):
+            return used  # a static batch admits nobody until it has finished
+        self.head_reason = None
+        i = 0
+        while i < len(self.queue) and len(self.running) < cfg.max_num_seqs and used < budget:
+            r = self.queue[i]
+            chunk = min(r.prefill, budget - used) if cfg.chunked_prefill else r.prefill
+            reason = self._try_admit(r, chunk) if chunk <= budget - used else None
+            if reason is None and chunk <= budget - used:
+                del self.queue[i]
+                used += chunk
+                continue
+            if reason in _NEVER:
+                del self.queue[i]
+                self._reject(r, reason)
+                continue
+            if i == 0:
+                self.head_reason = reason  # None: waiting for token budget, not memory
+            i += 1
+            if cfg.admission == "fcfs" or i >= cfg.lookahead:
+                break
+        return used
+
+    def _continue_prefills(self, budget: int) -> int:
+        """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
+        used = 0
+        for r in list(self.prefilling):
+            if used >= budget:
+                break
+            if r.status != "running":
+                continue  # preempted by an earlier chunk this iteration
+            chunk = min(r.prefill_left, budget - used)
+            last = chunk == r.prefill_left
+            while not self.alloc.grow(r.req.rid, chunk + last):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                r.prefill_left -= chunk
+                used += chunk
+                if last:
+                    self.prefilling.remove(r)
+                    self.prefilled.append(r)
+        return used
+
+    def _try_admit(self, r: _Req, chunk: int) -> Reason | None:
+        """Admit `r` with its first chunk; returns the refusal reason, or None if admitted."""
+        alloc, cfg = self.alloc, self.cfg
+        whole = chunk == r.prefill
+        tokens = chunk + 1 if whole else chunk
+        if cfg.watermark:
+            need, keep = alloc.bytes_for(r.req, tokens), cfg.watermark * alloc.capacity
+            if need > alloc.capacity - keep:
+                return Reason.TOO_LARGE
+            if alloc.free_bytes() - need < keep:
+                return Reason.OUT_OF_MEMORY
+        grant = alloc.admit(r.req, tokens, decoding=False)
+        if not grant:
+            if grant.reason is Reason.FRAGMENTED:
+                r.frag_refused = True
+            return grant.reason
+        if math.isnan(r.admitted):
+            r.admitted = self.env.now
+        r.status = "running"
+        r.prefill_left = r.prefill - chunk
+        self.running.append(r)
+        self.max_running = max(self.max_running, len(self.running))
+        (self.prefilled if whole else self.prefilling).append(r)
+        return None
+
+    def _reject(self, r: _Req, reason: Reason) -> None:
+        r.status = "rejected"
+        r.reason = reason.value
+        r.finished = self.env.now
+        if r.user >= 0:
+            self._next_of(r, self.env.now)
+
+    # ----------------------------------------------------------------- timing
+    def _resident_tokens(self) -> int:
+        return self.alloc.total_tokens() - self.held_done_tokens
+
+    def _iteration_time(self, batched: int) -> float:
+        st = self.st
+        return (
+            st.base_s
+            + st.per_batched_token_s * batched
+            + st.per_kv_token_s * self._resident_tokens()
+        )
+
+    def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
+        """How many decode-only iterations run before the next event, and their timing."""
+        alloc, st = self.alloc, self.st
+        w0 = self._iteration_time(decoders)
+        w1 = st.per_kv_token_s * decoders  # each iteration adds one resident token per decoder
+        n = 1 + alloc.steps_until_done()
+        full = alloc.steps_until_full()
+        if full is not None:
+            n = min(n, 1 + full)
+        horizon = self.arrivals[0][0] if self.arrivals else math.inf
+        if self.cfg.max_time_s is not None:
+            horizon = min(horizon, self.cfg.max_time_s)
+        if horizon < math.inf:
+            n = min(n, _iterations_to_reach(horizon - self.env.now, w0, w1))
+        return n, w0, w1, n * w0 + w1 * n * (n - 1) / 2
+
+    # -------------------------------------------------------------- iteration end
+    def _end_iteration(self) -> None:
+        alloc, now = self.alloc, self.env.now
+        for r in self.prefilled:
+            if r.status == "running":
+                alloc.set_decoding(r.req.rid, True)
+                if math.isnan(r.first_token):
+                    r.first_token = now
+        self.prefilled.clear()
+        while alloc.n_decoding and alloc.steps_until_done() == 0:
+            self._complete(self.by_rid[alloc.first_done()])
+        if self.cfg.batching == "static" and self.batch_done and not self.running:
+            for r in self.batch_done:
+                r.peak = max(r.peak, alloc.allocated_bytes(r.req.rid))
+                alloc.free(r.req.rid)
+            self.batch_done.clear()
+            self.held_done_tokens = 0
+
+    def _complete(self, r: _Req) -> None:
+        alloc, rid, now = self.alloc, r.req.rid, self.env.now
+        r.status = "completed"
+        r.finished = now
+        r.generated = alloc.tokens(rid) - r.req.prompt
+        self.running.remove(r)
+        if self.cfg.batching == "static":
+            alloc.set_decoding(rid, False)
+            self.batch_done.append(r)
+            self.held_done_tokens += alloc.tokens(rid)
+        else:
+            r.peak = max(r.peak, alloc.allocated_bytes(rid))
+            alloc.free(rid)
+        if r.user >= 0:
+            self._next_of(r, now)
+
+    # --------------------------------------------------------------- recording
+    def _probe(self) -> Request:
+        return self.queue[0].req if self.queue else self.reference
+
+    def _record(self, dt: float, iterations: int) -> None:
+        acc = self.alloc.account(self._probe())
+        parts = [getattr(acc, p) for p in PARTS]
+        for p, v in zip(PARTS, parts, strict=True):
+            self.integrals[p] += v * dt
+        self._row(dt, iterations, parts, acc.largest_hole)
+
+    def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
+        """This iteration (already stepped) plus n-1 more: exact integrals, one row."""
+        probe = self._probe()
+        acc = self.alloc.account(probe)
+        sums = [getattr(acc, p) * w0 for p in PARTS]
+        if n > 1:
+            more = self.alloc.integrate(n - 1, probe, w0 + w1, w1)
+            sums = [s + more[p] for s, p in zip(sums, PARTS, strict=True)]
+        for p, v in zip(PARTS, sums, strict=True):
+            self.integrals[p] += v
+        self._row(duration, n, [v / duration for v in sums], acc.largest_hole)
+
+    def _row(self, dt: float, iterations: int, parts: list, largest_hole: int) -> None:
+        running = len(self.running)
+        self.busy_running += running * dt
+        blocked = self.head_reason is Reason.FRAGMENTED and bool(self.queue)
+        if blocked:
+            self.frag_blocked_s += dt
+        self.rows.append(
+            (self.env.now, dt, iterations, running, len(self.queue), *parts, largest_hole, blocked)
+        )
+
+    # ------------------------------------------------------------------ result
+    def _result(self) -> RunResult:
+        reqs = self.reqs
+        requests = pd.DataFrame(
+            {
+                "request_id": [r.req.rid for r in reqs],
+                "arrival_s": [r.arrival for r in reqs],
+                "prompt_tokens": [r.req.prompt for r in reqs],
+                "output_tokens": [r.req.output for r in reqs],
+                "status": [r.status for r in reqs],
+                "reason": [r.reason for r in reqs],
+                "admitted_s": [r.admitted for r in reqs],
+                "first_token_s": [r.first_token for r in reqs],
+                "finished_s": [r.finished for r in reqs],
+                "preemptions": [r.preemptions for r in reqs],
+                "recomputed_tokens": [r.recomputed for r in reqs],
+                "peak_bytes": [r.peak for r in reqs],
+                "frag_refused": [r.frag_refused for r in reqs],
+            }
+        )
+        requests["generated_tokens"] = [r.generated for r in reqs]
+        requests["queueing_s"] = requests["admitted_s"] - requests["arrival_s"]
+        requests["latency_s"] = requests["finished_s"] - requests["arrival_s"]
+        timeseries = pd.DataFrame(self.rows, columns=list(_SERIES))
+        return RunResult(self._summary(requests, timeseries), timeseries, requests)
+
+    def _summary(self, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
+        cap = self.alloc.capacity
+        total = float(ts["dt"].sum()) if len(ts) else 0.0
+        frac = {p: (self.integrals[p] / (cap * total) if total else 0.0) for p in PARTS}
+        allocated = self.integrals["token_states"] + self.integrals["reserved"] + self.integrals[
+            "internal"
+        ]
+        done = requests[requests["status"] == "completed"]
+        rejected = requests[requests["status"] == "rejected"]
+        generated = int(done["generated_tokens"].sum())
+        start = float(requests["arrival_s"].min()) if len(requests) else 0.0
+        span = (float(done["finished_s"].max()) - start) if len(done) else 0.0
+
+        def pct(col: str, q: float) -> float:
+            return float(np.percentile(done[col], q)) if len(done) else math.nan
+
+        return {
+            "allocator": self.alloc.kind,
+            "capacity_bytes": cap,
+            "sim_time_s": total,
+            **frac,
+            "free": frac["usable_free"],
+            "kv_utilization": self.integrals["token_states"] / allocated if allocated else 0.0,
+            "mean_running": self.busy_running / total if total else 0.0,
+            "max_running": self.max_running,
+            "requests": len(requests),
+            "completed": len(done),
+            "rejected": len(rejected),
+            "unfinished": int(len(requests) - len(done) - len(rejected)),
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed,
+            "frag_refusals": int(requests["frag_refused"].sum()),
+            "frag_blocked_s": self.frag_blocked_s,
+            "generated_tokens": generated,
+            "throughput_tok_s": generated / span if span else 0.0,
+            "throughput_req_s": len(done) / span if span else 0.0,
+            "mean_queueing_s": float(done["queueing_s"].mean()) if len(done) else math.nan,
+            "p50_queueing_s": pct("queueing_s", 50),
+            "p99_queueing_s": pct("queueing_s", 99),
+            "mean_latency_s": float(done["latency_s"].mean()) if len(done) else math.nan,
+            "p50_latency_s": pct("latency_s", 50),
+            "p99_latency_s": pct("latency_s", 99),
+            "events": len(ts),
+        }
+
+
+def _iterations_to_reach(delta: float, w0: float, w1: float) -> int:
+    """Fewest iterations (>= 1) whose durations w0, w0+w1, ... add up to at least `delta`."""
+    if delta <= w0:
+        return 1
+    if w1 == 0:
+        n = math.ceil(delta / w0)
+    else:
+        a = w0 - w1 / 2
+        n = math.ceil((-a + math.sqrt(a * a + 2 * w1 * delta)) / w1)
+    n = max(n, 1)
+    while n > 1 and (n - 1) * w0 + w1 * (n - 1) * (n - 2) / 2 >= delta:
+        n -= 1
+    while n * w0 + w1 * n * (n - 1) / 2 < delta:
+        n += 1
+    return n
+
+
+def _requests_from(workload: pd.DataFrame) -> list[_Req]:
+    """Engine state for every row of a request table (see `workloads` for its columns)."""
+    for col in ("arrival_s", "prompt_tokens", "output_tokens"):
+        if col not in workload.columns:
+            raise ValueError(f"workload has no column {col!r}")
+    n = len(workload)
+    rid = workload["request_id"].to_numpy() if "request_id" in workload else np.arange(n)
+    arrival = workload["arrival_s"].to_numpy(dtype=float)
+    prompt = workload["prompt_tokens"].to_numpy()
+    output = workload["output_tokens"].to_numpy()
+    max_tokens = workload["max_tokens"].to_numpy() if "max_tokens" in workload else None
+    users = workload["user_id"].to_numpy() if "user_id" in workload else None
+    think = workload["think_s"].to_numpy(dtype=float) if "think_s" in workload else None
+    reqs = []
+    for i in range(n):
+        mt = None
+        if max_tokens is not None and not pd.isna(max_tokens[i]):
+            mt = int(max_tokens[i])
+        r = _Req(i, Request(int(rid[i]), int(prompt[i]), int(output[i]), mt), float(arrival[i]))
+        if users is not None:
+            r.user = int(users[i])
+            r.think = float(think[i]) if think is not None else 0.0
+        reqs.append(r)
+    return reqs
+
+
+def _reference_request(reqs: list[_Req]) -> Request:
+    """The workload's median request: what free space is judged by when nobody waits."""
+    if not reqs:
+        return Request(-1, 1, 1)
+    prompt = int(np.median([r.req.prompt for r in reqs]))
+    output = int(np.median([r.req.output for r in reqs]))
+    return Request(-1, max(prompt, 1), max(output, 1))
+
+
+def run(workload: pd.DataFrame, allocator: Allocator, config: EngineConfig | None = None):
+    """Replay `workload` against a fresh `allocator`; returns records, writes nothing."""
+    return Engine(workload, allocator, config or EngineConfig()).run()
