@@ -223,7 +223,9 @@ class Engine:
                 self.alloc.step(1)
             prefill_tokens = self._schedule(decoders)
             if not prefill_tokens and not decoders:
-                raise RuntimeError("engine stalled: nothing to run and nothing admitted")
+                if self.running or self.queue:
+                    raise RuntimeError("engine stalled: requests wait but none can run")
+                continue  # every waiting request was rejected
             if prefill_tokens:
                 dt = self._iteration_time(decoders + prefill_tokens)
                 self._record(dt, 1)

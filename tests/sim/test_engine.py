@@ -1,0 +1,473 @@
+"""The engine against a plain per-iteration reference stepper, and the seed checks.
+
+The reference below visits every iteration and sums account() x dt one iteration at a time:
+no stretches, no closed forms. The fast engine must agree with it record for record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.allocators import PARTS, Reason, Request, make_allocator
+from sim.engine import EngineConfig, StepTime, run
+from sim.geometry import preset
+from sim.units import parse_size
+
+NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
+
+
+def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
+    """Per-iteration stepper with the engine's documented semantics (continuous batching)."""
+    st_ = cfg.step_time
+    reqs = [
+        {
+            "rid": int(row.request_id),
+            "req": Request(int(row.request_id), int(row.prompt_tokens), int(row.output_tokens)),
+            "arrival": float(row.arrival_s),
+            "admitted": math.nan,
+            "first": math.nan,
+            "finished": math.nan,
+            "status": "pending",
+            "preemptions": 0,
+            "recomputed": 0,
+            "prefill": int(row.prompt_tokens),
+            "left": 0,
+            "peak": 0,
+        }
+        for row in workload.itertuples()
+    ]
+    by_rid = {r["rid"]: r for r in reqs}
+    ref = Request(
+        -1,
+        max(int(np.median([r["req"].prompt for r in reqs])), 1),
+        max(int(np.median([r["req"].output for r in reqs])), 1),
+    )
+    pending = sorted(reqs, key=lambda r: r["arrival"])
+    queue: deque = deque()
+    running: list = []
+    prefilling: list = []
+    integrals = dict.fromkeys(PARTS, 0.0)
+    t, total = 0.0, 0.0
+
+    def preempt(r):
+        stored = alloc.tokens(r["rid"])
+        r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
+        decoding = alloc.is_decoding(r["rid"])
+        alloc.free(r["rid"])
+        running.remove(r)
+        if r in prefilling:
+            prefilling.remove(r)
+        r["recomputed"] += stored
+        r["preemptions"] += 1
+        if decoding:
+            r["prefill"] = stored
+        r["status"] = "waiting"
+        queue.appendleft(r)
+
+    while True:
+        while pending and pending[0]["arrival"] <= t:
+            r = pending.pop(0)
+            r["status"] = "waiting"
+            queue.append(r)
+        if not running and not queue:
+            if not pending:
+                break
+            dt = pending[0]["arrival"] - t
+            acc = alloc.account(ref)
+            for p in PARTS:
+                integrals[p] += getattr(acc, p) * dt
+            total += dt
+            t = pending[0]["arrival"]
+            continue
+        while alloc.n_decoding and alloc.steps_until_full() == 0:
+            preempt(running[-1])
+        decoders = alloc.n_decoding
+        if decoders:
+            assert alloc.step(1)
+        budget = cfg.max_num_batched_tokens - decoders
+        used = 0
+        done_prefill = []
+        for r in list(prefilling):
+            if used >= budget:
+                break
+            if r["status"] != "running":
+                continue
+            chunk = min(r["left"], budget - used)
+            last = chunk == r["left"]
+            ok = True
+            while not alloc.grow(r["rid"], chunk + last):
+                victim = running[-1]
+                preempt(victim)
+                if victim is r:
+                    ok = False
+                    break
+            if ok:
+                r["left"] -= chunk
+                used += chunk
+                if last:
+                    prefilling.remove(r)
+                    done_prefill.append(r)
+        i = 0
+        while i < len(queue) and len(running) < cfg.max_num_seqs and used < budget:
+            r = queue[i]
+            chunk = min(r["prefill"], budget - used) if cfg.chunked_prefill else r["prefill"]
+            if chunk > budget - used:
+                reason = None
+            else:
+                whole = chunk == r["prefill"]
+                grant = alloc.admit(r["req"], chunk + whole, decoding=False)
+                reason = None if grant else grant.reason
+                if grant:
+                    del queue[i]
+                    used += chunk
+                    if math.isnan(r["admitted"]):
+                        r["admitted"] = t
+                    r["status"] = "running"
+                    r["left"] = r["prefill"] - chunk
+                    running.append(r)
+                    (done_prefill if whole else prefilling).append(r)
+                    continue
+            if reason in NEVER:
+                del queue[i]
+                r["status"], r["finished"] = "rejected", t
+                continue
+            i += 1
+            if cfg.admission == "fcfs" or i >= cfg.lookahead:
+                break
+        if not decoders and not used:
+            assert not running and not queue
+            continue  # everything waiting was rejected: no iteration runs
+        dt = (
+            st_.base_s
+            + st_.per_batched_token_s * (decoders + used)
+            + st_.per_kv_token_s * alloc.total_tokens()
+        )
+        acc = alloc.account(queue[0]["req"] if queue else ref)
+        acc.check()
+        for p in PARTS:
+            integrals[p] += getattr(acc, p) * dt
+        total += dt
+        t += dt
+        for r in done_prefill:
+            if r["status"] == "running":
+                alloc.set_decoding(r["rid"], True)
+                if math.isnan(r["first"]):
+                    r["first"] = t
+        for r in list(running):
+            rid = r["rid"]
+            if alloc.is_decoding(rid) and alloc.tokens(rid) == alloc.final_tokens(rid):
+                r["status"], r["finished"] = "completed", t
+                r["generated"] = alloc.tokens(rid) - r["req"].prompt
+                r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
+                alloc.free(rid)
+                running.remove(r)
+    cap = alloc.capacity
+    return {
+        "requests": by_rid,
+        "fractions": {p: integrals[p] / (cap * total) if total else 0.0 for p in PARTS},
+        "time": total,
+    }
+
+
+def random_workload(seed: int, n: int, max_prompt: int, max_output: int, rate: float):
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(rng.exponential(1 / rate, n))
+    return pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": arrival - arrival[0] if rng.random() < 0.5 else arrival,
+            "prompt_tokens": rng.integers(1, max_prompt + 1, n),
+            "output_tokens": rng.integers(1, max_output + 1, n),
+        }
+    )
+
+
+ALLOCATORS = [
+    ("paged", {"block_size": 4}),
+    ("paged", {"block_size": 16}),
+    ("paged", {"block_size": 1}),
+    ("contiguous", {"reserve": "max_model_len"}),
+    ("contiguous", {"reserve": "oracle", "placement": "best-fit"}),
+    ("contiguous", {"reserve": "pow2", "placement": "next-fit"}),
+    ("buddy", {"reserve": "pow2"}),
+    ("buddy", {"reserve": "max_model_len"}),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    which=st.sampled_from(range(len(ALLOCATORS))),
+    n=st.integers(1, 25),
+    capacity_tokens=st.integers(64, 600),
+    chunked=st.booleans(),
+    skip=st.booleans(),
+    linear=st.booleans(),
+)
+def test_fast_engine_matches_per_iteration_reference(
+    seed, which, n, capacity_tokens, chunked, skip, linear
+):
+    kind, opts = ALLOCATORS[which]
+    b = 96
+    mml = 128
+    wl = random_workload(seed, n, max_prompt=100, max_output=80, rate=2.0)
+    cfg = EngineConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=40 if chunked else 160,
+        chunked_prefill=chunked,
+        admission="skip" if skip else "fcfs",
+        lookahead=3,
+        step_time=StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
+    )
+
+    def fresh():
+        return make_allocator(
+            kind, capacity=capacity_tokens * b + 37, bytes_per_token=b, max_model_len=mml, **opts
+        )
+
+    fast = run(wl, fresh(), cfg)
+    slow = reference(wl, fresh(), cfg)
+    rows = fast.requests.set_index("request_id")
+    for rid, r in slow["requests"].items():
+        row = rows.loc[rid]
+        assert row["status"] == r["status"], rid
+        assert row["preemptions"] == r["preemptions"]
+        assert row["recomputed_tokens"] == r["recomputed"]
+        assert row["peak_bytes"] == r["peak"]
+        for col, key in (("admitted_s", "admitted"), ("first_token_s", "first"),
+                         ("finished_s", "finished")):
+            if math.isnan(r[key]):
+                assert math.isnan(row[col]), (rid, col)
+            else:
+                assert row[col] == pytest.approx(r[key], rel=1e-9, abs=1e-9), (rid, col)
+        if r["status"] == "completed":
+            assert row["generated_tokens"] == r["generated"]
+    assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
+    for p in PARTS:
+        assert fast.summary[p] == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+    if fast.summary["sim_time_s"]:
+        assert sum(fast.summary[p] for p in PARTS) == pytest.approx(1.0)
+
+
+def at_once(n: int, prompt: int, output: int) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": np.zeros(n),
+            "prompt_tokens": np.full(n, prompt),
+            "output_tokens": np.full(n, output),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "opts", "expected"),
+    [("contiguous", {"reserve": "max_model_len"}, 46), ("paged", {"block_size": 16}, 378)],
+)
+def test_seed_50gb_llama3_8b(kind, opts, expected):
+    alloc = make_allocator(
+        kind,
+        capacity=parse_size("50GB"),
+        bytes_per_token=preset("llama-3-8b").bytes_per_token,
+        max_model_len=8192,
+        **opts,
+    )
+    cfg = EngineConfig(max_num_seqs=1000, max_num_batched_tokens=1_000_000)
+    result = run(at_once(1000, 999, 1), alloc, cfg)
+    assert result.summary["max_running"] == expected
+    assert result.summary["completed"] == 1000
+    assert result.timeseries["running"].max() == expected
+
+
+def test_opt13b_buddy_worst_case_strands_memory_as_external():
+    alloc = make_allocator(
+        "buddy",
+        capacity=parse_size("12GiB"),
+        bytes_per_token=preset("opt-13b").bytes_per_token,
+        max_model_len=2048,
+        reserve="max_model_len",
+    )
+    rng = np.random.default_rng(1)
+    n = 60
+    wl = pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": np.zeros(n),
+            "prompt_tokens": rng.integers(20, 400, n),
+            "output_tokens": rng.integers(20, 400, n),
+        }
+    )
+    result = run(wl, alloc, EngineConfig(max_num_batched_tokens=4096))
+    assert result.summary["max_running"] == 7
+    saturated = result.timeseries[result.timeseries["waiting"] > 0]
+    assert len(saturated) > 0
+    # 15,728 slots hold 7 blocks of 2,048; the 1,392 left are free but fit no request.
+    assert (saturated["usable_free"] == 0).all()
+    stranded = (15728 - 7 * 2048) * preset("opt-13b").bytes_per_token
+    assert (saturated[saturated["running"] == 7]["external"] >= stranded).all()
+    assert result.summary["external"] > 0.05
+
+
+def test_conservation_and_truncation():
+    alloc = make_allocator(
+        "contiguous", capacity=200 * 64, bytes_per_token=64, max_model_len=100, reserve="pow2"
+    )
+    wl = random_workload(3, 40, max_prompt=120, max_output=60, rate=5.0)
+    result = run(wl, alloc, EngineConfig(max_num_seqs=4, max_num_batched_tokens=128))
+    s = result.summary
+    assert s["completed"] + s["rejected"] + s["unfinished"] == len(wl)
+    assert s["unfinished"] == 0
+    req = result.requests
+    rejected = req[req["status"] == "rejected"]
+    assert (rejected["prompt_tokens"] >= 100).all()
+    assert (rejected["reason"] == "prompt_too_long").all()
+    done = req[req["status"] == "completed"]
+    cap = np.minimum(2 ** np.ceil(np.log2(done["prompt_tokens"] + done["output_tokens"])), 100)
+    expected = np.minimum(done["output_tokens"], cap - done["prompt_tokens"])
+    assert (done["generated_tokens"] == expected).all()
+    assert s["generated_tokens"] == expected.sum()
+
+
+def test_determinism():
+    wl = random_workload(5, 50, max_prompt=300, max_output=200, rate=3.0)
+
+    def once():
+        alloc = make_allocator("paged", capacity=4000 * 64, bytes_per_token=64, max_model_len=512)
+        return run(wl, alloc, EngineConfig(max_num_batched_tokens=1024))
+
+    a, b = once(), once()
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    pd.testing.assert_frame_equal(a.timeseries, b.timeseries)
+    assert a.summary == b.summary
+
+
+@pytest.mark.parametrize(
+    ("kind", "opts"), [("contiguous", {"reserve": "max_model_len"}), ("paged", {"block_size": 16})]
+)
+@pytest.mark.parametrize("n", [40, 200])
+def test_event_count_independent_of_output_length(kind, opts, n):
+    """All 40 fit at once: events are exactly the same. 200 queue: events stay O(requests)."""
+    rng = np.random.default_rng(7)
+    wl = pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": np.zeros(n),
+            "prompt_tokens": rng.integers(10, 200, n),
+            "output_tokens": rng.integers(10, 300, n),
+        }
+    )
+    longer = wl.assign(output_tokens=wl["output_tokens"] * 2)
+
+    def events(w):
+        alloc = make_allocator(
+            kind, capacity=40 * 2048 * 64, bytes_per_token=64, max_model_len=2048, **opts
+        )
+        result = run(w, alloc, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+        assert result.summary["preemptions"] == 0
+        return result.summary["events"]
+
+    short, long = events(wl), events(longer)
+    if n == 40:
+        assert short == long
+    else:
+        assert short <= 3 * n and long <= 3 * n
+
+
+def test_paged_preempts_newest_and_recomputes():
+    # Two requests that together need more blocks than exist: the newer one is preempted.
+    alloc = make_allocator("paged", capacity=10 * 4 * 8, bytes_per_token=8, max_model_len=64,
+                           block_size=4)
+    wl = at_once(2, 8, 20)
+    result = run(wl, alloc, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    req = result.requests.set_index("request_id")
+    assert (req["status"] == "completed").all()
+    assert req.loc[1, "preemptions"] >= 1
+    assert req.loc[0, "preemptions"] == 0
+    assert result.summary["recomputed_tokens"] == req["recomputed_tokens"].sum() > 0
+
+
+def test_static_batching_frees_together():
+    alloc = make_allocator("paged", capacity=1000 * 8, bytes_per_token=8, max_model_len=256)
+    wl = pd.DataFrame(
+        {
+            "request_id": [0, 1, 2],
+            "arrival_s": [0.0, 0.0, 0.0],
+            "prompt_tokens": [10, 10, 10],
+            "output_tokens": [5, 50, 5],
+        }
+    )
+    cfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, batching="static")
+    result = run(wl, alloc, cfg)
+    req = result.requests.set_index("request_id")
+    # The third request waits for the whole first batch, including the long member.
+    assert req.loc[2, "admitted_s"] >= req.loc[1, "finished_s"]
+    assert req.loc[0, "finished_s"] < req.loc[1, "finished_s"]
+
+
+def test_closed_loop_users_wait_for_their_previous_request():
+    wl = pd.DataFrame(
+        {
+            "request_id": [0, 1, 2, 3],
+            "arrival_s": [0.0, 0.0, math.nan, math.nan],
+            "prompt_tokens": [10, 10, 10, 10],
+            "output_tokens": [4, 8, 4, 4],
+            "user_id": [0, 1, 0, 1],
+            "think_s": [1.0, 1.0, 1.0, 1.0],
+        }
+    )
+    alloc = make_allocator("paged", capacity=1000 * 8, bytes_per_token=8, max_model_len=256)
+    result = run(wl, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    req = result.requests.set_index("request_id")
+    assert req.loc[2, "arrival_s"] == pytest.approx(req.loc[0, "finished_s"] + 1.0)
+    assert req.loc[3, "arrival_s"] == pytest.approx(req.loc[1, "finished_s"] + 1.0)
+    assert (req["status"] == "completed").all()
+
+
+def test_skip_admission_lets_small_requests_past_a_blocked_head():
+    b, mml = 8, 100
+    wl = pd.DataFrame(
+        {
+            "request_id": [0, 1, 2],
+            "arrival_s": [0.0, 0.0, 0.0],
+            "prompt_tokens": [60, 90, 10],
+            "output_tokens": [30, 5, 5],
+        }
+    )
+
+    def admitted(admission):
+        alloc = make_allocator(
+            "contiguous", capacity=150 * b, bytes_per_token=b, max_model_len=mml, reserve="oracle"
+        )
+        cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=200, admission=admission)
+        return run(wl, alloc, cfg).requests.set_index("request_id")["admitted_s"]
+
+    fcfs, skip = admitted("fcfs"), admitted("skip")
+    assert fcfs[2] >= fcfs[1] > 0
+    assert skip[2] == 0.0 < skip[1]
+
+
+def test_rejects_what_never_fits():
+    alloc = make_allocator("contiguous", capacity=50 * 8, bytes_per_token=8, max_model_len=100)
+    wl = at_once(3, 20, 5)
+    result = run(wl, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=100))
+    assert result.summary["rejected"] == 3
+    assert set(result.requests["reason"]) == {"too_large"}
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_seqs=10, max_num_batched_tokens=5)
+    with pytest.raises(ValueError, match="batching"):
+        EngineConfig(batching="dynamic")
+    with pytest.raises(ValueError, match="take time"):
+        StepTime(base_s=0.0)
+    alloc = make_allocator("paged", capacity=1000, bytes_per_token=8, max_model_len=512)
+    with pytest.raises(ValueError, match="chunked_prefill"):
+        run(at_once(1, 5, 5), alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256))
