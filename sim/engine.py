@@ -98,11 +98,13 @@ class _Req:
     __slots__ = (
         "admitted",
         "arrival",
+        "final",
         "finished",
         "first_token",
         "frag_refused",
         "generated",
         "idx",
+        "offset",
         "peak",
         "preemptions",
         "prefill",
@@ -131,6 +133,8 @@ class _Req:
         self.prefill_left = 0
         self.frag_refused = False
         self.generated = 0
+        self.offset = math.nan
+        self.final = 0
         self.user = -1
         self.think = 0.0
 
@@ -184,6 +188,7 @@ class Engine:
         self.recomputed = 0
         self.frag_blocked_s = 0.0
         self.head_reason: Reason | None = None
+        self.blocked_head: tuple[int, int] | None = None  # (request, frees) of a memory refusal
         self.stopped = False
 
     # ------------------------------------------------------------------ set-up
@@ -289,6 +294,9 @@ class Engine:
         used = self._continue_prefills(budget)
         if cfg.batching == "static" and (self.running or self.batch_done):
             return used  # a static batch admits nobody until it has finished
+        queue = self.queue
+        if queue and self.blocked_head == (queue[0].idx, self.alloc.frees):
+            return used  # FCFS head refused for memory and nothing was freed since
         self.head_reason = None
         i = 0
         while i < len(self.queue) and len(self.running) < cfg.max_num_seqs and used < budget:
@@ -305,6 +313,8 @@ class Engine:
                 continue
             if i == 0:
                 self.head_reason = reason  # None: waiting for token budget, not memory
+                if reason is not None and cfg.admission == "fcfs":
+                    self.blocked_head = (r.idx, self.alloc.frees)
             i += 1
             if cfg.admission == "fcfs" or i >= cfg.lookahead:
                 break
@@ -353,6 +363,9 @@ class Engine:
             r.admitted = self.env.now
         r.status = "running"
         r.prefill_left = r.prefill - chunk
+        r.final = alloc.final_tokens(r.req.rid)
+        if grant.offset is not None:
+            r.offset = grant.offset
         self.running.append(r)
         self.max_running = max(self.max_running, len(self.running))
         (self.prefilled if whole else self.prefilling).append(r)
@@ -477,6 +490,8 @@ class Engine:
                 "preemptions": [r.preemptions for r in reqs],
                 "recomputed_tokens": [r.recomputed for r in reqs],
                 "peak_bytes": [r.peak for r in reqs],
+                "offset_bytes": [r.offset for r in reqs],
+                "final_tokens": [r.final for r in reqs],
                 "frag_refused": [r.frag_refused for r in reqs],
             }
         )
@@ -505,6 +520,8 @@ class Engine:
         return {
             "allocator": self.alloc.kind,
             "capacity_bytes": cap,
+            "bytes_per_token": self.alloc.bytes_per_token,
+            "max_model_len": self.alloc.max_model_len,
             "sim_time_s": total,
             **frac,
             "free": frac["usable_free"],

@@ -172,6 +172,7 @@ class Allocator(ABC):
         self._fixed_tokens = 0  # sum of tokens over non-decoding requests
         self._phase_sum = 0  # sum of phases c over decoding requests
         self._done = SortedList()  # (final - c, rid): the clock at which each decoder is done
+        self.frees = 0  # how many frees so far: memory can only come back through one
 
     # ----------------------------------------------------------------- queries
     @property
@@ -315,6 +316,7 @@ class Allocator(ABC):
         self._release(live)
         self._fixed_tokens -= live.base
         del self._live[rid]
+        self.frees += 1
         return nbytes
 
     def free_bytes(self) -> int:

@@ -46,6 +46,7 @@ class ContiguousAllocator(SlabAllocator):
         self._holes = SortedDict({0: capacity})  # offset -> size
         self._by_size = SortedList([(capacity, 0)])  # (size, offset)
         self._rover = 0  # next-fit: where the last placement ended
+        self._usable: tuple[int, int] = (0, 0)  # (unit, usable bytes) while the holes stay
 
     def slab_bytes(self, tokens: int) -> int:
         return tokens * self.bytes_per_token
@@ -107,16 +108,20 @@ class ContiguousAllocator(SlabAllocator):
         self._add_hole(offset, nbytes)
 
     def _take_hole(self, offset: int, size: int) -> None:
+        self._usable = (0, 0)
         del self._holes[offset]
         self._by_size.remove((size, offset))
 
     def _add_hole(self, offset: int, size: int) -> None:
+        self._usable = (0, 0)
         self._holes[offset] = size
         self._by_size.add((size, offset))
 
     def _usable_free(self, probe: Request | None) -> int:
         unit = self._unit(probe)
-        return sum(size - size % unit for size in self._holes.values())
+        if self._usable[0] != unit:  # recount only when the holes or the unit changed
+            self._usable = (unit, sum(size - size % unit for size in self._holes.values()))
+        return self._usable[1]
 
     def _largest_hole(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
