@@ -1,0 +1,137 @@
+"""`kvfrag trace stats PATH [--format F] [--plot OUT]`: summarise a trace as a table (and plot).
+
+PATH may be a file or `sample:NAME` (a trace sample shipped with kvfrag). The numbers come from
+`workloads.stats`; this module only formats them and draws the PNG (length CDFs and the arrival
+rate over time), written atomically so a failed run never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from workloads import FORMATS, Workload, load_trace, samples
+from workloads.readers import FIELDS, TIME_UNITS
+from workloads.stats import TraceStats, arrival_rate, length_cdf, trace_stats
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    trace = subparsers.add_parser("trace", help="inspect request traces")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    stats = trace_sub.add_parser(
+        "stats",
+        help="rows, time span, rate, burstiness and length percentiles of a trace",
+        description=f"Shipped samples: {', '.join('sample:' + n for n in samples.names())}.",
+    )
+    stats.add_argument("path", metavar="PATH", help="trace file, or sample:NAME")
+    stats.add_argument("--format", default="auto", choices=FORMATS, help="default: auto-detect")
+    stats.add_argument("--time-unit", choices=TIME_UNITS, help="unit of the arrival column")
+    stats.add_argument(
+        "--column", action="append", default=[], metavar="FIELD=COLUMN",
+        help=f"map a request field ({', '.join(FIELDS)}) to a source column; repeatable",
+    )
+    stats.add_argument("--drop-bad-rows", action="store_true",
+                       help="skip (and count) bad rows instead of stopping at the first")
+    stats.add_argument("--plot", metavar="OUT", type=Path,
+                       help="also write length CDFs and the arrival rate to this PNG")
+    stats.set_defaults(func=run_stats)
+
+
+def _column_map(pairs: list[str]) -> dict[str, str] | None:
+    if not pairs:
+        return None
+    mapping = {}
+    for pair in pairs:
+        field, sep, column = pair.partition("=")
+        if not sep or not field or not column:
+            raise ValueError(f"--column {pair!r}: expected FIELD=COLUMN")
+        mapping[field] = column
+    return mapping
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    workload = load_trace(
+        args.path,
+        format=args.format,
+        columns=_column_map(args.column),
+        time_unit=args.time_unit,
+        drop_bad_rows=args.drop_bad_rows,
+    )
+    print(format_stats(trace_stats(workload), workload))
+    if args.plot is not None:
+        write_plot(workload, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def format_stats(stats: TraceStats, workload: Workload) -> str:
+    def opt(value: float | None, fmt: str, unit: str) -> str:
+        return "n/a (no arrival times)" if value is None else f"{value:{fmt}}{unit}"
+
+    lines = [
+        f"source            {stats.source}",
+        f"rows              {stats.rows:,}",
+        f"time span         {opt(stats.span_s, '.1f', ' s')}",
+        f"mean rate         {opt(stats.mean_rate, '.2f', ' req/s')}",
+        f"inter-arrival CV  {opt(stats.interarrival_cv, '.2f', '')}",
+    ]
+    if workload.dropped_rows:
+        lines.append(f"dropped rows      {workload.dropped_rows:,}")
+    lines += ["", f"{'tokens':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
+    for name, s in (("prompt", stats.prompt), ("output", stats.output)):
+        cells = [f"{s.mean:.1f}", *(_num(p) for p in (s.p50, s.p90, s.p99)), str(s.max)]
+        lines.append(f"{name:<8}" + "".join(f"{c:>10}" for c in cells))
+    lines += [f"note: {note}" for note in workload.notes]
+    return "\n".join(lines)
+
+
+def _num(value: float) -> str:
+    """A percentile as written in the traces' SOURCE.md: whole, or with one decimal."""
+    rounded = round(value, 1)
+    return f"{rounded:.0f}" if rounded == int(rounded) else f"{rounded:.1f}"
+
+
+def write_plot(workload: Workload, out: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    cdf_ax, rate_ax = fig.subplots(1, 2)
+    df = workload.requests
+    for column, label in (("prompt_tokens", "prompt"), ("output_tokens", "output")):
+        x, y = length_cdf(df[column].to_numpy())
+        cdf_ax.step(x, y, where="post", label=label)
+    cdf_ax.set_xscale("log")
+    cdf_ax.set_xlabel("length (tokens, log scale)")
+    cdf_ax.set_ylabel("fraction of requests")
+    cdf_ax.set_title("Length CDFs")
+    cdf_ax.legend()
+    cdf_ax.grid(alpha=0.3)
+
+    rate = arrival_rate(workload)
+    rate_ax.set_title("Arrival rate over time")
+    rate_ax.set_xlabel("time since first request (s)")
+    rate_ax.set_ylabel("arrival rate (requests/s)")
+    if rate is None:
+        rate_ax.text(0.5, 0.5, "no arrival times", ha="center", va="center",
+                     transform=rate_ax.transAxes)
+    else:
+        edges, per_second = rate
+        rate_ax.stairs(per_second, edges)
+        rate_ax.grid(alpha=0.3)
+    fig.suptitle(f"{Path(workload.source).name}: {len(df):,} requests")
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,72 @@
+"""`kvfrag trace stats`: the table, the PNG, and errors as one line with exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfrag.cli import main
+
+
+def test_stats_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "stats", "sample:azure-conv"]) == 0
+    out = capsys.readouterr().out
+    assert "rows              2,000" in out
+    assert "time span         424.3 s" in out
+    assert "mean rate         4.71 req/s" in out
+    assert "inter-arrival CV  1.14" in out
+    prompt = next(line for line in out.splitlines() if line.startswith("prompt"))
+    assert prompt.split() == ["prompt", "1104.8", "1032", "1989.7", "4100", "7930"]
+
+
+def test_stats_length_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "stats", "sample:sharegpt-8k", "--format", "sarathi"]) == 0
+    out = capsys.readouterr().out
+    assert "time span         n/a" in out and "2272.3" in out
+
+
+def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plots" / "trace.png"
+    assert main(["trace", "stats", "sample:mooncake-conv", "--plot", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 10_000
+    assert [p.name for p in out.parent.iterdir()] == ["trace.png"]
+    assert main(["trace", "stats", "sample:sharegpt-8k", "--plot", str(out)]) == 0
+    assert "plot written" in capsys.readouterr().out
+
+
+def test_column_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("t,a,b\n0,10,1\n2,30,3\n")
+    argv = ["trace", "stats", str(path), "--column", "arrival=t", "--column",
+            "prompt_tokens=a", "--column", "output_tokens=b", "--time-unit", "s"]
+    assert main(argv) == 0
+    assert "time span         2.0 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("content", "extra", "message"), [
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,abc,3\n", [],
+     "row 1 (line 2), column ContextTokens: 'abc' is not a number"),
+    ("a,b\n1,2\n", [], "cannot tell the trace layout"),
+    ("a,b\n1,2\n", ["--column", "prompt_tokens"], "expected FIELD=COLUMN"),
+])
+def test_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str,
+                             extra: list[str], message: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    assert main(["trace", "stats", str(path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvfrag: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_drop_bad_rows_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n5,x\n6,7\n")
+    assert main(["trace", "stats", str(path), "--drop-bad-rows"]) == 0
+    assert "dropped rows      1" in capsys.readouterr().out
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "stats", "no/such/file.csv"]) == 2
+    assert "no such trace file" in capsys.readouterr().err

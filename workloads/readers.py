@@ -1,0 +1,549 @@
+"""Trace readers: published traces and generic tables -> one validated request table.
+
+A trace is a container (CSV, JSONL or Parquet, optionally gzip-compressed for CSV/JSONL) plus a
+*layout*: which column holds the arrival time (and in which unit), the prompt and output
+lengths, and optionally max_tokens, samples per prompt and prefix block hashes. Known layouts:
+
+- `azure`: Azure LLM inference trace 2023 (`TIMESTAMP` datetime, `ContextTokens`,
+  `GeneratedTokens`).
+- `mooncake`: Mooncake FAST'25 traces (`timestamp` ms, `input_length`, `output_length`,
+  `hash_ids` per 512-token block).
+- `sarathi`: length-only tables (`num_prefill_tokens`, `num_decode_tokens`, plus `arrived_at`
+  seconds if present, as in Vidur's traces). Without arrivals the table gets `arrival_s` 0.0,
+  `Workload.has_arrivals` False, and needs an arrival process from the scenario.
+- `kvfrag`: the request table's own column names (`arrival_s` seconds, `prompt_tokens`, ...).
+
+With `format="auto"` the container is sniffed from the file's first bytes and the layout is the
+first one whose columns are all present. Any other layout loads with a column mapping
+(`columns={"arrival": ..., "prompt_tokens": ..., "output_tokens": ...}`) and a `time_unit`.
+
+Files stream in chunks (CSV via pandas `chunksize`, Parquet by record batch, JSONL line by line
+into per-chunk column lists); each chunk is parsed into typed arrays and the raw chunk dropped,
+so only the final columns are held. Every bad value is reported with the file, the 1-based row
+(CSV: `row R (line L)`; Parquet: `row R`) or line (JSONL) and the column, or, with
+`drop_bad_rows`, dropped and counted in `Workload.dropped_rows`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any, Literal, get_args
+
+import numpy as np
+import pandas as pd
+
+from workloads import samples
+from workloads.table import Workload, WorkloadError, validate_requests
+
+TimeUnit = Literal["s", "ms", "us", "ns", "datetime"]
+TIME_UNITS: tuple[str, ...] = get_args(TimeUnit)
+_UNITS_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9, "datetime": 1e9}
+Format = Literal["auto", "azure", "mooncake", "sarathi", "kvfrag", "csv", "jsonl", "parquet"]
+FORMATS: tuple[str, ...] = get_args(Format)
+CONTAINERS = ("csv", "jsonl", "parquet")
+#: Request fields a column mapping may name, in the order problems are reported.
+FIELDS: tuple[str, ...] = (
+    "arrival", "prompt_tokens", "output_tokens", "max_tokens", "n", "hash_ids",
+)
+_CHUNK_ROWS = 100_000
+_MAX_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the request fields live in a source file; `optional` fields are used if present."""
+
+    name: str
+    prompt_tokens: str
+    output_tokens: str
+    arrival: str | None = None
+    time_unit: TimeUnit | None = None
+    max_tokens: str | None = None
+    n: str | None = None
+    hash_ids: str | None = None
+    hash_block_tokens: int | None = None
+    optional: frozenset[str] = frozenset()
+
+    def fields(self) -> dict[str, str]:
+        """Field -> source column, for the fields this layout maps."""
+        return {f: col for f in FIELDS if (col := getattr(self, f)) is not None}
+
+
+LAYOUTS: dict[str, Layout] = {
+    "azure": Layout("azure", "ContextTokens", "GeneratedTokens", "TIMESTAMP", "datetime"),
+    "mooncake": Layout(
+        "mooncake", "input_length", "output_length", "timestamp", "ms",
+        hash_ids="hash_ids", hash_block_tokens=512, optional=frozenset({"hash_ids"}),
+    ),
+    "sarathi": Layout(
+        "sarathi", "num_prefill_tokens", "num_decode_tokens", "arrived_at", "s",
+        optional=frozenset({"arrival"}),
+    ),
+    "kvfrag": Layout(
+        "kvfrag", "prompt_tokens", "output_tokens", "arrival_s", "s",
+        max_tokens="max_tokens", n="n", hash_ids="hash_ids",
+        optional=frozenset({"arrival", "max_tokens", "n", "hash_ids"}),
+    ),
+}
+
+
+def resolve_path(path: str | Path, base_dir: Path | None = None) -> Path:
+    """`sample:NAME` -> the shipped sample; a relative path -> under `base_dir` (if given)."""
+    text = str(path)
+    if text.startswith("sample:"):
+        return samples.path(text.removeprefix("sample:"))
+    resolved = Path(text).expanduser()
+    if base_dir is not None and not resolved.is_absolute():
+        resolved = Path(base_dir) / resolved
+    return resolved
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return path.open(encoding="utf-8", newline="")
+
+
+def sniff_container(path: Path) -> str:
+    """'parquet', 'jsonl' or 'csv' from the file's first bytes (not its name)."""
+    with path.open("rb") as fh:
+        if fh.read(4) == b"PAR1":
+            return "parquet"
+    with _open_text(path) as fh:
+        for line in fh:
+            if line.strip():
+                return "jsonl" if line.lstrip().startswith("{") else "csv"
+    raise WorkloadError(f"{path}: empty trace (the file has no content)")
+
+
+def _header(path: Path, container: str) -> list[str]:
+    if container == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.ParquetFile(path).schema_arrow.names)
+    if container == "csv":
+        try:
+            return [str(c) for c in pd.read_csv(path, nrows=0).columns]
+        except pd.errors.EmptyDataError:
+            raise WorkloadError(f"{path}: empty trace (the file has no header)") from None
+    with _open_text(path) as fh:
+        for number, line in enumerate(fh, start=1):
+            if line.strip():
+                record = _json_record(path, number, line)
+                return list(record)
+    raise WorkloadError(f"{path}: empty trace (the file has no content)")
+
+
+def _json_record(path: Path, number: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{path}: line {number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise WorkloadError(f"{path}: line {number}: not a JSON object")
+    return record
+
+
+def _choose_layout(
+    path: Path,
+    fmt: str,
+    header: list[str],
+    columns: Mapping[str, str] | None,
+    time_unit: TimeUnit | None,
+    hash_block_tokens: int | None,
+) -> Layout:
+    if columns is not None:
+        if fmt in LAYOUTS:
+            raise WorkloadError(f"{path}: give either format={fmt!r} or a column mapping, not both")
+        unknown = sorted(set(columns) - set(FIELDS))
+        if unknown:
+            raise WorkloadError(f"{path}: unknown field(s) {unknown} in the column mapping; "
+                                f"fields are {', '.join(FIELDS)}")
+        for needed in ("prompt_tokens", "output_tokens"):
+            if needed not in columns:
+                raise WorkloadError(f"{path}: the column mapping needs {needed!r}")
+        layout = Layout("columns", **dict(columns))
+    elif fmt in LAYOUTS:
+        layout = LAYOUTS[fmt]
+    else:
+        layout = next((lay for lay in LAYOUTS.values() if _matches(lay, header)), None)
+        if layout is None:
+            raise WorkloadError(
+                f"{path}: cannot tell the trace layout from its columns {header}; name a format "
+                f"({', '.join(LAYOUTS)}) or give a column mapping and a time unit"
+            )
+    if time_unit is not None:
+        layout = replace(layout, time_unit=time_unit)
+    if hash_block_tokens is not None:
+        layout = replace(layout, hash_block_tokens=hash_block_tokens)
+    # Optional fields whose column is absent are simply not used.
+    absent = {f: None for f in layout.optional if getattr(layout, f) not in header}
+    layout = replace(layout, **absent)
+    if layout.arrival is not None and layout.time_unit is None:
+        raise WorkloadError(f"{path}: arrival column {layout.arrival!r} needs a time unit "
+                            f"({', '.join(TIME_UNITS)})")
+    if layout.hash_ids is not None and layout.hash_block_tokens is None:
+        raise WorkloadError(f"{path}: hash_ids column {layout.hash_ids!r} needs "
+                            "hash_block_tokens (tokens per hashed block)")
+    return layout
+
+
+def _matches(layout: Layout, header: list[str]) -> bool:
+    return all(col in header for f, col in layout.fields().items() if f not in layout.optional)
+
+
+@dataclass
+class _Chunk:
+    """Raw values of one chunk: field -> Series, with each row's 1-based row/line number."""
+
+    data: dict[str, pd.Series]
+    locs: np.ndarray
+
+
+def _csv_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
+    # No usecols: with it pandas silently ignores rows with extra fields.
+    dtypes = {col: str for f, col in fields.items() if f in ("arrival", "hash_ids")}
+    start = 1
+    try:
+        reader = pd.read_csv(path, dtype=dtypes, chunksize=_CHUNK_ROWS)
+        for frame in reader:
+            rows = np.arange(start, start + len(frame))
+            start += len(frame)
+            yield _Chunk({f: frame[col] for f, col in fields.items()}, rows)
+    except pd.errors.ParserError as exc:
+        # Structural damage (a row with extra fields) stops the read even with drop_bad_rows:
+        # pandas' message has the line, and later row numbers could not be trusted.
+        raise WorkloadError(f"{path}: malformed CSV: {exc}") from None
+
+
+def _parquet_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
+    import pyarrow.parquet as pq
+
+    wanted = list(dict.fromkeys(fields.values()))
+    start = 1
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=_CHUNK_ROWS, columns=wanted):
+        frame = batch.to_pandas()
+        rows = np.arange(start, start + len(frame))
+        start += len(frame)
+        yield _Chunk({f: frame[col] for f, col in fields.items()}, rows)
+
+
+def _jsonl_chunks(
+    path: Path, fields: dict[str, str], drop: bool, on_drop: Callable[[str], None]
+) -> Iterator[_Chunk]:
+    values: dict[str, list] = {f: [] for f in fields}
+    lines: list[int] = []
+
+    def flush() -> _Chunk:
+        chunk = _Chunk(
+            {f: pd.Series(v, dtype=_jsonl_dtype(v)) for f, v in values.items()},
+            np.asarray(lines, dtype=np.int64),
+        )
+        for v in values.values():
+            v.clear()
+        lines.clear()
+        return chunk
+
+    with _open_text(path) as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = _json_record(path, number, line)
+            except WorkloadError as exc:
+                if not drop:
+                    if lines:
+                        yield flush()
+                    raise
+                on_drop(str(exc))
+                continue
+            for f, col in fields.items():
+                values[f].append(record.get(col))
+            lines.append(number)
+            if len(lines) >= _CHUNK_ROWS:
+                yield flush()
+    if lines:
+        yield flush()
+
+
+def _jsonl_dtype(values: list) -> object:
+    """Plain ints become int64 without a per-value Python check; anything else stays object."""
+    return np.int64 if values and all(type(v) is int for v in values) else object
+
+
+# --- parsing one field of one chunk: (typed values, bad mask, why-is-this-value-bad) ---------
+
+
+def _missing(value: object) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+
+
+def _length_problem(value: object) -> str:
+    if _missing(value):
+        return "missing value (empty, null or NaN)"
+    if isinstance(value, bool):
+        return f"{value!r} is not a number"
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return f"{value!r} is not a number"
+    if math.isnan(number):
+        return f"{value!r} is NaN"
+    if math.isinf(number) or number > 2**62:
+        return f"{value!r} is not a finite token count"
+    if number < 0:
+        return f"{value!r} is negative"
+    if number != int(number):
+        return f"{value!r} is not a whole number"
+    return f"{value!r} is below 1 (token counts must be at least 1)"
+
+
+def _parse_counts(raw: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Token counts / sample counts: whole numbers >= 1."""
+    if raw.dtype.kind in "iu":
+        values = raw.to_numpy(dtype=np.int64)
+        return values, values < 1
+    if raw.dtype.kind == "b":
+        return np.zeros(len(raw), dtype=np.int64), np.ones(len(raw), dtype=bool)
+    numbers = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(numbers) | (numbers < 1) | (numbers != np.floor(numbers))
+        bad |= numbers > 2**62
+    if raw.dtype == object:
+        bad |= raw.map(lambda v: isinstance(v, bool)).to_numpy(dtype=bool)
+    return np.where(bad, 0, numbers).astype(np.int64), bad
+
+
+def _parse_times(raw: pd.Series, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """Datetimes -> int64 ns since the epoch; numbers -> float64 in `unit`."""
+    if unit == "datetime":
+        stamps = pd.to_datetime(raw, format="ISO8601", errors="coerce", utc=True)
+        bad = stamps.isna().to_numpy()
+        nanos = stamps.dt.as_unit("ns").to_numpy(dtype="datetime64[ns]").view(np.int64)
+        return np.where(bad, 0, nanos), bad
+    numbers = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    bad = ~np.isfinite(numbers)
+    if raw.dtype == object:
+        bad |= raw.map(lambda v: isinstance(v, bool)).to_numpy(dtype=bool)
+    return np.where(bad, 0.0, numbers), bad
+
+
+def _time_problem(value: object, unit: str) -> str:
+    if _missing(value):
+        return "missing arrival time (empty, null or NaN)"
+    if unit == "datetime":
+        return f"{value!r} is not a timestamp (expected e.g. '2023-11-16 18:17:03.98')"
+    return f"{value!r} is not a finite number of {unit}"
+
+
+def _parse_hashes(raw: pd.Series) -> tuple[list[list[int] | None], np.ndarray]:
+    parsed: list[list[int] | None] = []
+    for value in raw:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = None
+        if isinstance(value, (list, tuple, np.ndarray)):
+            items = [int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                     else None for x in value]
+            parsed.append(None if None in items else items)  # type: ignore[arg-type]
+        else:
+            parsed.append(None)
+    return parsed, np.array([h is None for h in parsed], dtype=bool)
+
+
+@dataclass
+class _Columns:
+    """Typed columns accumulated over chunks, plus what was dropped and why."""
+
+    times: list[np.ndarray] = field(default_factory=list)
+    counts: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    hashes: list[list[int]] = field(default_factory=list)
+    dropped: int = 0
+    examples: list[str] = field(default_factory=list)
+    last_time: float | int | None = None
+
+    def drop(self, message: str) -> None:
+        self.dropped += 1
+        if len(self.examples) < _MAX_EXAMPLES:
+            self.examples.append(message)
+
+
+class _ChunkParser:
+    def __init__(self, path: Path, container: str, layout: Layout, drop: bool) -> None:
+        self.path = path
+        self.container = container
+        self.layout = layout
+        self.fields = layout.fields()
+        self.drop = drop
+        self.out = _Columns()
+
+    def where(self, loc: int) -> str:
+        if self.container == "jsonl":
+            return f"line {loc}"
+        if self.container == "csv":
+            return f"row {loc} (line {loc + 1})"
+        return f"row {loc}"
+
+    def message(self, chunk: _Chunk, index: int, name: str, problem: str) -> str:
+        return f"{self.path}: {self.where(int(chunk.locs[index]))}, column {self.fields[name]}: " \
+               f"{problem}"
+
+    def add(self, chunk: _Chunk) -> None:
+        n = len(chunk.locs)
+        typed: dict[str, Any] = {}
+        bad: dict[str, np.ndarray] = {}
+        describe: dict[str, Callable[[int], str]] = {}
+        unit = self.layout.time_unit or "s"
+        for name in self.fields:
+            raw = chunk.data[name]
+            if name == "arrival":
+                typed[name], bad[name] = _parse_times(raw, unit)
+                describe[name] = lambda i, raw=raw: _time_problem(raw.iloc[i], unit)
+            elif name == "hash_ids":
+                typed[name], bad[name] = _parse_hashes(raw)
+                describe[name] = lambda i, raw=raw: f"{raw.iloc[i]!r} is not a list of integers"
+            else:
+                typed[name], bad[name] = _parse_counts(raw)
+                describe[name] = lambda i, raw=raw: _length_problem(raw.iloc[i])
+        if "max_tokens" in typed:
+            limit, output = typed["max_tokens"], typed["output_tokens"]
+            over = ~bad["max_tokens"] & ~bad["output_tokens"] & (limit < output)
+            bad["max_tokens"] = bad["max_tokens"] | over
+            previous = describe["max_tokens"]
+            describe["max_tokens"] = lambda i, p=previous: (
+                f"{limit[i]} is below output tokens {output[i]}" if over[i] else p(i)
+            )
+        value_bad = np.zeros(n, dtype=bool)
+        for mask in bad.values():
+            value_bad |= mask
+
+        if "arrival" in typed:
+            times = typed["arrival"]
+            basis = ~value_bad if self.drop else ~bad["arrival"]
+            order_bad = np.zeros(n, dtype=bool)
+            ordered_times = times[basis]
+            if len(ordered_times):
+                head = ordered_times[:1] if self.out.last_time is None else [self.out.last_time]
+                running = np.maximum.accumulate(np.concatenate([head, ordered_times]))
+                order_bad[basis] = ordered_times < running[:-1]
+                self.out.last_time = running[-1].item()
+            raw_times = chunk.data["arrival"]
+            prior = describe["arrival"]
+            describe["arrival"] = lambda i, p=prior: (
+                f"{raw_times.iloc[i]!r} is earlier than a previous arrival "
+                "(arrivals must be in time order)" if order_bad[i] else p(i)
+            )
+            bad["arrival"] = bad["arrival"] | order_bad
+            value_bad |= order_bad
+
+        if value_bad.any():
+            rows = np.flatnonzero(value_bad)
+            if not self.drop:
+                first = int(rows[0])
+                name = next(f for f in self.fields if bad[f][first])
+                raise WorkloadError(self.message(chunk, first, name, describe[name](first)))
+            for i in rows[: _MAX_EXAMPLES - len(self.out.examples)]:
+                name = next(f for f in self.fields if bad[f][i])
+                self.out.examples.append(self.message(chunk, int(i), name, describe[name](int(i))))
+            self.out.dropped += len(rows)
+        keep = ~value_bad
+        for name, values in typed.items():
+            if name == "hash_ids":
+                self.out.hashes.extend(h for h, k in zip(values, keep, strict=True) if k)
+            elif name == "arrival":
+                self.out.times.append(values[keep])
+            else:
+                self.out.counts.setdefault(name, []).append(values[keep])
+
+
+def load_trace(
+    path: str | Path,
+    format: Format = "auto",
+    columns: Mapping[str, str] | None = None,
+    time_unit: TimeUnit | None = None,
+    drop_bad_rows: bool = False,
+    hash_block_tokens: int | None = None,
+    base_dir: Path | None = None,
+) -> Workload:
+    """Read a trace file into a validated `Workload`.
+
+    `path` may be `sample:NAME` (a shipped sample). `format` is "auto", a layout name
+    (azure, mooncake, sarathi, kvfrag) or a container (csv, jsonl, parquet) used with `columns`,
+    a mapping from request field (arrival, prompt_tokens, output_tokens, max_tokens, n,
+    hash_ids) to source column. `time_unit` overrides or supplies the arrival unit.
+    """
+    if format not in FORMATS:
+        raise WorkloadError(f"{path}: unknown format {format!r}; formats: {', '.join(FORMATS)}")
+    resolved = resolve_path(path, base_dir)
+    if not resolved.is_file():
+        raise WorkloadError(f"{resolved}: no such trace file")
+    container = format if format in CONTAINERS else sniff_container(resolved)
+    header = _header(resolved, container)
+    layout = _choose_layout(resolved, format, header, columns, time_unit, hash_block_tokens)
+    for name, col in layout.fields().items():
+        if col not in header:
+            where = {"csv": "line 1 (header)", "jsonl": "line 1", "parquet": "schema"}[container]
+            raise WorkloadError(f"{resolved}: {where}, column {col}: missing ({name} column); "
+                                f"found columns {header}")
+
+    parser = _ChunkParser(resolved, container, layout, drop_bad_rows)
+    fields = layout.fields()
+    if container == "csv":
+        chunks = _csv_chunks(resolved, fields)
+    elif container == "parquet":
+        chunks = _parquet_chunks(resolved, fields)
+    else:
+        chunks = _jsonl_chunks(resolved, fields, drop_bad_rows, parser.out.drop)
+    for chunk in chunks:
+        parser.add(chunk)
+    return _assemble(resolved, layout, parser.out)
+
+
+def _assemble(path: Path, layout: Layout, out: _Columns) -> Workload:
+    """Concatenate the chunks column by column, releasing each chunk list as it goes."""
+
+    def take(name: str) -> np.ndarray:
+        return np.concatenate(out.counts.pop(name))
+
+    prompt = take("prompt_tokens") if "prompt_tokens" in out.counts else np.zeros(0, np.int64)
+    if len(prompt) == 0:
+        detail = f" after dropping {out.dropped} bad row(s)" if out.dropped else ""
+        raise WorkloadError(f"{path}: empty trace (no requests{detail})")
+    table: dict[str, Any] = {"request_id": np.arange(len(prompt), dtype=np.int64)}
+    notes: list[str] = []
+    if layout.arrival is not None:
+        times = np.concatenate(out.times)
+        out.times.clear()
+        per_second = _UNITS_PER_SECOND[layout.time_unit or "s"]
+        table["arrival_s"] = (times - times[0]).astype(np.float64) / per_second
+        del times
+    else:
+        table["arrival_s"] = np.zeros(len(prompt))
+        notes.append("no arrival times in the source; arrival_s is 0.0 until an arrival process "
+                     "is applied")
+    table["prompt_tokens"] = prompt
+    for name in ("output_tokens", "max_tokens", "n"):
+        if name in out.counts:
+            table[name] = take(name)
+    if layout.hash_ids is not None:
+        table["hash_ids"] = pd.Series(out.hashes, dtype=object)
+    df = pd.DataFrame(table, copy=False)
+    if layout.hash_ids is not None:
+        df.attrs["hash_block_tokens"] = layout.hash_block_tokens
+    if out.dropped:
+        notes.append(f"dropped {out.dropped} bad row(s), e.g. " + "; ".join(out.examples))
+    validate_requests(df, str(path))
+    return Workload(
+        requests=df,
+        source=str(path),
+        dropped_rows=out.dropped,
+        notes=tuple(notes),
+        has_arrivals=layout.arrival is not None,
+    )

@@ -1,0 +1,156 @@
+"""Transforms on a `Workload`: each returns a new one and records what it changed.
+
+Row-removing transforms renumber `request_id` and shift arrivals so the first is 0 again.
+Lengths over max_model_len are clipped or rejected and counted in `Workload.clipped` /
+`Workload.rejected_long`, never silently. Transforms that move or remove arrivals refuse
+closed-loop tables (apply the closed loop after them, as `build_workload` does).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+
+from workloads.table import Workload, WorkloadError, finish_table
+
+
+def _open_loop(workload: Workload, what: str) -> None:
+    if workload.closed_loop:
+        raise WorkloadError(f"{workload.source}: {what} does not apply to closed-loop arrivals")
+
+
+def _with_arrivals(workload: Workload, what: str) -> None:
+    _open_loop(workload, what)
+    if not workload.has_arrivals:
+        raise WorkloadError(f"{workload.source}: {what} needs arrival times and this "
+                            "workload has none; give it an arrival process first")
+
+
+def first_n(workload: Workload, n: int) -> Workload:
+    """The first `n` requests (all of them, with a note, if there are fewer)."""
+    df = workload.requests
+    note = f"first {n} requests" if n < len(df) else \
+        f"first_n {n}: the workload has only {len(df)} requests, all kept"
+    return workload.with_requests(finish_table(df.iloc[:n]), note=note)
+
+
+def sample_n(workload: Workload, n: int, rng: np.random.Generator) -> Workload:
+    """`n` requests drawn without replacement, kept in arrival order (thins the rate)."""
+    _open_loop(workload, "sample_n")
+    df = workload.requests
+    if n > len(df):
+        raise WorkloadError(f"{workload.source}: cannot sample {n} of {len(df)} requests")
+    rows = np.sort(rng.choice(len(df), size=n, replace=False))
+    return workload.with_requests(finish_table(df.iloc[rows]), note=f"sampled {n} requests")
+
+
+def time_window(workload: Workload, start_s: float, end_s: float | None = None) -> Workload:
+    """Requests arriving in [start_s, end_s), shifted so the first arrives at 0."""
+    _with_arrivals(workload, "a time window")
+    df = workload.requests
+    arrivals = df["arrival_s"].to_numpy()
+    keep = arrivals >= start_s
+    if end_s is not None:
+        keep &= arrivals < end_s
+    if not keep.any():
+        raise WorkloadError(f"{workload.source}: no requests arrive in the window "
+                            f"[{start_s}, {end_s}) s")
+    note = f"window [{start_s}, {'end' if end_s is None else end_s}) s: {int(keep.sum())} requests"
+    return workload.with_requests(finish_table(df[keep]), note=note)
+
+
+def scale_rate(workload: Workload, factor: float) -> Workload:
+    """Multiply the arrival rate by `factor` (inter-arrival times divided by it)."""
+    _with_arrivals(workload, "rate scaling")
+    if not factor > 0:
+        raise WorkloadError(f"{workload.source}: rate scale {factor} must be positive")
+    df = workload.requests.copy()
+    df["arrival_s"] = df["arrival_s"] / factor
+    return workload.with_requests(df, note=f"arrival rate x{factor}")
+
+
+def tile(
+    workload: Workload,
+    k: int,
+    mode: Literal["sequential", "overlay"] = "sequential",
+    distinct_prefixes: bool = True,
+) -> Workload:
+    """`k` copies of the workload: back to back in time, or overlaid (k x the rate).
+
+    Sequential copies start one mean inter-arrival gap after the previous copy's last arrival.
+    With `distinct_prefixes` each copy's hash_ids are offset so copies share no prefix blocks
+    (a copy stands for other users, not the same prompts again).
+    """
+    _open_loop(workload, "tiling")
+    if k == 1:
+        return workload
+    df = workload.requests
+    arrivals = df["arrival_s"].to_numpy()
+    span = float(arrivals[-1] - arrivals[0])
+    period = span + (span / (len(df) - 1) if len(df) > 1 else 0.0)
+    hash_offset = 0
+    if "hash_ids" in df.columns and distinct_prefixes:
+        hash_offset = 1 + max((max(h) for h in df["hash_ids"] if h), default=-1)
+    copies = []
+    for c in range(k):
+        copy = df.copy()
+        if mode == "sequential":
+            copy["arrival_s"] = arrivals + c * period
+        if hash_offset and c:
+            copy["hash_ids"] = [[x + c * hash_offset for x in h] for h in df["hash_ids"]]
+        copies.append(copy)
+    tiled = pd.concat(copies, ignore_index=True)
+    if mode == "overlay":
+        tiled = tiled.sort_values("arrival_s", kind="stable")
+    tiled.attrs = dict(df.attrs)
+    return workload.with_requests(finish_table(tiled), note=f"tiled x{k} ({mode})")
+
+
+def limit_length(
+    workload: Workload, max_model_len: int, mode: Literal["clip", "reject"] = "reject"
+) -> Workload:
+    """Enforce prompt + output <= max_model_len by clipping or rejecting; both are counted.
+
+    Clipping keeps at most max_model_len - 1 prompt tokens, then shortens the output (and
+    max_tokens, and hash_ids to the blocks the clipped prompt still covers).
+    """
+    if max_model_len < 2:
+        raise WorkloadError(f"max_model_len {max_model_len} leaves no room for a prompt and "
+                            "an output token")
+    df = workload.requests
+    prompt = df["prompt_tokens"].to_numpy()
+    output = df["output_tokens"].to_numpy()
+    long = prompt + output > max_model_len
+    count = int(long.sum())
+    if not count:
+        return workload
+    if mode == "reject":
+        _open_loop(workload, "rejecting requests")
+        if count == len(df):
+            raise WorkloadError(f"{workload.source}: every request is longer than "
+                                f"max_model_len {max_model_len}")
+        note = f"rejected {count} request(s) longer than max_model_len {max_model_len}"
+        return workload.with_requests(finish_table(df[~long]), note=note, rejected_long=count)
+    clipped = df.copy()
+    new_prompt = np.minimum(prompt, max_model_len - 1)
+    clipped["prompt_tokens"] = new_prompt
+    clipped["output_tokens"] = np.minimum(output, max_model_len - new_prompt)
+    if "max_tokens" in clipped.columns:
+        clipped["max_tokens"] = np.minimum(clipped["max_tokens"], max_model_len - new_prompt)
+    if "hash_ids" in clipped.columns:
+        block = df.attrs["hash_block_tokens"]
+        keep_blocks = -(-new_prompt // block)
+        clipped["hash_ids"] = [h[:b] for h, b in zip(df["hash_ids"], keep_blocks, strict=True)]
+    note = f"clipped {count} request(s) to max_model_len {max_model_len}"
+    return workload.with_requests(clipped, note=note, clipped=count)
+
+
+def with_samples_per_prompt(workload: Workload, n: int) -> Workload:
+    """Set `n` (samples per prompt) on every request, replacing any per-request values."""
+    if n < 1:
+        raise WorkloadError(f"samples per prompt n={n} must be at least 1")
+    df = workload.requests.copy()
+    df["n"] = np.full(len(df), n, dtype=np.int64)
+    return workload.with_requests(finish_table(df, rebase=False), note=f"n={n} for every request")
