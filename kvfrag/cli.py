@@ -8,10 +8,6 @@ import sys
 from kvfrag import __version__
 
 
-class UserError(Exception):
-    """A problem with the user's input: printed as one line, exit status 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfrag",
@@ -20,8 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvfrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from kvfrag import trace_cmd
+    from kvfrag import run_cmd, trace_cmd
 
+    run_cmd.add_parsers(sub)
     trace_cmd.add_parser(sub)
     return parser
 
@@ -31,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"kvfrag: error: {exc}", file=sys.stderr)
         return 2
 

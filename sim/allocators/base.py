@@ -356,13 +356,12 @@ class Allocator(ABC):
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3
         tokens = b * (self.total_tokens() * weight + self.n_decoding * jw)
         allocated, internal = self._integrate_held(n, w0, w1, weight)
-        free = self.capacity * weight - allocated
-        usable = self._integrate_usable(n, probe, w0, w1, weight, allocated)
+        usable, external = self._integrate_free(probe, weight, allocated)
         return {
             "token_states": tokens,
             "reserved": allocated - internal - tokens,
             "internal": internal,
-            "external": free - usable,
+            "external": external,
             "usable_free": usable,
         }
 
@@ -400,10 +399,12 @@ class Allocator(ABC):
         """Weighted sums of allocated and internal bytes over the next n steps."""
         return self._allocated_total() * weight, self._internal_total() * weight
 
-    def _integrate_usable(
-        self, n: int, probe: Request | None, w0: float, w1: float, weight: float, allocated: float
-    ) -> float:
-        return self._usable_free(probe) * weight
+    def _integrate_free(
+        self, probe: Request | None, weight: float, allocated: float
+    ) -> tuple[float, float]:
+        """Weighted sums of usable free and external bytes (the free space is fixed here)."""
+        usable = self._usable_free(probe)
+        return usable * weight, (self.capacity - self._allocated_total() - usable) * weight
 
     def _get(self, rid: int) -> Live:
         try:

@@ -215,7 +215,8 @@ class PagedAllocator(Allocator):
             internal += self._waste(self._live[rid]) * tail
         return blocks * self.block_bytes, internal
 
-    def _integrate_usable(
-        self, n: int, probe: Request | None, w0: float, w1: float, weight: float, allocated: float
-    ) -> float:
-        return self.num_blocks * self.block_bytes * weight - allocated
+    def _integrate_free(
+        self, probe: Request | None, weight: float, allocated: float
+    ) -> tuple[float, float]:
+        pool = self.num_blocks * self.block_bytes
+        return pool * weight - allocated, (self.capacity - pool) * weight

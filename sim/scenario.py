@@ -1,0 +1,372 @@
+"""A scenario: one model, one KV budget, one workload, several allocators to compare.
+
+`Scenario` is the validated, frozen form of a scenario file (the `kvfrag` package parses the
+YAML, points errors at lines, and applies `--set`); `run(scenario)` is a pure function that
+builds the workload once per distinct workload spec and runs every allocator at every sweep
+point on it, returning records. Nothing here reads YAML or writes files.
+
+A sweep maps dotted keys to lists of values; the runs are their cartesian product. Keys walk
+the scenario's fields (`kv_budget`, `engine.max_num_seqs`, `workload.synthetic.arrival.rate`);
+in the allocator list an element is named by its label (`allocators.paged-16.block_size`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from sim.allocators import make_allocator, options_of
+from sim.engine import EngineConfig, RunResult, StepTime
+from sim.engine import run as run_engine
+from sim.geometry import PRESETS, KVGeometry, preset
+from sim.units import format_size, parse_size
+from workloads import Workload, WorkloadSpec, build_workload
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Frozen):
+    """A custom KV geometry; a preset is named by a plain string instead."""
+
+    name: str = "custom"
+    layers: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype_bytes: PositiveInt = 2
+
+
+class GpuBudget(_Frozen):
+    """KV budget as a server computes it: GPU memory x utilization - weights - activations."""
+
+    gpu_memory: int | str
+    utilization: float = Field(default=0.9, gt=0, le=1)
+    weights: int | str = 0
+    activations: int | str = 0
+
+    @field_validator("gpu_memory", "weights", "activations")
+    @classmethod
+    def _size(cls, value: int | str) -> int:
+        return parse_size(value)
+
+    def bytes(self) -> int:
+        budget = int(self.gpu_memory * self.utilization) - self.weights - self.activations
+        if budget <= 0:
+            raise ValueError(
+                f"kv_budget: gpu_memory x utilization leaves {format_size(budget)} after weights"
+                " and activations"
+            )
+        return budget
+
+
+class StepTimeSpec(_Frozen):
+    base_s: float = Field(default=0.02, ge=0)
+    per_batched_token_s: float = Field(default=0.0, ge=0)
+    per_kv_token_s: float = Field(default=0.0, ge=0)
+
+
+class EngineSpec(_Frozen):
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt | None = None  # default: max(8192, max_model_len)
+    batching: str = "continuous"
+    chunked_prefill: bool = False
+    admission: str = "fcfs"
+    lookahead: PositiveInt = 64
+    watermark: float = Field(default=0.0, ge=0, lt=1)
+    step_time: StepTimeSpec = StepTimeSpec()
+    max_time_s: float | None = Field(default=None, gt=0)
+
+
+class AllocatorSpec(BaseModel):
+    """One allocator to compare: a label, a registry kind, and that kind's options."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    label: str
+    kind: str
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @model_validator(mode="after")
+    def _known(self) -> AllocatorSpec:
+        valid = options_of(self.kind)  # raises with the list of valid kinds
+        for name in self.options:
+            if name not in valid:
+                hint = _nearest(name, valid)
+                raise ValueError(
+                    f"allocator {self.label!r} ({self.kind}) has no option {name!r}"
+                    + (f"; did you mean {hint!r}?" if hint else "")
+                    + f" (valid: {', '.join(valid) or 'none'})"
+                )
+        return self
+
+
+class Scenario(_Frozen):
+    name: str = "scenario"
+    description: str = ""
+    model: str | ModelSpec
+    kv_budget: int | str | GpuBudget
+    max_model_len: PositiveInt
+    workload: WorkloadSpec
+    engine: EngineSpec = EngineSpec()
+    allocators: list[AllocatorSpec] = Field(min_length=1)
+    sweep: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @field_validator("model")
+    @classmethod
+    def _preset(cls, value: str | ModelSpec) -> str | ModelSpec:
+        if isinstance(value, str) and value not in PRESETS:
+            hint = _nearest(value, list(PRESETS))
+            raise ValueError(
+                f"unknown model {value!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                + f" (presets: {', '.join(sorted(PRESETS))}; or give layers, kv_heads, head_dim)"
+            )
+        return value
+
+    @field_validator("kv_budget")
+    @classmethod
+    def _budget(cls, value: int | str | GpuBudget) -> int | GpuBudget:
+        if isinstance(value, GpuBudget):
+            value.bytes()
+            return value
+        size = parse_size(value)
+        if size <= 0:
+            raise ValueError("kv_budget must be positive")
+        return size
+
+    @field_validator("allocators")
+    @classmethod
+    def _labels(cls, value: list[AllocatorSpec], info: ValidationInfo) -> list[AllocatorSpec]:
+        labels = [a.label for a in value]
+        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        if dupes:
+            raise ValueError(f"allocator labels must be unique; repeated: {', '.join(dupes)}")
+        data = info.data
+        if {"model", "kv_budget", "max_model_len"} <= data.keys():
+            kv = data["kv_budget"]
+            model = data["model"]
+            geo = preset(model) if isinstance(model, str) else KVGeometry(
+                model.name, model.layers, model.kv_heads, model.head_dim, model.dtype_bytes
+            )
+            for spec in value:  # build each once, so option values are checked now, not later
+                try:
+                    make_allocator(
+                        spec.kind,
+                        capacity=kv.bytes() if isinstance(kv, GpuBudget) else kv,
+                        bytes_per_token=geo.bytes_per_token,
+                        max_model_len=data["max_model_len"],
+                        **spec.options,
+                    )
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"allocator {spec.label!r}: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _engine(self) -> Scenario:
+        cfg = self.engine_config()
+        if not cfg.chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"engine.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) unless engine.chunked_prefill is true"
+            )
+        return self
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep(cls, value: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in value.items():
+            if not values:
+                raise ValueError(f"sweep key {key!r} has no values")
+        return value
+
+    # ----------------------------------------------------------- derived
+    @property
+    def geometry(self) -> KVGeometry:
+        if isinstance(self.model, str):
+            return preset(self.model)
+        m = self.model
+        return KVGeometry(m.name, m.layers, m.kv_heads, m.head_dim, m.dtype_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        kv = self.kv_budget
+        return kv.bytes() if isinstance(kv, GpuBudget) else int(kv)
+
+    def engine_config(self) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(
+            max_num_seqs=e.max_num_seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens or max(8192, self.max_model_len),
+            batching=e.batching,
+            chunked_prefill=e.chunked_prefill,
+            admission=e.admission,
+            lookahead=e.lookahead,
+            watermark=e.watermark,
+            step_time=StepTime(**e.step_time.model_dump()),
+            max_time_s=e.max_time_s,
+        )
+
+    def points(self) -> list[tuple[dict[str, Any], Scenario]]:
+        """Every sweep point: the swept values and the scenario they give (no sweep: one)."""
+        if not self.sweep:
+            return [({}, self)]
+        keys = list(self.sweep)
+        base = self.model_dump(mode="python", exclude={"sweep"}, exclude_unset=False)
+        out = []
+        for values in itertools.product(*(self.sweep[k] for k in keys)):
+            data = copy.deepcopy(base)
+            for key, value in zip(keys, values, strict=True):
+                set_path(data, key, value)
+            out.append((dict(zip(keys, values, strict=True)), Scenario.model_validate(data)))
+        return out
+
+
+def set_path(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set a dotted key in a scenario's raw data; list elements are named by their label."""
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            labels = [el.get("label") for el in node if isinstance(el, dict)]
+            matches = [el for el in node if isinstance(el, dict) and el.get("label") == part]
+            if not matches:
+                hint = _nearest(part, [x for x in labels if x])
+                raise ValueError(
+                    f"{key}: no allocator labelled {part!r}"
+                    + (f"; did you mean {hint!r}?" if hint else "")
+                    + f" (labels: {', '.join(x for x in labels if x)})"
+                )
+            if last:
+                raise ValueError(f"{key}: cannot replace a whole list element")
+            node = matches[0]
+            continue
+        if not isinstance(node, dict):
+            raise ValueError(f"{key}: {'.'.join(parts[:i])} is not a mapping")
+        if last:
+            node[part] = value
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+
+
+def _nearest(name: str, valid: list[str]) -> str | None:
+    import difflib
+
+    found = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+# ------------------------------------------------------------------------ running
+@dataclass
+class PointRun:
+    """One allocator at one sweep point."""
+
+    point: int
+    sweep: dict[str, Any]
+    label: str
+    kind: str
+    scenario: Scenario
+    result: RunResult
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    workloads: dict[int, Workload]  # by sweep point
+    runs: list[PointRun]
+
+    def summary(self) -> pd.DataFrame:
+        """One row per allocator x sweep point, with the sweep values as columns."""
+        rows = []
+        for r in self.runs:
+            s = r.scenario
+            rows.append(
+                {
+                    "label": r.label,
+                    "kind": r.kind,
+                    "point": r.point,
+                    **{k: _scalar(v) for k, v in r.sweep.items()},
+                    "model": s.geometry.name,
+                    "kv_budget_bytes": s.budget_bytes,
+                    **r.result.summary,
+                    "options": json.dumps(_allocator(s, r.label).options, sort_keys=True),
+                }
+            )
+        return pd.DataFrame(rows)
+
+    def frames(self, which: str) -> pd.DataFrame:
+        """`timeseries` or `requests` of every run, with label and point columns."""
+        parts = []
+        for r in self.runs:
+            df = getattr(r.result, which)
+            parts.append(df.assign(label=r.label, point=r.point))
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def _scalar(value: Any) -> Any:
+    return value if isinstance(value, int | float | str | bool) else json.dumps(value)
+
+
+def _allocator(scenario: Scenario, label: str) -> AllocatorSpec:
+    return next(a for a in scenario.allocators if a.label == label)
+
+
+def iter_runs(scenario: Scenario) -> Iterator[tuple[int, dict[str, Any], Scenario, AllocatorSpec]]:
+    for i, (values, point) in enumerate(scenario.points()):
+        for spec in point.allocators:
+            yield i, values, point, spec
+
+
+def run(
+    scenario: Scenario,
+    base_dir: Path | None = None,
+    on_run: Callable[[str], None] | None = None,
+) -> ScenarioResult:
+    """Run every allocator at every sweep point; `on_run(label)` is told as each finishes."""
+    base_dir = Path(".") if base_dir is None else base_dir
+    cache: dict[str, Workload] = {}
+    workloads: dict[int, Workload] = {}
+    runs = []
+    for i, values, point, spec in iter_runs(scenario):
+        key = point.workload.model_dump_json() + f"|{point.max_model_len}"
+        if key not in cache:
+            cache[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
+        workloads[i] = cache[key]
+        geo = point.geometry
+        allocator = make_allocator(
+            spec.kind,
+            capacity=point.budget_bytes,
+            bytes_per_token=geo.bytes_per_token,
+            max_model_len=point.max_model_len,
+            **spec.options,
+        )
+        result = run_engine(workloads[i].requests, allocator, point.engine_config())
+        runs.append(PointRun(i, values, spec.label, spec.kind, point, result))
+        if on_run is not None:
+            on_run(spec.label)
+    return ScenarioResult(scenario, workloads, runs)
+
+
+def count_runs(scenario: Scenario) -> int:
+    return len(scenario.points()) * len(scenario.allocators)
