@@ -69,6 +69,7 @@ class EngineConfig:
     watermark: float = 0.0  # fraction of the budget left free at admission
     step_time: StepTime = field(default_factory=StepTime)
     max_time_s: float | None = None  # stop the simulation here (None: run to the end)
+    log_allocations: bool = False  # record every allocation for `validate` (costs O(running))
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
@@ -90,6 +91,15 @@ class RunResult:
     summary: dict[str, float | int | str]
     timeseries: pd.DataFrame
     requests: pd.DataFrame
+    log: pd.DataFrame | None = None  # the allocation log, when asked for
+
+
+#: Columns of the allocation log. `check` rows carry the model's accounting at that instant:
+#: bytes holding tokens, bytes held but unwritten (reserved + internal) and free bytes.
+LOG_COLUMNS = (
+    "seq", "t", "op", "rid", "tokens", "nbytes", "offset", "blocks",
+    "token_states", "held_unwritten", "free",
+)
 
 
 class _Req:
@@ -190,6 +200,8 @@ class Engine:
         self.head_reason: Reason | None = None
         self.blocked_head: tuple[int, int] | None = None  # (request, frees) of a memory refusal
         self.stopped = False
+        self.log: list[tuple] | None = [] if config.log_allocations else None
+        self.logged: dict[int, tuple[int, int, int]] = {}  # rid -> (tokens, blocks, bytes) logged
 
     # ------------------------------------------------------------------ set-up
     def _init_arrivals(self) -> None:
@@ -235,6 +247,7 @@ class Engine:
                 dt = self._iteration_time(decoders + prefill_tokens)
                 self._record(dt, 1)
                 yield env.timeout(dt)
+                self._sync_log()
                 self._end_iteration()
                 continue
             # Decode only: this iteration and as many more as nothing happens.
@@ -243,6 +256,7 @@ class Engine:
             if n > 1:
                 self.alloc.step(n - 1)
             yield env.timeout(duration)
+            self._sync_log()
             self._end_iteration()
 
     # -------------------------------------------------------------- arrivals
@@ -274,6 +288,7 @@ class Engine:
         stored = alloc.tokens(rid)
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
         decoded = alloc.is_decoding(rid)
+        self._log_free(r)
         alloc.free(rid)
         self.running.remove(r)
         if r in self.prefilling:
@@ -330,12 +345,13 @@ class Engine:
                 continue  # preempted by an earlier chunk this iteration
             chunk = min(r.prefill_left, budget - used)
             last = chunk == r.prefill_left
-            while not self.alloc.grow(r.req.rid, chunk + last):
+            while not (grant := self.alloc.grow(r.req.rid, chunk + last)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is r:
                     break
             else:
+                self._log_op("grow", r.req.rid, grant.nbytes, -1, grant.blocks)
                 r.prefill_left -= chunk
                 used += chunk
                 if last:
@@ -359,6 +375,7 @@ class Engine:
             if grant.reason is Reason.FRAGMENTED:
                 r.frag_refused = True
             return grant.reason
+        self._log_op("admit", r.req.rid, grant.nbytes, grant.offset, grant.blocks)
         if math.isnan(r.admitted):
             r.admitted = self.env.now
         r.status = "running"
@@ -420,6 +437,7 @@ class Engine:
         if self.cfg.batching == "static" and self.batch_done and not self.running:
             for r in self.batch_done:
                 r.peak = max(r.peak, alloc.allocated_bytes(r.req.rid))
+                self._log_free(r)
                 alloc.free(r.req.rid)
             self.batch_done.clear()
             self.held_done_tokens = 0
@@ -436,9 +454,48 @@ class Engine:
             self.held_done_tokens += alloc.tokens(rid)
         else:
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
+            self._log_free(r)
             alloc.free(rid)
         if r.user >= 0:
             self._next_of(r, now)
+
+    # ---------------------------------------------------------- allocation log
+    def _log_op(self, op: str, rid: int, nbytes: int, offset: int | None, blocks=()) -> None:
+        if self.log is None:
+            return
+        alloc = self.alloc
+        if op == "free":
+            tokens = 0
+            self.logged.pop(rid, None)
+        else:
+            tokens = alloc.tokens(rid)
+            self.logged[rid] = (tokens, len(alloc.block_table(rid)), alloc.allocated_bytes(rid))
+        off = -1 if offset is None else offset
+        self.log.append(
+            (len(self.log), self.env.now, op, rid, tokens, nbytes, off, list(blocks), 0, 0, 0)
+        )
+
+    def _log_free(self, r: _Req) -> None:
+        if self.log is not None:
+            alloc, rid = self.alloc, r.req.rid
+            offset = None if math.isnan(r.offset) else int(r.offset)
+            self._log_op("free", rid, alloc.allocated_bytes(rid), offset, alloc.block_table(rid))
+
+    def _sync_log(self) -> None:
+        """Log the growth of every live request since its last entry, then the model's view."""
+        if self.log is None:
+            return
+        alloc = self.alloc
+        for rid in alloc.rids():
+            tokens, nblocks, nbytes = self.logged[rid]
+            if alloc.tokens(rid) != tokens:
+                new = alloc.block_table(rid)[nblocks:]
+                self._log_op("grow", rid, alloc.allocated_bytes(rid) - nbytes, None, new)
+        acc = alloc.account(self._probe())
+        self.log.append(
+            (len(self.log), self.env.now, "check", -1, alloc.total_tokens(), acc.allocated, -1,
+             [], acc.token_states, acc.reserved + acc.internal, acc.free)
+        )
 
     # --------------------------------------------------------------- recording
     def _probe(self) -> Request:
@@ -499,7 +556,8 @@ class Engine:
         requests["queueing_s"] = requests["admitted_s"] - requests["arrival_s"]
         requests["latency_s"] = requests["finished_s"] - requests["arrival_s"]
         timeseries = pd.DataFrame(self.rows, columns=list(_SERIES))
-        return RunResult(self._summary(requests, timeseries), timeseries, requests)
+        log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
+        return RunResult(self._summary(requests, timeseries), timeseries, requests, log)
 
     def _summary(self, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
         cap = self.alloc.capacity

@@ -209,6 +209,11 @@ class Allocator(ABC):
         """The decoder that reaches its final length first (ties: lowest rid), if any."""
         return self._done[0][1] if self._done else None
 
+    def block_table(self, rid: int) -> tuple[int, ...]:
+        """Block ids of request `rid` in token order; slab allocators have none."""
+        self._get(rid)
+        return ()
+
     def steps_until_full(self) -> int | None:
         """Steps every decoder can take before an allocation fails (None: never)."""
         return None
