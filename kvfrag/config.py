@@ -78,7 +78,9 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
 
 def _describe(exc: ValidationError, path: Path, root: yaml.Node | None, data: Any) -> str:
     """The first validation error as `file:line: field.path: message`."""
-    err = exc.errors()[0]
+    errors = exc.errors()
+    # A misspelt key also makes the real one "missing": report the misspelling.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = _data_loc(err["loc"], data)
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     line = _line_of(root, loc)
