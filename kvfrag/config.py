@@ -73,7 +73,31 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
         raise ScenarioError(_describe(exc, path, root, data)) from None
-    return LoadedScenario(scenario, path, path.resolve().parent)
+    base_dir = path.resolve().parent
+    _check_paths(data.get("workload"), ["workload"], base_dir, path, root)
+    return LoadedScenario(scenario, path, base_dir)
+
+
+def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node | None) -> None:
+    """Every file the workload names must exist, so a run never fails half-way for it."""
+    from workloads import samples
+
+    if isinstance(node, dict):
+        for key, value in node.items():
+            here = [*loc, key]
+            if key == "path" and isinstance(value, str):
+                if value.startswith("sample:"):
+                    ok = value.removeprefix("sample:") in samples.names()
+                    problem = f"no shipped sample {value!r} (samples: {', '.join(samples.names())})"
+                else:
+                    ok = (base / value).exists()
+                    problem = f"no such file {value!r} (relative to {base})"
+                if not ok:
+                    line = _line_of(root, here)
+                    where = f"{path}:{line}" if line else str(path)
+                    raise ScenarioError(f"{where}: {'.'.join(here)}: {problem}")
+            else:
+                _check_paths(value, here, base, path, root)
 
 
 def _describe(exc: ValidationError, path: Path, root: yaml.Node | None, data: Any) -> str:

@@ -34,6 +34,7 @@ def write_results(
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; results are for reading
         (tmp / "scenario.resolved.yaml").write_text(
             yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
         )
