@@ -65,7 +65,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         from kvfrag.plots import plot_results
 
-        meta = _meta(loaded.resolved(), workload.source)
+        spec = scenario.workload
+        source = spec.trace.path if spec.trace else f"synthetic, seed {spec.seed}"
+        meta = _meta(loaded.resolved(), f"{source} ({len(workload.requests):,} requests)")
 
         def plot(folder: Path) -> None:
             plot_results(folder, meta)

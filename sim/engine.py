@@ -121,6 +121,7 @@ class _Req:
         "prefill_left",
         "reason",
         "recomputed",
+        "released",
         "req",
         "status",
         "think",
@@ -134,6 +135,7 @@ class _Req:
         self.admitted = math.nan
         self.first_token = math.nan
         self.finished = math.nan
+        self.released = math.nan  # when its memory was given back (static: with its batch)
         self.status = "pending"
         self.reason = ""
         self.preemptions = 0
@@ -437,6 +439,7 @@ class Engine:
         if self.cfg.batching == "static" and self.batch_done and not self.running:
             for r in self.batch_done:
                 r.peak = max(r.peak, alloc.allocated_bytes(r.req.rid))
+                r.released = self.env.now
                 self._log_free(r)
                 alloc.free(r.req.rid)
             self.batch_done.clear()
@@ -454,6 +457,7 @@ class Engine:
             self.held_done_tokens += alloc.tokens(rid)
         else:
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
+            r.released = now
             self._log_free(r)
             alloc.free(rid)
         if r.user >= 0:
@@ -533,6 +537,12 @@ class Engine:
     # ------------------------------------------------------------------ result
     def _result(self) -> RunResult:
         reqs = self.reqs
+        alloc = self.alloc
+        at_end = dict.fromkeys(alloc.rids(), 0)
+        for rid in at_end:  # still holding memory when the run stopped
+            r = self.by_rid[rid]
+            at_end[rid] = alloc.tokens(rid)
+            r.peak = max(r.peak, alloc.allocated_bytes(rid))
         requests = pd.DataFrame(
             {
                 "request_id": [r.req.rid for r in reqs],
@@ -544,6 +554,8 @@ class Engine:
                 "admitted_s": [r.admitted for r in reqs],
                 "first_token_s": [r.first_token for r in reqs],
                 "finished_s": [r.finished for r in reqs],
+                "released_s": [r.released for r in reqs],
+                "tokens_at_end": [at_end.get(r.req.rid, 0) for r in reqs],
                 "preemptions": [r.preemptions for r in reqs],
                 "recomputed_tokens": [r.recomputed for r in reqs],
                 "peak_bytes": [r.peak for r in reqs],
