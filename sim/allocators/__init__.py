@@ -21,9 +21,11 @@ from sim.allocators.buddy import BuddyAllocator
 from sim.allocators.contiguous import ContiguousAllocator, Placement
 from sim.allocators.paged import PagedAllocator
 from sim.allocators.slab import Reserve
+from sim.allocators.torch_caching import TorchCachingAllocator
 
 REGISTRY: dict[str, type[Allocator]] = {
-    cls.kind: cls for cls in (ContiguousAllocator, BuddyAllocator, PagedAllocator)
+    cls.kind: cls
+    for cls in (ContiguousAllocator, BuddyAllocator, PagedAllocator, TorchCachingAllocator)
 }
 
 _COMMON = ("capacity", "bytes_per_token", "max_model_len")
@@ -72,6 +74,7 @@ __all__ = [
     "Refusal",
     "Request",
     "Reserve",
+    "TorchCachingAllocator",
     "allocator_class",
     "make_allocator",
     "options_of",

@@ -1,0 +1,881 @@
+"""PyTorch's CUDA caching allocator, modelled operation by operation (no torch import).
+
+Each request's slab (reservation x bytes_per_token bytes, as for the other slab allocators)
+is one `torch.empty(nbytes, dtype=torch.uint8)` on a device whose allocator is capped at
+`capacity` bytes, the way `torch.cuda.set_per_process_memory_fraction` caps it: a cudaMalloc
+(or an expandable-segment map) that would take reserved memory past the cap fails without
+calling CUDA. The rules follow `DeviceCachingAllocator` in `c10/cuda/CUDACachingAllocator.cpp`
+(see ../shared/docs/torch-caching-allocator.md), with one stream, no CUDA graphs, no stream
+events and no garbage collection:
+
+- `round_size`: < 512 B -> 512; with roundup_power2_divisions d > 1 and n > 512*d, up to the
+  next (largest power of 2 <= n)/d step (torch divides by the largest power of 2 <= d; d must
+  be a power of 2, as torch's config parser demands); else up to a multiple of 512. One d
+  applies to every size bucket (torch allows one per power-of-2 MiB bucket).
+- pools: rounded size <= 1 MiB -> small, else large. `get_allocation_size`: 2 MiB for the small
+  pool, 20 MiB below 10 MiB, else the size rounded up to 2 MiB.
+- `get_free_block`: best fit in the pool's free set ordered by (size, address); with
+  M = max_split_size a request < M never takes a block >= M, a request >= M never takes a block
+  >= size + 20 MiB. `should_split`: small pool or expandable -> remainder >= 512; large pool ->
+  size < M and remainder > 1 MiB. The allocation takes the low-address front.
+- `free`: merge with free neighbours in the same segment; never cudaFree.
+- nothing fits: cudaMalloc(get_allocation_size) if reserved + that <= cap; else (M finite)
+  release cached oversize blocks and retry; else `release_cached_blocks` (cudaFree every whole
+  free segment, unmap whole free pages) and retry (num_alloc_retries += 1); else OOM
+  (an `oom` trace entry, num_ooms += 1) and the admission is refused.
+- expandable_segments: one growing virtual segment per pool (1.125 x capacity of address
+  space, torch sizes it from the device's total memory), pages of 2 MiB (small) / 20 MiB (large)
+  mapped on demand from the lowest free address; the cap check uses get_allocation_size, as
+  torch's does, while whole pages get mapped, so reserved may pass the cap by under a page (the
+  device's physical memory is assumed larger than the cap: mapping itself never fails).
+
+Segment addresses are virtual: each new segment starts at the next 2 MiB boundary after the
+previous one's end, from ADDRESS_BASE, and is never reused. A request's offset is its block's
+address. `events` records the trace (action, addr, size) as torch's memory history does
+(alloc/free sizes are requested sizes; an oom's addr is the device's free bytes, modelled as
+cap - reserved, its size the rounded request).
+
+Accounting (per the protocol in `base`; b = bytes per token):
+- A, a request's allocated bytes, is its block's size: rounded, or the whole unsplit block
+  (a 13.5 MiB request in a fresh 14 MiB segment holds 14 MiB: the tail is internal waste).
+- free = capacity - sum(A): cached-but-unallocated blocks plus memory not reserved.
+- usable_free, judged by the probe's rounded size s (pool P, segment size g = get_allocation_
+  size(s)): whole units of s that repeated probe allocations would place before an OOM:
+  * every free block of pool P contributes s x the units it would serve under the split and
+    max_split rules (small pool / expandable: floor(B/s); large pool: split while the
+    remainder exceeds 1 MiB, the last unit takes the unsplit tail; a block torch would refuse
+    for the probe serves none);
+  * the headroom H = (capacity - reserved) + the whole free cached segments that serve no
+    unit (the OOM path would cudaFree them first) serves floor(H/g) fresh segments, each with
+    the units a fresh g-byte segment gives. This is exact: it equals s x the number of probe
+    allocations that would succeed in a row (the tests check it by simulation).
+  * expandable: free blocks serve floor(B/s); the free block before the pool's lowest unmapped
+    range grows page by page while reserved + g <= cap, then the whole free pages left in either
+    pool (what the OOM path unmaps) are mapped again the same way. A close lower bound (the
+    order in which torch refills unmapped holes is not followed).
+  The result is capped at `free` (expandable mapping may pass the cap by under a page).
+- external = free - usable_free: reserved-but-unallocated memory that fits no probe (split
+  remainders, the other pool's cached blocks, segment tails) plus headroom that cannot hold a
+  whole segment. It is the figure torch reports as "reserved by PyTorch but unallocated" when it
+  raises an OOM, restricted to what cannot serve the next request.
+
+Refused admissions are not side-effect free, unlike the other allocators: torch's failing
+malloc still releases cached segments (and counts num_alloc_retries / num_ooms), so `reserved`
+and the free-space view may change while the allocated bytes do not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from sortedcontainers import SortedKeyList
+
+from sim.allocators.base import Grant, Live, Reason, Refusal, Request
+from sim.allocators.slab import Reserve, SlabAllocator
+
+KiB = 1024
+MiB = 1024 * KiB
+kMinBlockSize = 512
+kSmallSize = 1 * MiB
+kSmallBuffer = 2 * MiB
+kMinLargeAlloc = 10 * MiB
+kRoundLarge = 2 * MiB
+kLargeBuffer = 20 * MiB
+ADDRESS_BASE = 0x7F00_0000_0000  # first segment address (virtual, never reused)
+SEGMENT_ALIGN = 2 * MiB
+
+STAT_NAMES = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
+POOL_NAMES = ("all", "small_pool", "large_pool")
+
+
+# ------------------------------------------------------------------------- size rules
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """torch's `roundup_power2_next_division`: up to the next (power-of-2 floor)/divisions step."""
+    if size & (size - 1) == 0:
+        return size
+    power2_floor = 1 << (size.bit_length() - 1)
+    step = power2_floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return power2_floor << 1
+    floor = size & ~(step - 1)
+    return size if floor == size else floor + step
+
+
+def round_size(size: int, divisions: int = 1) -> int:
+    """torch's `round_size` with one roundup_power2_divisions value for every bucket."""
+    if size < kMinBlockSize:
+        return kMinBlockSize
+    if divisions > 1 and size > kMinBlockSize * divisions:
+        return roundup_power2_next_division(size, divisions)
+    return kMinBlockSize * -(-size // kMinBlockSize)
+
+
+def is_small(rounded: int) -> bool:
+    """`get_pool`: True for the small pool (rounded size <= 1 MiB)."""
+    return rounded <= kSmallSize
+
+
+def get_allocation_size(rounded: int) -> int:
+    """The segment size cudaMalloc'd for a rounded request."""
+    if rounded <= kSmallSize:
+        return kSmallBuffer
+    if rounded < kMinLargeAlloc:
+        return kLargeBuffer
+    return kRoundLarge * -(-rounded // kRoundLarge)
+
+
+# ------------------------------------------------------------------------ structures
+class Block:
+    """A range of one segment: allocated, free (cached) or unmapped (expandable only)."""
+
+    __slots__ = ("allocated", "mapped", "next", "pool", "prev", "ptr", "requested", "seg", "size")
+
+    def __init__(
+        self, ptr: int, size: int, pool: Pool, seg: ExpandableSegment | None = None
+    ) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.pool = pool
+        self.seg = seg
+        self.requested = 0
+        self.allocated = False
+        self.mapped = True
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def is_split(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def splice(self, before: Block | None, after: Block | None) -> None:
+        if before is not None:
+            before.next = self
+        self.prev = before
+        if after is not None:
+            after.prev = self
+        self.next = after
+
+    def __repr__(self) -> str:
+        state = "alloc" if self.allocated else ("free" if self.mapped else "unmapped")
+        return f"Block({self.ptr:#x}, {self.size}, {state})"
+
+
+class Pool:
+    """A BlockPool: free blocks by (size, address); unmapped expandable blocks by address."""
+
+    def __init__(self, small: bool) -> None:
+        self.is_small = small
+        self.name = "small_pool" if small else "large_pool"
+        self.blocks = SortedKeyList(key=lambda b: (b.size, b.ptr))
+        self.unmapped = SortedKeyList(key=lambda b: b.ptr)
+
+
+@dataclass
+class ExpandableSegment:
+    ptr: int
+    page: int  # bytes per physical page (2 MiB small pool, 20 MiB large pool)
+    npages: int  # virtual size in pages
+
+    @property
+    def size(self) -> int:
+        return self.page * self.npages
+
+
+class Stat:
+    __slots__ = ("allocated", "current", "freed", "peak")
+
+    def __init__(self) -> None:
+        self.current = self.peak = self.allocated = self.freed = 0
+
+    def inc(self, amount: int) -> None:
+        self.current += amount
+        self.peak = max(self.peak, self.current)
+        self.allocated += amount
+
+    def dec(self, amount: int) -> None:
+        self.current -= amount
+        assert self.current >= 0, "negative allocator stat"
+        self.freed += amount
+
+
+# ------------------------------------------------------------------------ the allocator
+class TorchCachingAllocator(SlabAllocator):
+    """PyTorch's CUDA caching allocator under a per-process memory cap of `capacity` bytes."""
+
+    kind = "torch-caching"
+
+    def __init__(
+        self,
+        capacity: int,
+        bytes_per_token: int,
+        max_model_len: int,
+        reserve: Reserve | str = Reserve.MAX_MODEL_LEN,
+        expandable_segments: bool = False,
+        max_split_size_mb: float | None = None,
+        roundup_power2_divisions: int = 1,
+    ) -> None:
+        super().__init__(capacity, bytes_per_token, max_model_len, reserve)
+        if not isinstance(expandable_segments, bool):
+            raise ValueError(f"expandable_segments must be a bool, got {expandable_segments!r}")
+        if max_split_size_mb is None:
+            self.max_split_size: int | None = None
+        else:
+            if isinstance(max_split_size_mb, bool) or not isinstance(
+                max_split_size_mb, (int, float)
+            ):
+                raise ValueError(f"max_split_size_mb must be a number, got {max_split_size_mb!r}")
+            if not max_split_size_mb > kLargeBuffer // MiB:
+                raise ValueError(
+                    f"max_split_size_mb must be > {kLargeBuffer // MiB} (as torch requires), "
+                    f"got {max_split_size_mb!r}"
+                )
+            self.max_split_size = int(max_split_size_mb * MiB)
+        d = roundup_power2_divisions
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d & (d - 1):
+            raise ValueError(f"roundup_power2_divisions must be a power of 2 >= 1, got {d!r}")
+        self.expandable_segments = expandable_segments
+        self.max_split_size_mb = max_split_size_mb
+        self.roundup_power2_divisions = d
+        self.small_pool = Pool(small=True)
+        self.large_pool = Pool(small=False)
+        self._active: dict[int, Block] = {}  # ptr -> allocated block
+        self._segments: dict[int, tuple[int, Pool]] = {}  # non-expandable: ptr -> (size, pool)
+        self._expandable: list[ExpandableSegment] = []
+        self._next_addr = ADDRESS_BASE
+        self.events: list[tuple[str, int, int]] = []
+        self._stats = {(n, p): Stat() for n in STAT_NAMES for p in POOL_NAMES}
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+        self.num_sync_all_streams = 0
+        self._version = 0  # bumped on every change of the free structures
+        self._usable_cache: tuple[int, int, int] = (-1, 0, 0)  # (version, unit, usable)
+
+    # ------------------------------------------------------------ size helpers
+    def round_size(self, nbytes: int) -> int:
+        return round_size(nbytes, self.roundup_power2_divisions)
+
+    def slab_bytes(self, tokens: int) -> int:
+        return tokens * self.bytes_per_token
+
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        """The rounded size (an unsplit block handed out may be larger)."""
+        return self.round_size(super().bytes_for(req, tokens))
+
+    def _max_slab(self) -> int:
+        return self.capacity
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._stats["reserved_bytes", "all"].current
+
+    @property
+    def allocated_total(self) -> int:
+        return self._stats["allocated_bytes", "all"].current
+
+    def _pool(self, rounded: int) -> Pool:
+        return self.small_pool if is_small(rounded) else self.large_pool
+
+    def _inc(self, name: str, pool: Pool, amount: int) -> None:
+        self._stats[name, "all"].inc(amount)
+        self._stats[name, pool.name].inc(amount)
+
+    def _dec(self, name: str, pool: Pool, amount: int) -> None:
+        self._stats[name, "all"].dec(amount)
+        self._stats[name, pool.name].dec(amount)
+
+    def _trace(self, action: str, addr: int, size: int) -> None:
+        self.events.append((action, addr, size))
+
+    def _new_address(self, size: int) -> int:
+        ptr = self._next_addr
+        self._next_addr = -(-(ptr + size) // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        return ptr
+
+    # ------------------------------------------------------------ slab hooks
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
+        rid = live.req.rid
+        nbytes = self.slab_bytes(live.cap)
+        free = self.capacity - self._held
+        offset = self._place(nbytes)
+        if offset is None:
+            rounded = self.round_size(nbytes)
+            if get_allocation_size(rounded) > self.capacity:
+                return Refusal(rid, Reason.TOO_LARGE, rounded, free, "segment larger than the cap")
+            if rounded > free:
+                return Refusal(rid, Reason.OUT_OF_MEMORY, rounded, free, "CUDA out of memory")
+            return Refusal(
+                rid, Reason.FRAGMENTED, rounded, free, "CUDA out of memory (reserved but unusable)"
+            )
+        size = self._active[offset].size
+        live.offset, live.nbytes = offset, size
+        self._held += size
+        self._written += min(size, self.bytes_per_token * live.final)
+        return Grant(rid, size, live.cap, offset=offset)
+
+    def _place(self, nbytes: int) -> int | None:
+        block = self.malloc(nbytes)
+        return None if block is None else block.ptr
+
+    def _unplace(self, offset: int, nbytes: int) -> None:
+        self.free_block(self._active[offset])
+
+    # ------------------------------------------------------------ raw interface
+    def raw_malloc(self, nbytes: int) -> int | None:
+        """One torch allocation outside the request bookkeeping (trace replay): its address."""
+        return self._place(nbytes)
+
+    def raw_free(self, addr: int) -> None:
+        """Free a block allocated by `raw_malloc`."""
+        self.free_block(self._active[addr])
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): cudaFree whole free segments, unmap whole free pages."""
+        self.release_cached_blocks()
+
+    # ------------------------------------------------------------ malloc
+    def malloc(self, orig_size: int) -> Block | None:
+        """DeviceCachingAllocator::malloc: the block handed out, or None after an OOM."""
+        if orig_size < 1:
+            raise ValueError("allocation size must be positive")
+        self._version += 1
+        size = self.round_size(orig_size)
+        pool = self._pool(size)
+        alloc_size = get_allocation_size(size)
+        block = self.get_free_block(pool, size)
+        if block is None:
+            block = (
+                self.alloc_block(pool, size, alloc_size, False)
+                or (
+                    self.release_available_cached_blocks(pool, size)
+                    and self.alloc_block(pool, size, alloc_size, False)
+                )
+                or (self.release_cached_blocks() and self.alloc_block(pool, size, alloc_size, True))
+            )
+        if not block:
+            self._trace("oom", max(0, self.capacity - self.reserved_bytes), size)
+            self.num_ooms += 1
+            return None
+        return self.alloc_found_block(block, size, orig_size, self.should_split(block, size))
+
+    def get_free_block(self, pool: Pool, size: int) -> Block | None:
+        blocks = pool.blocks
+        i = blocks.bisect_key_left((size, -1))
+        if i == len(blocks):
+            return None
+        if blocks[i].seg is not None:
+            # Expandable: a block that can grow into the unmapped space after it counts as
+            # that big, so a later block of smaller expandable size is preferred.
+            def esize(b: Block) -> int:
+                nxt = b.next
+                return b.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+            j = i + 1
+            while j < len(blocks) and esize(blocks[j]) < esize(blocks[i]):
+                i, j = j, j + 1
+        block = blocks[i]
+        M = self.max_split_size
+        if M is not None:
+            if size < M and block.size >= M:
+                return None
+            if size >= M and block.size >= size + kLargeBuffer:
+                return None
+        blocks.remove(block)
+        return block
+
+    def should_split(self, block: Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.pool.is_small or self.expandable_segments:
+            return remaining >= kMinBlockSize
+        M = self.max_split_size
+        return (M is None or size < M) and remaining > kSmallSize
+
+    def alloc_block(self, pool: Pool, size: int, alloc_size: int, is_retry: bool) -> Block | None:
+        if is_retry:
+            self.num_alloc_retries += 1
+        if self.reserved_bytes + alloc_size > self.capacity:
+            return None
+        if self.expandable_segments:
+            return self.try_allocate_expandable_block(pool, size)
+        ptr = self._new_address(alloc_size)
+        block = Block(ptr, alloc_size, pool)
+        self._segments[ptr] = (alloc_size, pool)
+        self._inc("segment", pool, 1)
+        self._inc("reserved_bytes", pool, alloc_size)
+        self.num_device_alloc += 1
+        self._trace("segment_alloc", ptr, alloc_size)
+        return block
+
+    def alloc_found_block(self, block: Block, size: int, orig_size: int, split: bool) -> Block:
+        pool = block.pool
+        already_split = block.is_split()
+        if split:
+            remaining = block
+            block = Block(remaining.ptr, size, pool, remaining.seg)
+            block.prev = remaining.prev
+            if block.prev is not None:
+                block.prev.next = block
+            block.next = remaining
+            remaining.prev = block
+            remaining.ptr += size
+            remaining.size -= size
+            pool.blocks.add(remaining)
+            if remaining.seg is None:
+                if already_split:
+                    self._dec("inactive_split_bytes", pool, block.size)
+                else:
+                    self._inc("inactive_split_bytes", pool, remaining.size)
+                    self._inc("inactive_split", pool, 1)
+        elif already_split and block.seg is None:
+            self._dec("inactive_split_bytes", pool, block.size)
+            self._dec("inactive_split", pool, 1)
+        block.allocated = True
+        block.requested = orig_size
+        self._trace("alloc", block.ptr, orig_size)
+        self._active[block.ptr] = block
+        self._inc("allocation", pool, 1)
+        self._inc("allocated_bytes", pool, block.size)
+        self._inc("active", pool, 1)
+        self._inc("active_bytes", pool, block.size)
+        self._inc("requested_bytes", pool, orig_size)
+        return block
+
+    # ------------------------------------------------------------ free
+    def free_block(self, block: Block) -> None:
+        """DeviceCachingAllocator::free (no stream uses: free_block at once)."""
+        assert block.allocated and self._active.get(block.ptr) is block
+        self._version += 1
+        pool = block.pool
+        block.allocated = False
+        self._dec("allocation", pool, 1)
+        self._dec("allocated_bytes", pool, block.size)
+        self._trace("free_requested", block.ptr, block.requested)
+        self._trace("free_completed", block.ptr, block.requested)
+        del self._active[block.ptr]
+        original_size, requested = block.size, block.requested
+        net_blocks = net_bytes = 0
+        for candidate in (block.prev, block.next):
+            subsumed = self.try_merge_blocks(block, candidate, pool)
+            if subsumed:
+                net_blocks -= 1
+                net_bytes -= subsumed
+        block.requested = 0
+        pool.blocks.add(block)
+        if block.is_split():
+            net_blocks += 1
+            net_bytes += block.size
+        if block.seg is None:
+            if net_blocks > 0:
+                self._inc("inactive_split", pool, net_blocks)
+            elif net_blocks < 0:
+                self._dec("inactive_split", pool, -net_blocks)
+            if net_bytes > 0:
+                self._inc("inactive_split_bytes", pool, net_bytes)
+            elif net_bytes < 0:
+                self._dec("inactive_split_bytes", pool, -net_bytes)
+        self._dec("active", pool, 1)
+        self._dec("active_bytes", pool, original_size)
+        self._dec("requested_bytes", pool, requested)
+
+    def try_merge_blocks(self, dst: Block, src: Block | None, pool: Pool) -> int:
+        if src is None or src.allocated or dst.mapped != src.mapped:
+            return 0
+        if dst.prev is src:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        (pool.blocks if src.mapped else pool.unmapped).remove(src)
+        dst.size += src.size
+        return src.size
+
+    # ------------------------------------------------------------ release
+    def release_available_cached_blocks(self, pool: Pool, size: int) -> bool:
+        """With a finite max_split_size: cudaFree cached oversize blocks (smallest that covers
+        the request, else the largest ones until they add up). Skipped with expandable
+        segments, where torch would hit an internal assert."""
+        M = self.max_split_size
+        if M is None or self.expandable_segments:
+            return False
+        key = max(size, M)
+        blocks = pool.blocks
+        i = blocks.bisect_key_left((key, -1))
+        if i == len(blocks):
+            if i == 0:
+                return False
+            released = 0
+            i -= 1
+            while released < key and blocks[i].size >= M:
+                released += blocks[i].size
+                self.release_block(blocks[i])
+                if i == 0:
+                    break
+                i -= 1
+            if released < key:
+                return False
+        else:
+            self.release_block(blocks[i])
+        return True
+
+    def release_cached_blocks(self) -> bool:
+        self._version += 1
+        self.num_sync_all_streams += 1
+        self.release_blocks(self.large_pool)
+        self.release_blocks(self.small_pool)
+        return True
+
+    def release_blocks(self, pool: Pool) -> None:
+        to_unmap = []
+        for block in list(pool.blocks):
+            if block.seg is not None:
+                to_unmap.append(block)
+            elif not block.is_split():
+                self.release_block(block)
+        for block in to_unmap:
+            self.unmap_block(block)
+            if not block.mapped and not block.is_split():
+                self.release_expandable_segment(block)
+
+    def release_block(self, block: Block) -> None:
+        assert block.seg is None and not block.is_split() and not block.allocated
+        pool = block.pool
+        self.num_device_free += 1
+        self._trace("segment_free", block.ptr, block.size)
+        del self._segments[block.ptr]
+        self._dec("segment", pool, 1)
+        self._dec("reserved_bytes", pool, block.size)
+        pool.blocks.remove(block)
+
+    # ------------------------------------------------------------ expandable segments
+    def find_expandable_block(self, pool: Pool, size: int) -> Block:
+        def allocatable(b: Block | None) -> bool:
+            return b is not None and not b.allocated
+
+        def has_space(b: Block | None) -> bool:
+            total = 0
+            while total < size and allocatable(b):
+                total += b.size
+                b = b.next
+            return total >= size
+
+        for c in list(pool.unmapped):
+            if allocatable(c.prev):
+                c = c.prev
+            if has_space(c):
+                return c
+        page = kSmallBuffer if pool.is_small else kLargeBuffer
+        space = self.capacity + self.capacity // 8
+        npages = -(-space // page)
+        ptr = self._new_address(npages * page)
+        seg = ExpandableSegment(ptr, page, npages)
+        block = Block(ptr, npages * page, pool, seg)
+        block.mapped = False
+        self._expandable.append(seg)
+        pool.unmapped.add(block)
+        return block
+
+    def map_block(self, to_map: Block, size: int) -> None:
+        seg = to_map.seg
+        assert seg is not None and not to_map.mapped and size <= to_map.size
+        begin = (to_map.ptr - seg.ptr) // seg.page
+        end = -(-(to_map.ptr + size - seg.ptr) // seg.page)
+        assert seg.ptr + begin * seg.page == to_map.ptr
+        mapped_ptr, mapped_size = to_map.ptr, (end - begin) * seg.page
+        pool = to_map.pool
+        pool.unmapped.remove(to_map)
+        to_map.mapped = True
+        if mapped_size < to_map.size:
+            remaining = Block(to_map.ptr + mapped_size, to_map.size - mapped_size, pool, seg)
+            remaining.mapped = False
+            remaining.splice(to_map, to_map.next)
+            pool.unmapped.add(remaining)
+            to_map.size = mapped_size
+        self.try_merge_blocks(to_map, to_map.prev, pool)
+        self.try_merge_blocks(to_map, to_map.next, pool)
+        pool.blocks.add(to_map)
+        self._inc("reserved_bytes", pool, mapped_size)
+        self.num_device_alloc += 1
+        self._trace("segment_map", mapped_ptr, mapped_size)
+
+    def try_allocate_expandable_block(self, pool: Pool, size: int) -> Block:
+        candidate = self.find_expandable_block(pool, size)
+        if not candidate.mapped:
+            self.map_block(candidate, min(candidate.size, size))
+        while candidate.size < size:
+            nxt = candidate.next
+            assert nxt is not None and not nxt.mapped
+            self.map_block(nxt, min(size - candidate.size, nxt.size))
+            candidate = nxt
+        pool.blocks.remove(candidate)
+        return candidate
+
+    def unmap_block(self, block: Block) -> None:
+        seg = block.seg
+        assert seg is not None
+        begin = -(-(block.ptr - seg.ptr) // seg.page)
+        end = (block.ptr + block.size - seg.ptr) // seg.page
+        if begin >= end:
+            return
+        pool = block.pool
+        pool.blocks.remove(block)
+        uptr, usize = seg.ptr + begin * seg.page, (end - begin) * seg.page
+        before = uptr - block.ptr
+        if before > 0:
+            before_free = Block(block.ptr, before, pool, seg)
+            before_free.splice(block.prev, block)
+            pool.blocks.add(before_free)
+        after = block.size - before - usize
+        if after > 0:
+            after_free = Block(uptr + usize, after, pool, seg)
+            after_free.splice(block, block.next)
+            pool.blocks.add(after_free)
+        block.ptr, block.size, block.mapped = uptr, usize, False
+        self.try_merge_blocks(block, block.prev, pool)
+        self.try_merge_blocks(block, block.next, pool)
+        pool.unmapped.add(block)
+        self._dec("reserved_bytes", pool, usize)
+        self.num_device_free += 1
+        self._trace("segment_unmap", uptr, usize)
+
+    def release_expandable_segment(self, block: Block) -> None:
+        seg = block.seg
+        assert seg is not None and block.size == seg.size and not block.mapped
+        self._expandable.remove(seg)
+        block.pool.unmapped.remove(block)
+
+    # ------------------------------------------------------------ views
+    def stats(self) -> dict[str, int]:
+        """torch.cuda.memory_stats()-style flat dict (one device, no oversize tracking)."""
+        out: dict[str, int] = {}
+        for (name, pool), st in self._stats.items():
+            for metric in ("current", "peak", "allocated", "freed"):
+                out[f"{name}.{pool}.{metric}"] = getattr(st, metric)
+        out["num_alloc_retries"] = self.num_alloc_retries
+        out["num_ooms"] = self.num_ooms
+        out["num_device_alloc"] = self.num_device_alloc
+        out["num_device_free"] = self.num_device_free
+        out["num_sync_all_streams"] = self.num_sync_all_streams
+        out["max_split_size"] = -1 if self.max_split_size is None else self.max_split_size
+        return out
+
+    def all_blocks(self) -> list[Block]:
+        """Every block (allocated, free, unmapped), by address."""
+        blocks = list(self._active.values())
+        for pool in (self.small_pool, self.large_pool):
+            blocks.extend(pool.blocks)
+            blocks.extend(pool.unmapped)
+        return sorted(blocks, key=lambda b: b.ptr)
+
+    def segments(self) -> list[list[Block]]:
+        """Segments as torch's snapshot reports them: lists of mapped blocks by address (an
+        expandable segment gives one entry per contiguous mapped range)."""
+        out: list[list[Block]] = []
+        for block in self.all_blocks():
+            if not block.mapped:
+                continue
+            if block.prev is not None and block.prev.mapped:
+                out[-1].append(block)
+            else:
+                out.append([block])
+        return out
+
+    def whole_free_segment_bytes(self) -> int:
+        """Bytes of cached non-expandable segments with nothing allocated (empty_cache frees)."""
+        return sum(
+            b.size
+            for pool in (self.small_pool, self.large_pool)
+            for b in pool.blocks
+            if b.seg is None and not b.is_split()
+        )
+
+    def verify(self) -> None:
+        """Check the structures against each other and the stats; raise AssertionError."""
+        blocks = self.all_blocks()
+        by_pool = {self.small_pool.name: 0, self.large_pool.name: 0}
+        for a, b in itertools.pairwise(blocks):
+            assert a.ptr + a.size <= b.ptr, f"overlap: {a} {b}"
+        for b in blocks:
+            assert b.size > 0 and b.ptr % kMinBlockSize == 0 and b.size % kMinBlockSize == 0
+            if b.next is not None:
+                assert b.next.prev is b and b.ptr + b.size == b.next.ptr, f"broken chain at {b}"
+                if not b.allocated and not b.next.allocated:
+                    assert b.mapped != b.next.mapped, f"unmerged free neighbours {b} {b.next}"
+            if b.prev is not None:
+                assert b.prev.next is b
+            if b.allocated:
+                assert self._active[b.ptr] is b and b.mapped
+            else:
+                assert b.requested == 0
+                assert b in (b.pool.blocks if b.mapped else b.pool.unmapped)
+        free_in_pools = sum(
+            len(p.blocks) + len(p.unmapped) for p in (self.small_pool, self.large_pool)
+        )
+        assert free_in_pools + len(self._active) == len(blocks)
+        # segments tile exactly
+        reserved = 0
+        for ptr, (size, pool) in self._segments.items():
+            members = [b for b in blocks if ptr <= b.ptr < ptr + size]
+            assert members and members[0].ptr == ptr and members[0].prev is None
+            assert members[-1].next is None and sum(b.size for b in members) == size
+            assert all(b.pool is pool and b.seg is None for b in members)
+            reserved += size
+            by_pool[pool.name] += size
+        for seg in self._expandable:
+            members = [b for b in blocks if b.seg is seg]
+            assert members[0].ptr == seg.ptr and members[0].prev is None
+            assert sum(b.size for b in members) == seg.size
+            for b in members:
+                if b.mapped:
+                    reserved += b.size
+                    by_pool[b.pool.name] += b.size
+                    assert (b.ptr - seg.ptr) % seg.page == 0 or b.prev is not None
+                else:
+                    assert (b.ptr - seg.ptr) % seg.page == 0 and b.size % seg.page == 0
+        st = self._stats
+        assert st["reserved_bytes", "all"].current == reserved
+        for name, value in by_pool.items():
+            assert st["reserved_bytes", name].current == value
+        allocated = sum(b.size for b in self._active.values())
+        assert st["allocated_bytes", "all"].current == allocated
+        assert st["active_bytes", "all"].current == allocated
+        assert st["allocation", "all"].current == len(self._active)
+        assert st["requested_bytes", "all"].current == sum(
+            b.requested for b in self._active.values()
+        )
+        assert st["segment", "all"].current == len(self._segments)
+        split_free = [b for b in blocks if not b.allocated and b.seg is None and b.is_split()]
+        assert st["inactive_split", "all"].current == len(split_free)
+        assert st["inactive_split_bytes", "all"].current == sum(b.size for b in split_free)
+        if not self.expandable_segments:
+            # torch's self-check: reserved = active + inactive_split + whole free segments
+            assert reserved == (
+                allocated
+                + st["inactive_split_bytes", "all"].current
+                + self.whole_free_segment_bytes()
+            )
+        # live requests hold exactly their blocks
+        for live in self._live.values():
+            assert self._active[live.offset].size == live.nbytes
+
+    # ------------------------------------------------------------ free-space view
+    def units(self, block_size: int, rounded: int, fresh: bool = False) -> int:
+        """How many allocations of `rounded` bytes a free block of `block_size` serves in a row
+        (fresh: a block straight from cudaMalloc, which skips the max_split checks)."""
+        s, size, m = rounded, block_size, self.max_split_size
+        if size < s:
+            return 0
+        if (
+            not fresh
+            and m is not None
+            and ((s < m <= size) or (s >= m and size >= s + kLargeBuffer))
+        ):
+            return 0
+        if is_small(s) or self.expandable_segments:
+            return size // s
+        if m is not None and s >= m:
+            return 1  # never split
+        n_split = max(0, (size - kSmallSize - 1) // s)
+        return n_split + (1 if size - n_split * s >= s else 0)
+
+    def _usable_free(self, probe: Request | None) -> int:
+        s = self.round_size(self._unit(probe))
+        version, unit, usable = self._usable_cache
+        if version == self._version and unit == s:
+            return usable
+        pool = self._pool(s)
+        other = self.large_pool if pool is self.small_pool else self.small_pool
+        g = get_allocation_size(s)
+        if self.expandable_segments:
+            usable = self._usable_expandable(pool, other, s, g) * s
+        else:
+            usable = 0
+            reclaim = 0
+            for b in pool.blocks:
+                n = self.units(b.size, s)
+                usable += n * s
+                if n == 0 and not b.is_split():
+                    reclaim += b.size
+            reclaim += sum(b.size for b in other.blocks if not b.is_split())
+            headroom = max(0, self.capacity - self.reserved_bytes) + reclaim
+            usable += headroom // g * self.units(g, s, fresh=True) * s
+        usable = min(usable, self.capacity - self._held)
+        self._usable_cache = (self._version, s, usable)
+        return usable
+
+    @staticmethod
+    def _whole_pages(block: Block, start: int) -> int:
+        """Bytes of whole pages of an expandable free block from `start` to its end."""
+        seg = block.seg
+        assert seg is not None
+        first = -(-(start - seg.ptr) // seg.page)
+        last = (block.ptr + block.size - seg.ptr) // seg.page
+        return max(0, last - first) * seg.page
+
+    def _usable_expandable(self, pool: Pool, other: Pool, s: int, g: int) -> int:
+        """Probe units with expandable segments: free blocks serve floor(B/s) (if the
+        max_split rules let them); the free block before the pool's lowest unmapped range
+        grows by whole pages while reserved + g <= cap; when that stops, whole free pages
+        left over in either pool are unmapped (the OOM path) and mapping goes on."""
+        tail = None
+        if pool.unmapped:
+            prev = pool.unmapped[0].prev
+            if prev is not None and not prev.allocated:
+                tail = prev
+        units = reclaim = 0
+        for b in pool.blocks:
+            if b is tail:
+                continue
+            n = self.units(b.size, s)
+            units += n
+            reclaim += self._whole_pages(b, b.ptr + n * s)
+        reclaim += sum(self._whole_pages(b, b.ptr) for b in other.blocks)
+        t = tail.size if tail is not None else 0
+        units += t // s
+        t %= s
+        page = kSmallBuffer if is_small(s) else kLargeBuffer
+        headroom = max(0, self.capacity - self.reserved_bytes)
+        n, headroom, t = self._map_units(headroom, t, s, g, page)
+        units += n
+        n, _, _ = self._map_units(headroom + reclaim, t, s, g, page)
+        return units + n
+
+    @staticmethod
+    def _map_units(headroom: int, tail: int, s: int, g: int, page: int) -> tuple[int, int, int]:
+        """Units of s served by mapping pages after a free tail of `tail` (< s) bytes while
+        headroom >= g (torch's cap check); returns (units, headroom left, tail left)."""
+        if s <= page:  # each map adds one page
+            if headroom < g:
+                return 0, headroom, tail
+            pages = (headroom - g) // page + 1
+            total = tail + pages * page
+            return total // s, headroom - pages * page, total % s
+        units = 0
+        while headroom >= g:
+            mapped = -(-(s - tail) // page) * page
+            headroom -= mapped
+            tail += mapped
+            units += tail // s
+            tail %= s
+        return units, headroom, tail
+
+    def _largest_hole(self) -> int:
+        largest = max(0, self.capacity - self.reserved_bytes)
+        for pool in (self.small_pool, self.large_pool):
+            if pool.blocks:
+                largest = max(largest, pool.blocks[-1].size)
+        return min(largest, self.capacity - self._held)
