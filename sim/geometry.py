@@ -23,7 +23,7 @@ class KVGeometry:
     def __post_init__(self) -> None:
         for field in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model {self.name!r}: {field} must be a positive integer")
 
     @property

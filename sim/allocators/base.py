@@ -90,7 +90,7 @@ class Refusal:
     rid: int
     reason: Reason
     needed: int  # bytes the operation needed
-    free: int  # bytes free at the time
+    free: int  # bytes free at the time (capacity - allocated, as in `free_bytes()`)
     detail: str = ""
 
     def __bool__(self) -> bool:

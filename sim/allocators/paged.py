@@ -120,16 +120,18 @@ class PagedAllocator(Allocator):
         return tuple(new)
 
     def _refusal(self, rid: int, blocks: int, detail: str = "") -> Refusal:
-        free = self.free_blocks() * self.block_bytes
-        return Refusal(rid, Reason.OUT_OF_MEMORY, blocks * self.block_bytes, free, detail)
+        return Refusal(
+            rid, Reason.OUT_OF_MEMORY, blocks * self.block_bytes, self.free_bytes(), detail
+        )
 
     # -------------------------------------------------------------------- hooks
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         rid, bs = live.req.rid, self.block_size
         if -(-live.final // bs) > self.num_blocks:
-            free = self.free_blocks() * self.block_bytes
             need = -(-live.final // bs) * self.block_bytes
-            return Refusal(rid, Reason.TOO_LARGE, need, free, "needs more blocks than exist")
+            return Refusal(
+                rid, Reason.TOO_LARGE, need, self.free_bytes(), "needs more blocks than exist"
+            )
         need = -(-tokens // bs)
         if need > self.free_blocks():
             return self._refusal(rid, need)
