@@ -1,0 +1,96 @@
+"""`kvfrag validate SCENARIO.yaml`: replay simulated allocation logs on real memory (torch).
+
+Exit status: 0 when every replay matches its prediction within tolerance, 1 when any fails,
+2 for a usage error (no torch, no CUDA for --device cuda, a budget over the cap, ...).
+torch is imported only when the command runs, so `kvfrag --help` works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvfrag.config import load_scenario
+from sim.units import format_size, parse_size
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "validate",
+        help="replay a scenario's allocation logs on real memory and compare with the model",
+        description="Simulate each allocator with its allocation log, replay the log on a real "
+        "byte arena / block pool (or through PyTorch's CUDA caching allocator) and compare "
+        "measured bytes with the model's accounting. Writes validate.csv/json/png to "
+        "results/<name>/validate/.",
+    )
+    p.add_argument("scenario", type=Path, help="scenario YAML file")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to replay")
+    p.add_argument(
+        "--mode",
+        choices=("auto", "arena", "paged", "torch", "all"),
+        default="auto",
+        help="arena (contiguous, buddy), paged, torch (CUDA caching allocator), all, or auto: "
+        "one mode per allocator (default)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set kv_budget=64MiB (repeatable)",
+    )
+    p.add_argument(
+        "--cap",
+        help="most device memory to use, e.g. 8GiB (default: half the GPU's free memory; "
+        "2 GiB on cpu)",
+    )
+    p.add_argument(
+        "-o", "--output", type=Path, help="report folder (default results/<name>/validate)"
+    )
+    p.add_argument(
+        "--checkpoints",
+        type=int,
+        default=200,
+        metavar="N",
+        help="measure at most N of the log's checkpoints, spread evenly (default 200; 0: all)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or table")
+    p.set_defaults(func=cmd_validate)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from validate import suite
+    from validate.outcome import FAILING
+    from validate.report import format_table, write_report
+
+    loaded = load_scenario(args.scenario, args.sets)
+    scenario = loaded.scenario
+    suite.check_device(args.device)
+    jobs, skipped = suite.plan(scenario, args.mode, args.device)
+    cap = parse_size(args.cap) if args.cap else suite.default_cap(args.device)
+    suite.check_cap(jobs, args.device, cap)
+    if args.checkpoints < 0:
+        raise ValueError("--checkpoints must be >= 0")
+    out = args.output or Path("results") / scenario.name / "validate"
+    if not args.quiet:
+        print(
+            f"{scenario.name}: {len(jobs)} replay(s) on {args.device}, KV budget "
+            f"{format_size(scenario.budget_bytes)}, cap {format_size(cap)}",
+            file=sys.stderr,
+        )
+
+    def progress(o) -> None:
+        if not args.quiet:
+            print(f"  {o.label} [{o.mode}]: {o.status}", file=sys.stderr)
+
+    outcomes = suite.run_jobs(
+        jobs, loaded.base_dir, args.device, args.checkpoints or None, on_job=progress
+    )
+    outcomes += skipped
+    write_report(outcomes, out, loaded.resolved())
+    if not args.quiet:
+        print(format_table(outcomes))
+        print(f"wrote {out}/")
+    return 1 if any(o.status in FAILING for o in outcomes) else 0

@@ -1,0 +1,96 @@
+"""`kvfrag validate` end to end on CPU: the report, the exit codes, the refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch")
+
+from kvfrag.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "scenarios" / "validate-tiny.yaml")
+SMALL = ["--set", "kv_budget=4MiB", "--set", "workload.transforms.first_n=40"]
+
+
+def test_cli_writes_report_and_passes(tmp_path, capsys):
+    out = tmp_path / "report"
+    rc = main(["validate", TINY, "--device", "cpu", *SMALL, "--checkpoints", "8", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    for name in ("validate.csv", "validate.json", "validate.png", "series.parquet"):
+        assert (out / name).stat().st_size > 0
+    df = pd.read_csv(out / "validate.csv")
+    replayed = df[df["mode"].isin(["arena", "paged"])]
+    assert set(replayed["kind"]) == {"contiguous", "buddy", "paged"}
+    assert (replayed["status"] == "pass").all()
+    assert (replayed["checks"] > 0).all()
+    assert (replayed["token_states_abs_err"] == 0).all()
+    assert (replayed["token_states_tol"] == 0).all()
+    assert set(df.loc[df["kind"] == "torch-caching", "status"]) <= {"skip"}
+    assert json.loads((out / "validate.json").read_text())[0]["label"] == df["label"][0]
+    assert "paged-16" in printed and "pass" in printed
+    assert not list(tmp_path.glob(".report.tmp-*"))
+
+
+def test_cli_cuda_without_cuda_is_a_clear_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    rc = main(["validate", TINY, "--device", "cuda", "-o", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "CUDA is not available" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_refuses_budget_over_cap(tmp_path, capsys):
+    rc = main(["validate", TINY, "--cap", "8MiB", "-o", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "over the cap" in err and "--set kv_budget=" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_torch_mode_needs_cuda(tmp_path, capsys):
+    rc = main(["validate", TINY, "--mode", "torch", "--device", "cpu", "-o", str(tmp_path / "x")])
+    assert rc == 2
+    assert "--mode torch needs --device cuda" in capsys.readouterr().err
+
+
+def test_cli_fails_on_mismatch(tmp_path, capsys, monkeypatch):
+    import validate.replay as replay
+
+    real = replay.MemoryReplay.count
+
+    def off_by_one(self):
+        tokens, held, free = real(self)
+        return tokens + 1, held - 1, free
+
+    monkeypatch.setattr(replay.MemoryReplay, "count", off_by_one)
+    out = tmp_path / "r"
+    rc = main(["validate", TINY, *SMALL, "--mode", "paged", "--checkpoints", "5", "-o", str(out)])
+    assert rc == 1
+    df = pd.read_csv(out / "validate.csv")
+    assert list(df["status"]) == ["fail"]
+    assert df["token_states_abs_err"][0] == 1
+    assert "fail" in capsys.readouterr().out
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvfrag.cli import main\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['validate', '--help'])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
