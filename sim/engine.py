@@ -17,7 +17,8 @@ Iteration semantics (the reference the tests hold the fast path to):
    stops at the first refusal; `admission="skip"` lets later requests that fit jump ahead
    (within `lookahead`). A request is admitted with its prompt plus the first output token's
    slot; with chunked prefill its prompt arrives chunk by chunk over several iterations.
-3. The iteration takes base + a x batched_tokens + c x KV tokens resident seconds.
+3. The iteration takes base + a x batched_tokens + c x KV tokens read seconds, where every
+   sequence reads its whole context (n samples of a request read a shared prompt n times).
 4. At its end, prefilled requests start decoding; a request that stored its final token is
    done and frees its memory (static batching: the batch frees together when all are done).
 
@@ -43,7 +44,7 @@ _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per iteration: base + per_batched_token x batched + per_kv_token x resident."""
+    """Seconds per iteration: base + per_batched_token x batched + per_kv_token x KV read."""
 
     base_s: float = 0.02
     per_batched_token_s: float = 0.0
@@ -96,9 +97,10 @@ class RunResult:
 
 #: Columns of the allocation log. `check` rows carry the model's accounting at that instant:
 #: bytes holding tokens, bytes held but unwritten (reserved + internal) and free bytes.
+#: `move` rows (compaction) carry a slab's new offset in `offset`, its old one in `from_offset`.
 LOG_COLUMNS = (
     "seq", "t", "op", "rid", "tokens", "nbytes", "offset", "blocks",
-    "token_states", "held_unwritten", "free",
+    "token_states", "held_unwritten", "free", "from_offset",
 )
 
 
@@ -169,6 +171,11 @@ class Engine:
     def __init__(self, workload: pd.DataFrame, allocator: Allocator, config: EngineConfig):
         if allocator.live or allocator.total_tokens():
             raise ValueError("the allocator must be fresh (nothing live)")
+        if config.log_allocations and not allocator.loggable:
+            raise ValueError(f"allocation logs do not cover the {allocator.kind} allocator yet")
+        for col in ("n", "beam_width"):
+            if config.log_allocations and col in workload and (workload[col] > 1).any():
+                raise ValueError(f"allocation logs do not cover requests with {col} > 1 yet")
         if not config.chunked_prefill and config.max_num_batched_tokens < allocator.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
@@ -185,6 +192,7 @@ class Engine:
         self.reference = _reference_request(self.reqs)
         self.queue: deque[_Req] = deque()
         self.running: list[_Req] = []  # in admission order: the last one is the victim
+        self.seqs = 0  # sequences running (a request with n samples counts n)
         self.prefilling: list[_Req] = []  # admitted, prompt not fully stored yet
         self.prefilled: list[_Req] = []  # prompt fully stored this iteration
         self.batch_done: list[_Req] = []  # static batching: finished, still holding memory
@@ -195,6 +203,9 @@ class Engine:
         self.rows: list[tuple] = []
         self.integrals = dict.fromkeys(PARTS, 0.0)
         self.busy_running = 0.0  # integral of running requests over time
+        self.saved = 0.0  # integral of bytes saved by sharing
+        self.prompt_lookups = 0  # prompt tokens of every admission
+        self.prefix_hits = 0  # of them found in the prefix cache
         self.max_running = 0
         self.preemptions = 0
         self.recomputed = 0
@@ -237,7 +248,7 @@ class Engine:
                 yield env.timeout(wait)
                 continue
             self._ensure_decode_room()
-            decoders = self.alloc.n_decoding
+            decoders = self.alloc.decoding_weight  # sequences: n samples of a request count n
             if decoders:
                 self.alloc.step(1)
             prefill_tokens = self._schedule(decoders)
@@ -246,7 +257,8 @@ class Engine:
                     raise RuntimeError("engine stalled: requests wait but none can run")
                 continue  # every waiting request was rejected
             if prefill_tokens:
-                dt = self._iteration_time(decoders + prefill_tokens)
+                # A compaction during admission stalls every running request.
+                dt = self._iteration_time(decoders + prefill_tokens) + self._take_stall()
                 self._record(dt, 1)
                 yield env.timeout(dt)
                 self._sync_log()
@@ -293,6 +305,7 @@ class Engine:
         self._log_free(r)
         alloc.free(rid)
         self.running.remove(r)
+        self.seqs -= r.req.n
         if r in self.prefilling:
             self.prefilling.remove(r)
         r.recomputed += stored
@@ -312,14 +325,19 @@ class Engine:
         if cfg.batching == "static" and (self.running or self.batch_done):
             return used  # a static batch admits nobody until it has finished
         queue = self.queue
-        if queue and self.blocked_head == (queue[0].idx, self.alloc.frees):
+        shrinks = self.alloc.steps_until_shrink() is not None
+        if queue and not shrinks and self.blocked_head == (queue[0].idx, self.alloc.frees):
             return used  # FCFS head refused for memory and nothing was freed since
         self.head_reason = None
         i = 0
-        while i < len(self.queue) and len(self.running) < cfg.max_num_seqs and used < budget:
+        while i < len(self.queue) and self.seqs < cfg.max_num_seqs and used < budget:
             r = self.queue[i]
-            chunk = min(r.prefill, budget - used) if cfg.chunked_prefill else r.prefill
-            reason = self._try_admit(r, chunk) if chunk <= budget - used else None
+            if self.seqs + r.req.n > cfg.max_num_seqs:
+                break  # its samples do not fit in the batch
+            hit = self.alloc.cached_prefix_tokens(r.req)  # prefix caching: not computed again
+            work = r.prefill - hit
+            chunk = min(work, budget - used) if cfg.chunked_prefill else work
+            reason = self._try_admit(r, hit, chunk) if chunk <= budget - used else None
             if reason is None and chunk <= budget - used:
                 del self.queue[i]
                 used += chunk
@@ -361,11 +379,11 @@ class Engine:
                     self.prefilled.append(r)
         return used
 
-    def _try_admit(self, r: _Req, chunk: int) -> Reason | None:
+    def _try_admit(self, r: _Req, hit: int, chunk: int) -> Reason | None:
         """Admit `r` with its first chunk; returns the refusal reason, or None if admitted."""
         alloc, cfg = self.alloc, self.cfg
-        whole = chunk == r.prefill
-        tokens = chunk + 1 if whole else chunk
+        whole = hit + chunk == r.prefill
+        tokens = hit + chunk + 1 if whole else hit + chunk
         if cfg.watermark:
             need, keep = alloc.bytes_for(r.req, tokens), cfg.watermark * alloc.capacity
             if need > alloc.capacity - keep:
@@ -373,6 +391,7 @@ class Engine:
             if alloc.free_bytes() - need < keep:
                 return Reason.OUT_OF_MEMORY
         grant = alloc.admit(r.req, tokens, decoding=False)
+        self._apply_moves()
         if not grant:
             if grant.reason is Reason.FRAGMENTED:
                 r.frag_refused = True
@@ -381,11 +400,14 @@ class Engine:
         if math.isnan(r.admitted):
             r.admitted = self.env.now
         r.status = "running"
-        r.prefill_left = r.prefill - chunk
+        r.prefill_left = r.prefill - hit - chunk
+        self.prompt_lookups += r.req.prompt
+        self.prefix_hits += hit
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:
             r.offset = grant.offset
         self.running.append(r)
+        self.seqs += r.req.n
         self.max_running = max(self.max_running, len(self.running))
         (self.prefilled if whole else self.prefilling).append(r)
         return None
@@ -398,26 +420,29 @@ class Engine:
             self._next_of(r, self.env.now)
 
     # ----------------------------------------------------------------- timing
-    def _resident_tokens(self) -> int:
-        return self.alloc.total_tokens() - self.held_done_tokens
+    def _kv_read_tokens(self) -> int:
+        return self.alloc.sequence_tokens() - self.held_done_tokens
 
     def _iteration_time(self, batched: int) -> float:
         st = self.st
         return (
             st.base_s
             + st.per_batched_token_s * batched
-            + st.per_kv_token_s * self._resident_tokens()
+            + st.per_kv_token_s * self._kv_read_tokens()
         )
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
         """How many decode-only iterations run before the next event, and their timing."""
         alloc, st = self.alloc, self.st
         w0 = self._iteration_time(decoders)
-        w1 = st.per_kv_token_s * decoders  # each iteration adds one resident token per decoder
+        w1 = st.per_kv_token_s * decoders  # each iteration adds one token per decoding sequence
         n = 1 + alloc.steps_until_done()
         full = alloc.steps_until_full()
         if full is not None:
             n = min(n, 1 + full)
+        shrink = alloc.steps_until_shrink() if self.queue else None
+        if shrink is not None:  # memory comes back then: the queue head may fit
+            n = min(n, shrink)
         horizon = self.arrivals[0][0] if self.arrivals else math.inf
         if self.cfg.max_time_s is not None:
             horizon = min(horizon, self.cfg.max_time_s)
@@ -449,12 +474,13 @@ class Engine:
         alloc, rid, now = self.alloc, r.req.rid, self.env.now
         r.status = "completed"
         r.finished = now
-        r.generated = alloc.tokens(rid) - r.req.prompt
+        r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt)
         self.running.remove(r)
+        self.seqs -= r.req.n
         if self.cfg.batching == "static":
             alloc.set_decoding(rid, False)
             self.batch_done.append(r)
-            self.held_done_tokens += alloc.tokens(rid)
+            self.held_done_tokens += r.req.n * alloc.tokens(rid)
         else:
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
             r.released = now
@@ -464,20 +490,39 @@ class Engine:
             self._next_of(r, now)
 
     # ---------------------------------------------------------- allocation log
-    def _log_op(self, op: str, rid: int, nbytes: int, offset: int | None, blocks=()) -> None:
+    def _log_op(
+        self, op: str, rid: int, nbytes: int, offset: int | None, blocks=(), from_offset=-1
+    ) -> None:
         if self.log is None:
             return
         alloc = self.alloc
         if op == "free":
             tokens = 0
             self.logged.pop(rid, None)
+        elif op == "move":
+            tokens = alloc.tokens(rid)
         else:
             tokens = alloc.tokens(rid)
             self.logged[rid] = (tokens, len(alloc.block_table(rid)), alloc.allocated_bytes(rid))
         off = -1 if offset is None else offset
         self.log.append(
-            (len(self.log), self.env.now, op, rid, tokens, nbytes, off, list(blocks), 0, 0, 0)
+            (len(self.log), self.env.now, op, rid, tokens, nbytes, off, list(blocks), 0, 0, 0,
+             from_offset)
         )
+
+    def _take_stall(self) -> float:
+        """Seconds the allocator stalled (compaction) since last asked; 0 for most kinds."""
+        take = getattr(self.alloc, "take_stall", None)
+        return take() if take is not None else 0.0
+
+    def _apply_moves(self) -> None:
+        """Slabs the allocator moved (compaction): update their offsets and log the moves."""
+        take = getattr(self.alloc, "take_moves", None)
+        for rid, old, new, nbytes in take() if take is not None else ():
+            r = self.by_rid[rid]
+            if r.offset == old:  # its first slab (other samples' copies have no record here)
+                r.offset = new
+            self._log_op("move", rid, nbytes, new, from_offset=old)
 
     def _log_free(self, r: _Req) -> None:
         if self.log is not None:
@@ -498,7 +543,7 @@ class Engine:
         acc = alloc.account(self._probe())
         self.log.append(
             (len(self.log), self.env.now, "check", -1, alloc.total_tokens(), acc.allocated, -1,
-             [], acc.token_states, acc.reserved + acc.internal, acc.free)
+             [], acc.token_states, acc.reserved + acc.internal, acc.free, -1)
         )
 
     # --------------------------------------------------------------- recording
@@ -510,6 +555,7 @@ class Engine:
         parts = [getattr(acc, p) for p in PARTS]
         for p, v in zip(PARTS, parts, strict=True):
             self.integrals[p] += v * dt
+        self.saved += self.alloc.saved_by_sharing() * dt
         self._row(dt, iterations, parts, acc.largest_hole)
 
     def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
@@ -517,9 +563,11 @@ class Engine:
         probe = self._probe()
         acc = self.alloc.account(probe)
         sums = [getattr(acc, p) * w0 for p in PARTS]
+        self.saved += self.alloc.saved_by_sharing() * w0
         if n > 1:
             more = self.alloc.integrate(n - 1, probe, w0 + w1, w1)
             sums = [s + more[p] for s, p in zip(sums, PARTS, strict=True)]
+            self.saved += more["saved"]
         for p, v in zip(PARTS, sums, strict=True):
             self.integrals[p] += v
         self._row(duration, n, [v / duration for v in sums], acc.largest_hole)
@@ -596,6 +644,13 @@ class Engine:
             **frac,
             "free": frac["usable_free"],
             "kv_utilization": self.integrals["token_states"] / allocated if allocated else 0.0,
+            # Of the memory separate copies would have needed, the share sharing saved.
+            "memory_saved_by_sharing": self.saved / (allocated + self.saved) if self.saved else 0.0,
+            "prefill_tokens_skipped": self.prefix_hits,
+            "prefix_hit_rate_tokens": (
+                self.prefix_hits / self.prompt_lookups if self.prompt_lookups else 0.0
+            ),
+            **self.alloc.summary_stats(),
             "mean_running": self.busy_running / total if total else 0.0,
             "max_running": self.max_running,
             "requests": len(requests),
@@ -606,6 +661,9 @@ class Engine:
             "recomputed_tokens": self.recomputed,
             "frag_refusals": int(requests["frag_refused"].sum()),
             "frag_blocked_s": self.frag_blocked_s,
+            "compactions": getattr(self.alloc, "compactions", 0),
+            "bytes_moved": getattr(self.alloc, "bytes_moved", 0),
+            "stall_s": getattr(self.alloc, "stall_s", 0.0),
             "generated_tokens": generated,
             "throughput_tok_s": generated / span if span else 0.0,
             "throughput_req_s": len(done) / span if span else 0.0,
@@ -649,12 +707,31 @@ def _requests_from(workload: pd.DataFrame) -> list[_Req]:
     max_tokens = workload["max_tokens"].to_numpy() if "max_tokens" in workload else None
     users = workload["user_id"].to_numpy() if "user_id" in workload else None
     think = workload["think_s"].to_numpy(dtype=float) if "think_s" in workload else None
+    samples = workload["n"].to_numpy() if "n" in workload else None
+    beams = workload["beam_width"].to_numpy() if "beam_width" in workload else None
+    hashes = workload["hash_ids"].to_numpy() if "hash_ids" in workload else None
+    chunk = int(workload.attrs.get("hash_block_tokens", 0) or 0)
     reqs = []
     for i in range(n):
         mt = None
         if max_tokens is not None and not pd.isna(max_tokens[i]):
             mt = int(max_tokens[i])
-        r = _Req(i, Request(int(rid[i]), int(prompt[i]), int(output[i]), mt), float(arrival[i]))
+        k = 1 if samples is None or pd.isna(samples[i]) else int(samples[i])
+        width = 1 if beams is None or pd.isna(beams[i]) else int(beams[i])
+        if k > 1 and width > 1:
+            raise ValueError(f"request {rid[i]}: n and beam_width are both above 1")
+        prefix = tuple(int(h) for h in hashes[i]) if hashes is not None and chunk else ()
+        req = Request(
+            int(rid[i]),
+            int(prompt[i]),
+            int(output[i]),
+            mt,
+            n=max(k, width),
+            beam=width > 1,
+            prefix=prefix,
+            prefix_tokens=chunk if prefix else 0,
+        )
+        r = _Req(i, req, float(arrival[i]))
         if users is not None:
             r.user = int(users[i])
             r.think = float(think[i]) if think is not None else 0.0

@@ -174,6 +174,7 @@ class Scenario(_Frozen):
                         capacity=kv.bytes() if isinstance(kv, GpuBudget) else kv,
                         bytes_per_token=geo.bytes_per_token,
                         max_model_len=data["max_model_len"],
+                        geometry=geo,
                         **spec.options,
                     )
                 except (TypeError, ValueError) as exc:
@@ -353,19 +354,26 @@ def run(
         if key not in cache:
             cache[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
         workloads[i] = cache[key]
-        geo = point.geometry
-        allocator = make_allocator(
-            spec.kind,
-            capacity=point.budget_bytes,
-            bytes_per_token=geo.bytes_per_token,
-            max_model_len=point.max_model_len,
-            **spec.options,
-        )
-        result = run_engine(workloads[i].requests, allocator, point.engine_config())
+        result = run_point(point, spec, workloads[i].requests)
         runs.append(PointRun(i, values, spec.label, spec.kind, point, result))
         if on_run is not None:
             on_run(spec.label)
     return ScenarioResult(scenario, workloads, runs)
+
+
+def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> RunResult:
+    """One allocator at one sweep point, on its workload's request table (the unit of work
+    of `run` and of `sim.sweep`'s executors)."""
+    geo = point.geometry
+    allocator = make_allocator(
+        spec.kind,
+        capacity=point.budget_bytes,
+        bytes_per_token=geo.bytes_per_token,
+        max_model_len=point.max_model_len,
+        geometry=geo,
+        **spec.options,
+    )
+    return run_engine(requests, allocator, point.engine_config())
 
 
 def count_runs(scenario: Scenario) -> int:

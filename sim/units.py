@@ -58,3 +58,27 @@ def format_size(nbytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+_RATE_RE = re.compile(
+    r"^\s*([0-9][0-9_,]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*(?:/\s*s)?\s*$"
+)
+
+
+def parse_rate(value: float | str) -> float:
+    """Parse a bandwidth ("4.8TB/s", "900 GB/s", "1.5TiB/s", 2e12) into bytes per second (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a rate")
+    if isinstance(value, int | float):
+        number = float(value)
+    elif isinstance(value, str) and (m := _RATE_RE.match(value)):
+        unit = m.group(2).upper()
+        if unit not in _UNITS:
+            valid = ", ".join(f"{u}/s" for u in _UNITS if u)
+            raise ValueError(f"{value!r}: unknown unit {m.group(2)!r} (valid: {valid})")
+        number = float(Decimal(m.group(1).replace("_", "").replace(",", "")) * _UNITS[unit])
+    else:
+        raise ValueError(f"{value!r} is not a rate (write e.g. 4.8TB/s or 900GB/s)")
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"rate {value!r} must be a positive, finite number of bytes per second")
+    return number

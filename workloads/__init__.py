@@ -50,6 +50,7 @@ from workloads.transforms import (
     scale_rate,
     tile,
     time_window,
+    with_beam_width,
     with_samples_per_prompt,
 )
 
@@ -101,5 +102,6 @@ __all__ = [
     "time_window",
     "trace_stats",
     "validate_requests",
+    "with_beam_width",
     "with_samples_per_prompt",
 ]

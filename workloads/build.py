@@ -28,6 +28,7 @@ from workloads.transforms import (
     scale_rate,
     tile,
     time_window,
+    with_beam_width,
     with_samples_per_prompt,
 )
 
@@ -74,6 +75,8 @@ def build_workload(
         workload = apply_arrivals(workload, closed, rng, base_dir)
     if spec.n is not None:
         workload = with_samples_per_prompt(workload, spec.n)
+    if spec.beam_width is not None:
+        workload = with_beam_width(workload, spec.beam_width)
     validate_requests(workload.requests, workload.source)
     return workload
 

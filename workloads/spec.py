@@ -289,6 +289,7 @@ class WorkloadSpec(_Model):
     synthetic: SyntheticSpec | None = None
     transforms: TransformSpec = TransformSpec()
     n: PositiveInt | None = Field(default=None, description="samples per prompt, all requests")
+    beam_width: PositiveInt | None = Field(default=None, description="beams, all requests")
     seed: int = 0
 
     @model_validator(mode="after")

@@ -11,6 +11,8 @@ pandas DataFrame with these columns, in this order:
 - optional `max_tokens` int64 >= `output_tokens`: the declared output limit, where the source or
   the synthetic spec has one.
 - optional `n` int64 >= 1: samples per prompt (parallel sampling).
+- optional `beam_width` int64 >= 1: beams per prompt (beam search); a request has at most one
+  of `n` > 1 and `beam_width` > 1.
 - optional `hash_ids` (object): one Python `list[int]` of prefix block hashes per request; the
   block size in tokens is `requests.attrs["hash_block_tokens"]` (512 for Mooncake). Equal ids at
   the same leading positions mean a reusable prefix.
@@ -32,11 +34,13 @@ import numpy as np
 import pandas as pd
 
 REQUIRED = ("request_id", "arrival_s", "prompt_tokens", "output_tokens")
-OPTIONAL = ("max_tokens", "n", "hash_ids")
+OPTIONAL = ("max_tokens", "n", "beam_width", "hash_ids")
 CLOSED_LOOP = ("user_id", "think_s")
 #: The full column order; a table holds a subsequence of it.
 COLUMN_ORDER = REQUIRED + OPTIONAL + CLOSED_LOOP
-_INT_COLUMNS = ("request_id", "prompt_tokens", "output_tokens", "max_tokens", "n", "user_id")
+_INT_COLUMNS = (
+    "request_id", "prompt_tokens", "output_tokens", "max_tokens", "n", "beam_width", "user_id"
+)
 _FLOAT_COLUMNS = ("arrival_s", "think_s")
 
 
@@ -141,9 +145,12 @@ def validate_requests(df: pd.DataFrame, source: str) -> pd.DataFrame:
 
     ids = df["request_id"].to_numpy()
     check.fail("request_id", ids != np.arange(len(df)), "is out of sequence (expected 0..n-1)")
-    for name in ("prompt_tokens", "output_tokens", "n"):
+    for name in ("prompt_tokens", "output_tokens", "n", "beam_width"):
         if name in columns:
             check.fail(name, df[name].to_numpy() < 1, "is below 1")
+    if "n" in columns and "beam_width" in columns:
+        both = (df["n"].to_numpy() > 1) & (df["beam_width"].to_numpy() > 1)
+        check.fail("beam_width", both, "is above 1 with n above 1 (sampling or beams, not both)")
     if "max_tokens" in columns:
         limit = df["max_tokens"].to_numpy()
         check.fail("max_tokens", limit < 1, "is below 1")

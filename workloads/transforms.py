@@ -147,6 +147,16 @@ def limit_length(
     return workload.with_requests(clipped, note=note, clipped=count)
 
 
+def with_beam_width(workload: Workload, width: int) -> Workload:
+    """Set `beam_width` (beam search) on every request, replacing any per-request values."""
+    if width < 1:
+        raise WorkloadError(f"beam_width={width} must be at least 1")
+    df = workload.requests.copy()
+    df["beam_width"] = np.full(len(df), width, dtype=np.int64)
+    note = f"beam_width={width} for every request"
+    return workload.with_requests(finish_table(df, rebase=False), note=note)
+
+
 def with_samples_per_prompt(workload: Workload, n: int) -> Workload:
     """Set `n` (samples per prompt) on every request, replacing any per-request values."""
     if n < 1:

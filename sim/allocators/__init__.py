@@ -1,7 +1,8 @@
 """Modeled KV-cache allocators: one protocol (`base`), one allocator per module, a registry.
 
 `make_allocator(kind, capacity=..., bytes_per_token=..., max_model_len=..., **options)` builds
-one by name; an unknown kind or option gets an error that lists the valid ones.
+one by name; an unknown kind or option gets an error that lists the valid ones. Allocators that
+need the model's KV shape (a `geometry` constructor argument) get `geometry=` passed through.
 """
 
 from __future__ import annotations
@@ -20,15 +21,25 @@ from sim.allocators.base import (
 from sim.allocators.buddy import BuddyAllocator
 from sim.allocators.contiguous import ContiguousAllocator, Placement
 from sim.allocators.paged import PagedAllocator
+from sim.allocators.prefix_caching import PrefixCachingAllocator
 from sim.allocators.slab import Reserve
 from sim.allocators.torch_caching import TorchCachingAllocator
+from sim.allocators.vattention import VAttentionAllocator
+from sim.geometry import KVGeometry
 
 REGISTRY: dict[str, type[Allocator]] = {
     cls.kind: cls
-    for cls in (ContiguousAllocator, BuddyAllocator, PagedAllocator, TorchCachingAllocator)
+    for cls in (
+        ContiguousAllocator,
+        BuddyAllocator,
+        PagedAllocator,
+        PrefixCachingAllocator,
+        TorchCachingAllocator,
+        VAttentionAllocator,
+    )
 }
 
-_COMMON = ("capacity", "bytes_per_token", "max_model_len")
+_COMMON = ("capacity", "bytes_per_token", "max_model_len", "geometry")
 
 
 def options_of(kind: str) -> list[str]:
@@ -47,16 +58,32 @@ def allocator_class(kind: str) -> type[Allocator]:
 
 
 def make_allocator(
-    kind: str, *, capacity: int, bytes_per_token: int, max_model_len: int, **options: object
+    kind: str,
+    *,
+    capacity: int,
+    bytes_per_token: int,
+    max_model_len: int,
+    geometry: KVGeometry | None = None,
+    **options: object,
 ) -> Allocator:
-    """Build an allocator by registry name, checking its options by name first."""
+    """Build an allocator by registry name, checking its options by name first.
+
+    `geometry` (the model's KV shape) is passed on to allocators whose constructor takes one
+    and ignored by the rest; it must agree with `bytes_per_token`."""
     cls = allocator_class(kind)
+    if geometry is not None and geometry.bytes_per_token != bytes_per_token:
+        raise ValueError(
+            f"geometry {geometry.name!r} stores {geometry.bytes_per_token} bytes per token, "
+            f"but bytes_per_token is {bytes_per_token}"
+        )
     valid = options_of(kind)
     for name in options:
         if name not in valid:
             raise ValueError(
                 f"allocator {kind!r} has no option {name!r} (valid: {', '.join(valid) or 'none'})"
             )
+    if "geometry" in inspect.signature(cls.__init__).parameters:
+        options["geometry"] = geometry
     return cls(capacity, bytes_per_token, max_model_len, **options)
 
 
@@ -70,11 +97,13 @@ __all__ = [
     "Grant",
     "PagedAllocator",
     "Placement",
+    "PrefixCachingAllocator",
     "Reason",
     "Refusal",
     "Request",
     "Reserve",
     "TorchCachingAllocator",
+    "VAttentionAllocator",
     "allocator_class",
     "make_allocator",
     "options_of",

@@ -56,10 +56,16 @@ class Request:
     prompt: int
     output: int
     max_tokens: int | None = None
+    n: int = 1  # sequences sharing the prompt, generated in lockstep
+    beam: bool = False  # the n sequences are beams (they share more than the prompt)
+    prefix: tuple[int, ...] = ()  # hash chain of the prompt, one hash per chunk of tokens
+    prefix_tokens: int = 0  # tokens per hashed chunk (512 in the Mooncake trace)
 
     def __post_init__(self) -> None:
         if self.prompt < 1 or self.output < 1:
             raise ValueError(f"request {self.rid}: prompt and output must be >= 1 token")
+        if self.n < 1:
+            raise ValueError(f"request {self.rid}: n must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"request {self.rid}: max_tokens must be >= 1")
 
@@ -145,6 +151,12 @@ class Live:
     nbytes: int = 0  # bytes held (slab allocators; paged keeps its own block counts)
     offset: int = -1  # slab allocators: byte offset
     table: list[int] | None = None  # paged: materialised block ids
+    extra: list[int] | None = None  # slab allocators: offsets of the other samples' copies
+    shared: int = 0  # paged: prompt tokens in full blocks, kept once for all samples
+
+    @property
+    def weight(self) -> int:
+        return self.req.n
 
 
 class Allocator(ABC):
@@ -155,6 +167,7 @@ class Allocator(ABC):
     """
 
     kind: ClassVar[str]
+    loggable: ClassVar[bool] = True  # its operations fit the engine's allocation log
 
     def __init__(self, capacity: int, bytes_per_token: int, max_model_len: int) -> None:
         for name, value in (
@@ -169,8 +182,11 @@ class Allocator(ABC):
         self.max_model_len = max_model_len
         self._live: dict[int, Live] = {}
         self._clock = 0  # decode steps taken so far
-        self._fixed_tokens = 0  # sum of tokens over non-decoding requests
-        self._phase_sum = 0  # sum of phases c over decoding requests
+        self._fixed_tokens = 0  # stored tokens of non-decoding requests
+        self._phase_sum = 0  # sum of stored(c) over decoding requests: n*c less shared
+        self._dec_weight = 0  # sequences decoding: stored tokens gained per step
+        self._fixed_seq = 0  # sum of n*L over non-decoding requests
+        self._seq_phase_sum = 0  # sum of n*c over decoding requests
         self._done = SortedList()  # (final - c, rid): the clock at which each decoder is done
         self.frees = 0  # how many frees so far: memory can only come back through one
 
@@ -195,8 +211,47 @@ class Allocator(ABC):
         """Tokens request `rid` will store when done (after truncation at its reservation)."""
         return self._get(rid).final
 
+    @property
+    def decoding_weight(self) -> int:
+        """Sequences in the decode cohort (a request with n samples counts n)."""
+        return self._dec_weight
+
     def total_tokens(self) -> int:
-        return self._fixed_tokens + self._phase_sum + self.n_decoding * self._clock
+        """Distinct tokens stored by every live request (shared ones once)."""
+        return self._linear_tokens() + self._token_terms()
+
+    def sequence_tokens(self) -> int:
+        """Tokens over every sequence, shared ones once per sequence: what attention reads."""
+        return self._fixed_seq + self._seq_phase_sum + self._dec_weight * self._clock
+
+    def _linear_tokens(self) -> int:
+        return self._fixed_tokens + self._phase_sum + self._dec_weight * self._clock
+
+    def stored_tokens(self, rid: int) -> int:
+        live = self._get(rid)
+        return self._stored(live, self.tokens(rid))
+
+    def _stored(self, live: Live, tokens: int) -> int:
+        """Distinct tokens a request stores when each of its sequences holds `tokens`.
+
+        Slabs cannot share: n sequences store n copies. Paged allocators count shared
+        tokens once."""
+        return live.req.n * tokens
+
+    def _linear(self, live: Live, phase: int) -> int:
+        """The part of `_stored(live, phase + K)` that is linear in K, at K = 0; the rest
+        (floor terms of shared blocks) is the allocator's `_token_terms`."""
+        return self._stored(live, phase)
+
+    def _token_terms(self) -> int:
+        """Stored tokens of decoders that are not linear in the clock (paged beams)."""
+        return 0
+
+    def _integrate_token_terms(self, n: int, w0: float, w1: float, weight: float) -> float:
+        return self._token_terms() * weight
+
+    def _integrate_saved(self, n: int, w0: float, w1: float, weight: float) -> float:
+        return self.saved_by_sharing() * weight
 
     def steps_until_done(self) -> int | None:
         """Steps until the first decoding request reaches its final length (None: no decoder)."""
@@ -216,6 +271,10 @@ class Allocator(ABC):
 
     def steps_until_full(self) -> int | None:
         """Steps every decoder can take before an allocation fails (None: never)."""
+        return None
+
+    def steps_until_shrink(self) -> int | None:
+        """Steps until a step gives memory back without a free (None: steps never do)."""
         return None
 
     @abstractmethod
@@ -256,7 +315,8 @@ class Allocator(ABC):
         if result:
             live.base = tokens
             self._live[req.rid] = live
-            self._fixed_tokens += tokens
+            self._fixed_tokens += self._stored(live, tokens)
+            self._fixed_seq += live.weight * tokens
             if decoding:
                 self.set_decoding(req.rid, True)
         return result
@@ -270,10 +330,12 @@ class Allocator(ABC):
         was_decoding = live.decoding
         if was_decoding:
             self.set_decoding(rid, False)
+        before = self._stored(live, old)  # before `_grow`, which may share some of it
         result = self._grow(live, old, old + n)
         if result:
+            self._fixed_tokens += self._stored(live, old + n) - before
+            self._fixed_seq += live.weight * n
             live.base += n
-            self._fixed_tokens += n
         if was_decoding:
             self.set_decoding(rid, True)
         return result
@@ -287,15 +349,21 @@ class Allocator(ABC):
             tokens = live.base
             live.base = tokens - self._clock
             live.decoding = True
-            self._fixed_tokens -= tokens
-            self._phase_sum += live.base
+            self._fixed_tokens -= self._stored(live, tokens)
+            self._fixed_seq -= live.weight * tokens
+            self._phase_sum += self._linear(live, live.base)
+            self._seq_phase_sum += live.weight * live.base
+            self._dec_weight += live.weight
             self._done.add((live.final - live.base, rid))
         else:
             self._done.remove((live.final - live.base, rid))
-            self._phase_sum -= live.base
+            self._phase_sum -= self._linear(live, live.base)
+            self._seq_phase_sum -= live.weight * live.base
+            self._dec_weight -= live.weight
             live.base += self._clock
             live.decoding = False
-            self._fixed_tokens += live.base
+            self._fixed_tokens += self._stored(live, live.base)
+            self._fixed_seq += live.weight * live.base
         self._cohort_changed(live, decoding)
 
     def step(self, n: int = 1) -> Grant | Refusal:
@@ -319,13 +387,26 @@ class Allocator(ABC):
         self.set_decoding(rid, False)
         nbytes = self.allocated_bytes(rid)
         self._release(live)
-        self._fixed_tokens -= live.base
+        self._fixed_tokens -= self._stored(live, live.base)
+        self._fixed_seq -= live.weight * live.base
         del self._live[rid]
         self.frees += 1
         return nbytes
 
     def free_bytes(self) -> int:
         return self.capacity - self._allocated_total()
+
+    def saved_by_sharing(self) -> int:
+        """Bytes separate copies of the shared tokens would need on top of what is held."""
+        return 0
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """Prompt tokens `admit(req)` would find cached and not need to compute again."""
+        return 0
+
+    def summary_stats(self) -> dict[str, float | int]:
+        """Allocator-specific figures for the run's summary."""
+        return {}
 
     def account(self, probe: Request | None = None) -> Accounting:
         """The budget's five parts now. `probe` is the request the free space is judged by."""
@@ -359,7 +440,11 @@ class Allocator(ABC):
         weight = n * w0 + w1 * n * (n - 1) / 2
         # sum_j j * w_j for j = 1..n
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3
-        tokens = b * (self.total_tokens() * weight + self.n_decoding * jw)
+        tokens = b * (
+            self._linear_tokens() * weight
+            + self._dec_weight * jw
+            + self._integrate_token_terms(n, w0, w1, weight)
+        )
         allocated, internal = self._integrate_held(n, w0, w1, weight)
         usable, external = self._integrate_free(probe, weight, allocated)
         return {
@@ -368,6 +453,7 @@ class Allocator(ABC):
             "internal": internal,
             "external": external,
             "usable_free": usable,
+            "saved": self._integrate_saved(n, w0, w1, weight),
         }
 
     # ------------------------------------------------------------------ hooks

@@ -5,10 +5,22 @@ blocks as it grows, one per `block_size` tokens, from any place in the pool: no 
 no holes. Its only waste is the unfilled tail of its last block (internal fragmentation, at
 most block_size - 1 tokens) and the budget's tail too small for one block (external).
 
+Sharing (a request with n sequences, generated in lockstep):
+- parallel sampling keeps the prompt's S full blocks once, by reference; each sample copies
+  the partial last prompt block (copy on write at its first token) and grows its own blocks:
+  n*ceil(L/bs) - (n-1)*S blocks;
+- beam search shares more: beams keep one trunk of full blocks and a private copy of the
+  current partial block each. When the partial blocks fill, the beams are pruned back to one
+  trunk (the model's simplification of beam genealogy: beams coalesce within a block):
+  n*ceil(L/bs) - (n-1)*floor(L/bs) blocks, n*L - (n-1)*bs*floor(L/bs) distinct tokens.
+Shared tokens count once in token_states; `saved_by_sharing` is what copies would add.
+Internal fragmentation is each sequence's unfilled last block at its final length.
+
 Speed: the decode cohort advances together, so per-request block counts are never updated
-one by one. A decoder with phase c holds ceil((c + K)/bs) blocks at clock K; writing
-c + bs - 1 = q*bs + r, that is q + floor((r + K)/bs), so the cohort's total is kept as
-sum(q) plus a count of decoders per residue r: O(block_size) per query, however many run.
+one by one. Every count above is a sum of terms coef * floor((c + K + o)/bs) in the decode
+clock K (c a request's phase, o an offset); writing c + o = q*bs + r that is
+q + floor((r + K)/bs), so each sum is kept as sum(coef*q) plus signed counts per residue r
+(`FloorSum`): O(block_size) per query, however many requests run.
 Block ids are handed out lazily (at admission, `grow`, and `block_table`), from a LIFO free
 stack; the free-block count is always exact, and ids are fungible until someone asks for them.
 """
@@ -17,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from sortedcontainers import SortedList
 
 from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
@@ -35,6 +48,59 @@ def _p2(y: int, bs: int) -> int:
     return full + q * (m * q * bs + m * (m - 1) // 2)
 
 
+class FloorSum:
+    """sum_i coef_i * floor((x_i + K)/bs) over registered terms, as a function of the clock K."""
+
+    def __init__(self, bs: int) -> None:
+        self.bs = bs
+        self.cnt = [0] * bs  # signed coefficients per residue r of x
+        self.q = 0  # sum of coef * floor(x / bs)
+        self.per = 0  # sum of coef: what every bs steps add
+
+    def add(self, x: int, coef: int) -> None:
+        q, r = divmod(x, self.bs)
+        self.cnt[r] += coef
+        self.q += coef * q
+        self.per += coef
+
+    def value(self, k: int) -> int:
+        q, m = divmod(k, self.bs)
+        return self.q + self.per * q + (sum(self.cnt[self.bs - m :]) if m else 0)
+
+    def integrate(self, k: int, n: int, w0: float, w1: float, weight: float) -> float:
+        """sum over j = 1..n of (w0 + w1*(j-1)) * value(k + j), exactly per residue class."""
+        bs = self.bs
+        total = self.q * weight
+        for r, count in enumerate(self.cnt):
+            if count:
+                whole, m0 = divmod(r + k + 1, bs)
+                u1 = _p1(m0 + n, bs) - _p1(m0, bs)
+                u2 = _p2(m0 + n, bs) - _p2(m0, bs) - m0 * u1
+                total += count * (whole * weight + w0 * u1 + w1 * u2)
+        return total
+
+    def steps_within(self, k: int, budget: int) -> int | None:
+        """Most steps t such that value(k + t') - value(k) <= budget for every t' <= t."""
+        bs = self.bs
+        if not any(self.cnt):
+            return None
+        # What step t of a period adds: the terms whose x + k + t crosses a multiple of bs.
+        idx = (-(k + np.arange(1, bs + 1))) % bs
+        prefix = np.cumsum(np.asarray(self.cnt, dtype=np.int64)[idx])
+        best = None
+        for t, p in enumerate(prefix.tolist(), start=1):
+            if p > budget:
+                periods = 0
+            elif self.per > 0:
+                periods = (budget - p) // self.per + 1
+            else:
+                continue  # never exceeds at this phase of the period
+            steps = periods * bs + t
+            if best is None or steps < best:
+                best = steps
+        return None if best is None else best - 1
+
+
 class PagedAllocator(Allocator):
     """Fixed-size KV blocks taken on demand."""
 
@@ -50,10 +116,12 @@ class PagedAllocator(Allocator):
         self.block_bytes = block_size * bytes_per_token
         self.num_blocks = capacity // self.block_bytes
         self._stack = list(range(self.num_blocks - 1, -1, -1))  # free ids; pop() gives 0 first
-        self._fixed_blocks = 0  # blocks of non-decoding requests
-        self._fixed_internal = 0  # their internal fragmentation, bytes
-        self._cnt = [0] * block_size  # decoders per residue r
-        self._gq = 0  # sum of q over decoders
+        self._fixed_blocks = 0  # blocks of non-decoding requests, and decoders' constants
+        self._fixed_internal = 0  # internal fragmentation of non-decoding requests, bytes
+        self._fixed_saved = 0  # blocks sharing saves that do not move with the clock
+        self._blocks = FloorSum(block_size)  # decoders' blocks
+        self._tokens = FloorSum(block_size)  # decoders' stored tokens beyond n*(c + K)
+        self._saved = FloorSum(block_size)  # decoders' saved blocks that move (beams)
         self._dec_internal = 0  # internal bytes of decoders already in their last block
         self._pending = SortedList()  # (clock at which a decoder reaches its last block, rid)
 
@@ -62,57 +130,95 @@ class PagedAllocator(Allocator):
         return self.num_blocks - self._blocks_total()
 
     def blocks_of(self, rid: int) -> int:
-        return -(-self.tokens(rid) // self.block_size)
+        return self._blocks_at(self._get(rid), self.tokens(rid))
 
     def allocated_bytes(self, rid: int) -> int:
         return self.blocks_of(rid) * self.block_bytes
 
     def bytes_for(self, req: Request, tokens: int) -> int:
-        return -(-tokens // self.block_size) * self.block_bytes
+        return self._count_blocks(req, tokens, req.prompt // self.block_size) * self.block_bytes
+
+    def saved_by_sharing(self) -> int:
+        saved = self._fixed_saved + self._saved.value(self._clock)
+        return saved * self.block_bytes
 
     def block_table(self, rid: int) -> tuple[int, ...]:
-        """The request's block ids, in token order (handing out any not yet named)."""
+        """The request's block ids (a group's shared ones first), handing out any not yet named."""
         live = self._get(rid)
         self._materialize(live, self.blocks_of(rid))
         return tuple(live.table or ())
 
     def steps_until_full(self) -> int | None:
-        n_dec = self.n_decoding
-        if not n_dec:
-            return None
-        bs = self.block_size
-        free = self.free_blocks()
-        periods, left = divmod(free, n_dec)  # every bs steps each decoder takes one block
-        base = self._clock + periods * bs
-        taken = 0
-        for t in range(1, bs + 1):
-            taken += self._cnt[-(base + t) % bs]
-            if taken > left:
-                return periods * bs + t - 1
-        raise AssertionError("unreachable: a full period takes one block per decoder")
+        return self._blocks.steps_within(self._clock, self.free_blocks())
+
+    def steps_until_shrink(self) -> int | None:
+        # Beams are pruned back to one trunk when their length reaches a multiple of bs.
+        bs, k = self.block_size, self._clock
+        steps = [(-(r + k) % bs) or bs for r, count in enumerate(self._saved.cnt) if count]
+        return min(steps) if steps else None
+
+    # ------------------------------------------------------------ group counts
+    def _count_blocks(self, req: Request, tokens: int, shared_blocks: int) -> int:
+        n, bs = self._sequences(req, tokens), self.block_size
+        kept = tokens // bs if req.beam else shared_blocks
+        return n * -(-tokens // bs) - (n - 1) * kept
+
+    @staticmethod
+    def _sequences(req: Request, tokens: int) -> int:
+        """A group is one sequence while its prompt is prefilled; it forks after."""
+        return req.n if tokens > req.prompt else 1
+
+    def _blocks_at(self, live: Live, tokens: int) -> int:
+        """Blocks a request holds when each of its sequences stores `tokens` tokens."""
+        return self._count_blocks(live.req, tokens, live.shared // self.block_size)
+
+    def _saved_at(self, live: Live, tokens: int) -> int:
+        n, bs = self._sequences(live.req, tokens), self.block_size
+        return (n - 1) * (tokens // bs if live.req.beam else live.shared // bs)
+
+    def _stored(self, live: Live, tokens: int) -> int:
+        n, bs = self._sequences(live.req, tokens), self.block_size
+        kept = tokens // bs * bs if live.req.beam else live.shared
+        return n * tokens - (n - 1) * kept
+
+    def _linear(self, live: Live, phase: int) -> int:
+        n = live.req.n
+        return n * phase if live.req.beam else n * phase - (n - 1) * live.shared
+
+    def _token_terms(self) -> int:
+        return self._tokens.value(self._clock)
+
+    def _integrate_token_terms(self, n: int, w0: float, w1: float, weight: float) -> float:
+        return self._tokens.integrate(self._clock, n, w0, w1, weight)
+
+    def _integrate_saved(self, n: int, w0: float, w1: float, weight: float) -> float:
+        moving = self._saved.integrate(self._clock, n, w0, w1, weight)
+        return (self._fixed_saved * weight + moving) * self.block_bytes
 
     # ---------------------------------------------------------------- internals
     def _blocks_total(self) -> int:
-        bs, k = self.block_size, self._clock
-        q, m = divmod(k, bs)
-        crossed = sum(self._cnt[bs - m :]) if m else 0
-        return self._fixed_blocks + self._gq + self.n_decoding * q + crossed
+        return self._fixed_blocks + self._blocks.value(self._clock)
 
     def _waste(self, live: Live) -> int:
-        """Bytes of the last block a request will never fill."""
-        return (-live.final % self.block_size) * self.bytes_per_token
+        """Bytes of the last blocks a request's sequences will never fill."""
+        return live.req.n * (-live.final % self.block_size) * self.bytes_per_token
 
     def _tail_waste(self, live: Live, tokens: int) -> int:
         """Internal fragmentation of a request holding `tokens` tokens (only its last block)."""
         bs = self.block_size
         held = -(-tokens // bs) * bs
-        return max(0, held - live.final) * self.bytes_per_token
+        n = self._sequences(live.req, tokens)
+        return n * max(0, held - live.final) * self.bytes_per_token
 
     def _materialize(self, live: Live, blocks: int) -> tuple[int, ...]:
         table = live.table if live.table is not None else []
         live.table = table
         need = blocks - len(table)
-        if need <= 0:
+        if need < 0:  # beams pruned back to one trunk: the extra blocks go back
+            self._stack.extend(reversed(table[need:]))
+            del table[need:]
+            return ()
+        if need == 0:
             return ()
         new = self._stack[-need:][::-1]
         del self._stack[-need:]
@@ -127,48 +233,62 @@ class PagedAllocator(Allocator):
     # -------------------------------------------------------------------- hooks
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         rid, bs = live.req.rid, self.block_size
-        if -(-live.final // bs) > self.num_blocks:
-            need = -(-live.final // bs) * self.block_bytes
+        live.shared = live.req.prompt // bs * bs  # full prompt blocks, kept once
+        most = max(self._blocks_at(live, t) for t in (tokens, live.final))
+        if live.req.beam:  # beams peak just after their last block boundary
+            most = max(most, self._blocks_at(live, max(tokens, (live.final - 1) // bs * bs + 1)))
+        if most > self.num_blocks:
+            need = most * self.block_bytes
             return Refusal(
                 rid, Reason.TOO_LARGE, need, self.free_bytes(), "needs more blocks than exist"
             )
-        need = -(-tokens // bs)
+        need = self._blocks_at(live, tokens)
         if need > self.free_blocks():
             return self._refusal(rid, need)
         ids = self._materialize(live, need)
         self._fixed_blocks += need
         self._fixed_internal += self._tail_waste(live, tokens)
+        self._fixed_saved += self._saved_at(live, tokens)
         return Grant(rid, need * self.block_bytes, live.cap, blocks=ids)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
-        bs = self.block_size
-        have, want = -(-old // bs), -(-new // bs)
+        have, want = self._blocks_at(live, old), self._blocks_at(live, new)
         if want - have > self.free_blocks():
             return self._refusal(live.req.rid, want - have)
         ids = self._materialize(live, want)
         self._fixed_blocks += want - have
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
-        return Grant(live.req.rid, (want - have) * self.block_bytes, live.cap, blocks=ids)
+        self._fixed_saved += self._saved_at(live, new) - self._saved_at(live, old)
+        return Grant(live.req.rid, max(0, want - have) * self.block_bytes, live.cap, blocks=ids)
 
     def _release(self, live: Live) -> None:
         tokens = live.base
-        self._fixed_blocks -= -(-tokens // self.block_size)
+        self._fixed_blocks -= self._blocks_at(live, tokens)
         self._fixed_internal -= self._tail_waste(live, tokens)
+        self._fixed_saved -= self._saved_at(live, tokens)
         if live.table:
             self._stack.extend(reversed(live.table))
         live.table = None
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
-        bs, rid = self.block_size, live.req.rid
+        bs, rid, n = self.block_size, live.req.rid, live.req.n
         phase = live.base if decoding else live.base - self._clock
         tokens = phase + self._clock
-        q, r = divmod(phase + bs - 1, bs)
-        reach = bs * (-(-live.final // bs) - 1) + 1 - phase  # clock of entering the last block
         sign = 1 if decoding else -1
-        self._cnt[r] += sign
-        self._gq += sign * q
-        self._fixed_blocks -= sign * -(-tokens // bs)
+        # Move the request between the fixed counts and the clocked ones.
+        self._fixed_blocks -= sign * self._blocks_at(live, tokens)
         self._fixed_internal -= sign * self._tail_waste(live, tokens)
+        self._fixed_saved -= sign * self._saved_at(live, tokens)
+        self._blocks.add(phase + bs - 1, sign * n)  # n * ceil((c + K)/bs)
+        if live.req.beam:
+            self._blocks.add(phase, -sign * (n - 1))  # - (n-1) * floor((c + K)/bs)
+            self._tokens.add(phase, -sign * (n - 1) * bs)
+            self._saved.add(phase, sign * (n - 1))
+        else:
+            shared = live.shared // bs
+            self._fixed_blocks -= sign * (n - 1) * shared
+            self._fixed_saved += sign * (n - 1) * shared
+        reach = bs * (-(-live.final // bs) - 1) + 1 - phase  # clock of entering the last block
         if decoding:
             if reach <= self._clock:
                 self._dec_internal += self._waste(live)
@@ -199,16 +319,8 @@ class PagedAllocator(Allocator):
         return self._usable_free(None)
 
     def _integrate_held(self, n: int, w0: float, w1: float, weight: float) -> tuple[float, float]:
-        bs, k = self.block_size, self._clock
-        # sum_j w_j * decoder blocks at clock k+j, j = 1..n, per residue class.
-        blocks = (self._fixed_blocks + self._gq) * weight
-        for r, count in enumerate(self._cnt):
-            if not count:
-                continue
-            whole, m0 = divmod(r + k + 1, bs)
-            u1 = _p1(m0 + n, bs) - _p1(m0, bs)
-            u2 = _p2(m0 + n, bs) - _p2(m0, bs) - m0 * u1
-            blocks += count * (whole * weight + w0 * u1 + w1 * u2)
+        k = self._clock
+        blocks = self._fixed_blocks * weight + self._blocks.integrate(k, n, w0, w1, weight)
         internal = (self._fixed_internal + self._dec_internal) * weight
         for reach, rid in self._pending.irange(maximum=(k + n, math.inf)):
             j0 = reach - k  # first step (1-based) spent in the last block

@@ -10,7 +10,8 @@ Every reservation is capped at max_model_len. A request whose real final length 
 reservation ends at the reservation, as a server enforcing max_tokens would end it.
 
 The slab never changes size, so between admissions the allocated bytes are constant and
-`step` only moves the decode clock.
+`step` only moves the decode clock. Slabs cannot share: a request with n samples (parallel
+sampling) gets n slabs, each holding its own copy of the prompt's keys and values.
 """
 
 from __future__ import annotations
@@ -85,38 +86,52 @@ class SlabAllocator(Allocator):
         """The largest slab an empty allocator could hold."""
 
     def bytes_for(self, req: Request, tokens: int) -> int:
-        return self.slab_bytes(min(self.reservation_tokens(req), self.max_model_len))
+        return req.n * self.slab_bytes(min(self.reservation_tokens(req), self.max_model_len))
 
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
-        rid = live.req.rid
-        nbytes = self.slab_bytes(live.cap)
+        rid, copies = live.req.rid, live.req.n
+        one = self.slab_bytes(live.cap)
+        nbytes = copies * one
         free = self.capacity - self._held
-        if nbytes > self._max_slab():
+        if one > self._max_slab() or nbytes > self.capacity:
             return Refusal(rid, Reason.TOO_LARGE, nbytes, free, "slab larger than the budget")
         if nbytes > free:
             return Refusal(rid, Reason.OUT_OF_MEMORY, nbytes, free)
-        offset = self._place(nbytes)
-        if offset is None:
-            return Refusal(rid, Reason.FRAGMENTED, nbytes, free, "no free hole is large enough")
-        live.offset, live.nbytes = offset, nbytes
+        offsets: list[int] = []
+        for _ in range(copies):  # one slab per sample, all or none
+            offset = self._place(one)
+            if offset is None:
+                for placed in offsets:
+                    self._unplace(placed, one)
+                detail = "no free hole is large enough"
+                return Refusal(rid, Reason.FRAGMENTED, nbytes, free, detail)
+            offsets.append(offset)
+        live.offset, live.nbytes = offsets[0], nbytes
+        live.extra = offsets[1:] or None
         self._held += nbytes
-        self._written += min(nbytes, self.bytes_per_token * live.final)
-        return Grant(rid, nbytes, live.cap, offset=offset)
+        self._written += copies * min(one, self.bytes_per_token * live.final)
+        return Grant(rid, nbytes, live.cap, offset=offsets[0])
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         return Grant(live.req.rid, 0, live.cap, offset=live.offset)
 
     def _release(self, live: Live) -> None:
-        self._unplace(live.offset, live.nbytes)
+        one = live.nbytes // live.req.n
+        for offset in (live.offset, *(live.extra or ())):
+            self._unplace(offset, one)
         self._held -= live.nbytes
-        self._written -= min(live.nbytes, self.bytes_per_token * live.final)
+        self._written -= live.req.n * min(one, self.bytes_per_token * live.final)
 
     def allocated_bytes(self, rid: int) -> int:
         return self._get(rid).nbytes
 
     def slabs(self) -> list[tuple[int, int, int]]:
-        """(offset, bytes, rid) of every live slab, by offset."""
-        return sorted((lv.offset, lv.nbytes, rid) for rid, lv in self._live.items())
+        """(offset, bytes, rid) of every live slab (one per sample), by offset."""
+        return sorted(
+            (offset, lv.nbytes // lv.req.n, rid)
+            for rid, lv in self._live.items()
+            for offset in (lv.offset, *(lv.extra or ()))
+        )
 
     def _allocated_total(self) -> int:
         return self._held

@@ -49,10 +49,13 @@ Accounting (per the protocol in `base`; b = bytes per token):
     unit (the OOM path would cudaFree them first) serves floor(H/g) fresh segments, each with
     the units a fresh g-byte segment gives. This is exact: it equals s x the number of probe
     allocations that would succeed in a row (the tests check it by simulation).
-  * expandable: free blocks serve floor(B/s); the free block before the pool's lowest unmapped
-    range grows page by page while reserved + g <= cap, then the whole free pages left in either
-    pool (what the OOM path unmaps) are mapped again the same way. A close lower bound (the
-    order in which torch refills unmapped holes is not followed).
+  * expandable: the malloc path is replayed in bulk on a light copy of pool P's segments: free
+    blocks serve floor(B/s); then each map goes to the lowest unmapped hole whose run (from the
+    free block before it) holds s, maps pages from the hole's start while reserved + g <= cap,
+    and the merged block serves floor(C/s), its leftover staying free before the rest of the
+    hole; when the cap check fails the whole free pages of both pools are unmapped (the OOM
+    path) and mapping goes on. Exact as well (with max_split_size set the probe allocations
+    are replayed one by one on a copy of the pools: exact, but linear in their number).
   The result is capped at `free` (expandable mapping may pass the cap by under a page).
 - external = free - usable_free: reserved-but-unallocated memory that fits no probe (split
   remainders, the other pool's cached blocks, segment tails) plus headroom that cannot hold a
@@ -84,6 +87,7 @@ kRoundLarge = 2 * MiB
 kLargeBuffer = 20 * MiB
 ADDRESS_BASE = 0x7F00_0000_0000  # first segment address (virtual, never reused)
 SEGMENT_ALIGN = 2 * MiB
+_ALLOC, _FREE, _UNMAPPED, _SEP = range(4)  # item kinds of the expandable free-space replay
 
 STAT_NAMES = (
     "allocation",
@@ -306,9 +310,18 @@ class TorchCachingAllocator(SlabAllocator):
     # ------------------------------------------------------------ slab hooks
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         rid = live.req.rid
+        if live.req.n > 1:
+            raise ValueError("torch-caching models one allocation per request, not n > 1 samples")
         nbytes = self.slab_bytes(live.cap)
         free = self.capacity - self._held
         offset = self._place(nbytes)
+        if offset is not None and self._active[offset].size > free:
+            # Expandable segments can map the last page past the fraction's cap, and torch
+            # grants the allocation. The model hands it straight back and refuses, so that
+            # allocated memory never exceeds the budget it accounts (a known divergence).
+            size = self._active[offset].size
+            self._unplace(offset, size)
+            return Refusal(rid, Reason.OUT_OF_MEMORY, size, free, "maps past the memory cap")
         if offset is None:
             rounded = self.round_size(nbytes)
             if get_allocation_size(rounded) > self.capacity:
@@ -827,51 +840,205 @@ class TorchCachingAllocator(SlabAllocator):
         return max(0, last - first) * seg.page
 
     def _usable_expandable(self, pool: Pool, other: Pool, s: int, g: int) -> int:
-        """Probe units with expandable segments: free blocks serve floor(B/s) (if the
-        max_split rules let them); the free block before the pool's lowest unmapped range
-        grows by whole pages while reserved + g <= cap; when that stops, whole free pages
-        left over in either pool are unmapped (the OOM path) and mapping goes on."""
-        tail = None
-        if pool.unmapped:
-            prev = pool.unmapped[0].prev
-            if prev is not None and not prev.allocated:
-                tail = prev
-        units = reclaim = 0
-        for b in pool.blocks:
-            if b is tail:
-                continue
-            n = self.units(b.size, s)
-            units += n
-            reclaim += self._whole_pages(b, b.ptr + n * s)
-        reclaim += sum(self._whole_pages(b, b.ptr) for b in other.blocks)
-        t = tail.size if tail is not None else 0
-        units += t // s
-        t %= s
-        page = kSmallBuffer if is_small(s) else kLargeBuffer
-        headroom = max(0, self.capacity - self.reserved_bytes)
-        n, headroom, t = self._map_units(headroom, t, s, g, page)
-        units += n
-        n, _, _ = self._map_units(headroom + reclaim, t, s, g, page)
-        return units + n
+        """Probe units with expandable segments: the malloc path replayed on a light copy of
+        the pool's segments (address-ordered [kind, ptr, size, segment ptr] items), in bulk.
+
+        With no max_split_size every free block >= s serves floor(B/s) first (best fit takes
+        them all before anything is mapped), leaving B mod s at its end. Then each
+        alloc_block: the cap check (reserved + g <= cap, else release_cached_blocks unmaps
+        whole free pages in both pools and the check is retried once, failing -> OOM), the
+        first hole (by address) whose run from its free predecessor holds s, pages mapped
+        from the hole's start until the merged block reaches s, and that block serves
+        floor(C/s) with C mod s left free before the rest of the hole. With s <= page every
+        map is one page in the same hole, so a hole is mapped as far as the headroom allows
+        in one go. max_split_size changes none of this unless get_free_block could meet a block
+        it refuses: an initial free block >= M (s < M) or >= s + 20 MiB (s >= M), or a mapped
+        block's leftover (< s + page) reaching M; then the probe allocations are replayed one
+        by one on a copy of the pools instead (exact, linear in their number)."""
+        page = kSmallBuffer if pool.is_small else kLargeBuffer
+        M = self.max_split_size
+        if M is not None:
+            largest = pool.blocks[-1].size if pool.blocks else 0
+            if (s < M and (s + page > M or largest >= M)) or (
+                s >= M and largest >= s + kLargeBuffer
+            ):
+                return self._units_by_replay(s)
+        cap = self.capacity
+        units = 0
+        items: list[list[int]] = []
+        for it in self._expandable_items(pool):
+            if it[0] == _FREE and it[2] >= s:
+                k, rem = divmod(it[2], s)
+                units += k
+                items.append([_ALLOC, it[1], k * s, it[3]])
+                if rem:
+                    items.append([_FREE, it[1] + k * s, rem, it[3]])
+            else:
+                items.append(it)
+        reserved = self.reserved_bytes
+        other_pages = sum(self._whole_pages(b, b.ptr) for b in other.blocks)
+        next_addr = self._next_addr
+        start = 0  # holes before this index lack space (until pages are unmapped)
+        while True:
+            if reserved + g > cap:  # the OOM path: release_cached_blocks, then one retry
+                items, unmapped = self._unmap_free_pages(items, page)
+                reserved -= unmapped + other_pages
+                other_pages, start = 0, 0
+                if reserved + g > cap:
+                    return units
+            pos = self._find_expandable(items, start, s)
+            if pos is None:  # a new segment
+                size = -(-(cap + cap // 8) // page) * page
+                ptr, next_addr = next_addr, -(-(next_addr + size) // SEGMENT_ALIGN) * SEGMENT_ALIGN
+                pos = len(items) + 1
+                items += [[_SEP, ptr, 0, ptr], [_UNMAPPED, ptr, size, ptr]]
+            start = pos
+            base, segptr = items[pos][1], items[pos][3]
+            j, cur = pos, 0
+            if items[j][0] == _FREE:
+                cur, j = items[j][2], j + 1
+            rest = None
+            while True:
+                hole = items[j]
+                assert hole[0] == _UNMAPPED
+                # s <= page: one page per malloc, while the cap check passes
+                n = (cap - reserved - g) // page + 1 if s <= page else -(-(s - cur) // page)
+                m = min(n * page, hole[2])
+                reserved += m
+                cur += m
+                j += 1
+                if m < hole[2]:
+                    rest = [_UNMAPPED, hole[1] + m, hole[2] - m, segptr]
+                    break
+                if j < len(items) and items[j][0] == _FREE:  # merges with the next free block
+                    cur, j = cur + items[j][2], j + 1
+                if cur >= s:
+                    break
+            k, rem = divmod(cur, s)
+            units += k
+            new = [[_ALLOC, base, k * s, segptr]]
+            if rem:
+                new.append([_FREE, base + k * s, rem, segptr])
+            if rest is not None:
+                new.append(rest)
+            items[pos:j] = new
 
     @staticmethod
-    def _map_units(headroom: int, tail: int, s: int, g: int, page: int) -> tuple[int, int, int]:
-        """Units of s served by mapping pages after a free tail of `tail` (< s) bytes while
-        headroom >= g (torch's cap check); returns (units, headroom left, tail left)."""
-        if s <= page:  # each map adds one page
-            if headroom < g:
-                return 0, headroom, tail
-            pages = (headroom - g) // page + 1
-            total = tail + pages * page
-            return total // s, headroom - pages * page, total % s
-        units = 0
-        while headroom >= g:
-            mapped = -(-(s - tail) // page) * page
-            headroom -= mapped
-            tail += mapped
-            units += tail // s
-            tail %= s
-        return units, headroom, tail
+    def _expandable_items(pool: Pool) -> list[list[int]]:
+        """The pool's expandable segments by address as [kind, ptr, size, segment ptr] items,
+        each segment opened by a _SEP item (a barrier, like an allocated block)."""
+        heads: dict[int, Block] = {}
+        for b in itertools.chain(pool.blocks, pool.unmapped):
+            seg = b.seg
+            if seg is not None and seg.ptr not in heads:
+                while b.prev is not None:
+                    b = b.prev
+                heads[seg.ptr] = b
+        items: list[list[int]] = []
+        for segptr in sorted(heads):
+            items.append([_SEP, segptr, 0, segptr])
+            b: Block | None = heads[segptr]
+            while b is not None:
+                kind = _ALLOC if b.allocated else (_FREE if b.mapped else _UNMAPPED)
+                items.append([kind, b.ptr, b.size, segptr])
+                b = b.next
+        return items
+
+    @staticmethod
+    def _find_expandable(items: list[list[int]], start: int, s: int) -> int | None:
+        """find_expandable_block: the index where the first hole from `start` whose run (from
+        its free predecessor on, free and unmapped bytes up to a barrier) holds s begins."""
+        n = len(items)
+        for j in range(start, n):
+            if items[j][0] != _UNMAPPED:
+                continue
+            c = j - 1 if items[j - 1][0] == _FREE else j
+            total, i = 0, c
+            while total < s and i < n and items[i][0] in (_FREE, _UNMAPPED):
+                total += items[i][2]
+                i += 1
+            if total >= s:
+                return c
+        return None
+
+    @staticmethod
+    def _unmap_free_pages(items: list[list[int]], page: int) -> tuple[list[list[int]], int]:
+        """release_blocks on the items: unmap the whole pages of every free block (merging
+        holes), drop segments left with nothing mapped; returns (items, bytes unmapped)."""
+        if not any(
+            kind == _FREE and (ptr + size - sp) // page > -(-(ptr - sp) // page)
+            for kind, ptr, size, sp in items
+        ):
+            return items, 0
+        out: list[list[int]] = []
+        unmapped = 0
+        for kind, ptr, size, sp in items:
+            pieces = [(kind, ptr, size)]
+            if kind == _FREE:
+                first, last = -(-(ptr - sp) // page), (ptr + size - sp) // page
+                if last > first:
+                    uptr, usize = sp + first * page, (last - first) * page
+                    unmapped += usize
+                    end = ptr + size
+                    pieces = [(_FREE, ptr, uptr - ptr), (_UNMAPPED, uptr, usize)]
+                    pieces.append((_FREE, uptr + usize, end - uptr - usize))
+            for k, p, n in pieces:
+                if n == 0 and k != _SEP:
+                    continue
+                if k == _UNMAPPED and out and out[-1][0] == _UNMAPPED:
+                    out[-1][2] += n
+                else:
+                    out.append([k, p, n, sp])
+        # a segment with nothing allocated is now one hole: release_expandable_segment
+        kept: list[list[int]] = []
+        seg_start = 0
+        for i, it in enumerate([*out, [_SEP, 0, 0, 0]]):
+            if it[0] == _SEP and i > 0:
+                segment = out[seg_start:i]
+                if any(x[0] == _ALLOC for x in segment):
+                    kept += segment
+                seg_start = i
+        return kept, unmapped
+
+    def _units_by_replay(self, s: int) -> int:
+        """Probe allocations of s bytes that succeed in a row, replayed on a copy of the
+        pools (one malloc each: exact, linear in the answer)."""
+        clone = TorchCachingAllocator(
+            self.capacity,
+            self.bytes_per_token,
+            self.max_model_len,
+            self.reserve,
+            self.expandable_segments,
+            self.max_split_size_mb,
+            self.roundup_power2_divisions,
+        )
+        assert not self._segments  # expandable segments only
+        copies: dict[int, Block] = {}
+        pairs = ((self.small_pool, clone.small_pool), (self.large_pool, clone.large_pool))
+        for pool, cpool in pairs:
+            for b in itertools.chain(pool.blocks, pool.unmapped):
+                head = b
+                while head.prev is not None:
+                    head = head.prev
+                prev: Block | None = None
+                cur: Block | None = head
+                while cur is not None and id(cur) not in copies:
+                    c = Block(cur.ptr, cur.size, cpool, cur.seg)
+                    c.allocated, c.mapped = cur.allocated, cur.mapped
+                    if not c.allocated:
+                        (cpool.blocks if c.mapped else cpool.unmapped).add(c)
+                    c.splice(prev, None)
+                    copies[id(cur)] = c
+                    prev, cur = c, cur.next
+        clone._expandable = list(self._expandable)
+        clone._next_addr = self._next_addr
+        for name in POOL_NAMES:
+            stat = self._stats["reserved_bytes", name]
+            clone._stats["reserved_bytes", name].current = stat.current
+        n = 0
+        while clone.malloc(s) is not None:
+            n += 1
+        return n
 
     def _largest_hole(self) -> int:
         largest = max(0, self.capacity - self.reserved_bytes)

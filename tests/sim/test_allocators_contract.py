@@ -28,10 +28,16 @@ CONFIGS: list[tuple[str, dict]] = (
     [("contiguous", {"reserve": r, "placement": p}) for r in RESERVES for p in PLACEMENTS]
     + [("buddy", {"reserve": r}) for r in RESERVES]
     + [("paged", {"block_size": bs}) for bs in BLOCK_SIZES]
+    + [("contiguous", {"reserve": r, "placement": p, "compaction": True})
+       for r in ("oracle", "max_tokens") for p in ("first-fit", "next-fit")]
 )
 CONFIG_IDS = [f"{kind}-{'-'.join(str(v) for v in opts.values())}" for kind, opts in CONFIGS]
 # Slab configs whose slab size depends on the request (so holes of different sizes can form).
-VARYING_SLABS = [(k, o) for k, o in CONFIGS if k != "paged" and o["reserve"] != "max_model_len"]
+# (Compaction turns FRAGMENTED refusals into moves: tests/sim/test_compaction.py.)
+VARYING_SLABS = [
+    (k, o) for k, o in CONFIGS
+    if k != "paged" and o["reserve"] != "max_model_len" and not o.get("compaction")
+]
 VARYING_IDS = [f"{k}-{'-'.join(o.values())}" for k, o in VARYING_SLABS]
 
 by_config = pytest.mark.parametrize(("kind", "opts"), CONFIGS, ids=CONFIG_IDS)

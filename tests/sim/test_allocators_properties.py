@@ -27,6 +27,8 @@ CONFIGS: list[tuple[str, dict]] = (
     [("contiguous", {"reserve": r.value, "placement": p.value}) for r in Reserve for p in Placement]
     + [("buddy", {"reserve": r.value}) for r in Reserve]
     + [("paged", {"block_size": bs}) for bs in (1, 16, 7, 3)]
+    + [("contiguous", {"reserve": r, "placement": p, "compaction": True})
+       for r in ("oracle", "max_tokens") for p in ("first-fit", "next-fit")]
 )
 CONFIG_IDS = [f"{kind}-{'-'.join(str(v) for v in opts.values())}" for kind, opts in CONFIGS]
 by_config = pytest.mark.parametrize(("kind", "opts"), CONFIGS, ids=CONFIG_IDS)
@@ -252,12 +254,13 @@ def expected_offset(a: Allocator, m: Model, nbytes: int) -> int | None:
 # ----------------------------------------------------------------------- brute force
 def brute_integrate(a: Allocator, n: int, probe, w0: float, w1: float) -> dict[str, float]:
     c = copy.deepcopy(a)
-    sums = dict.fromkeys(PARTS, 0.0)
+    sums = dict.fromkeys((*PARTS, "saved"), 0.0)
     for j in range(1, n + 1):
         assert c.step(1)
         acc = c.account(probe)
         for part in PARTS:
             sums[part] += getattr(acc, part) * (w0 + w1 * (j - 1))
+        sums["saved"] += c.saved_by_sharing() * (w0 + w1 * (j - 1))
     return sums
 
 
@@ -269,10 +272,10 @@ def check_integrate(a: Allocator, m: Model, x: int, w0: float, w1: float, probe)
     assert snapshot(a, probe) == before, "integrate changed the allocator"
     want = brute_integrate(a, n, probe, w0, w1)
     scale = m.capacity * n * (abs(w0) + abs(w1) * n + 1)
-    assert set(got) == set(PARTS)
-    for part in PARTS:
+    assert set(got) == {*PARTS, "saved"}
+    for part in (*PARTS, "saved"):
         assert got[part] == pytest.approx(want[part], rel=1e-9, abs=1e-12 * scale), part
-    total = sum(got.values())
+    total = sum(got[part] for part in PARTS)
     assert total == pytest.approx(
         m.capacity * (n * w0 + w1 * n * (n - 1) / 2), rel=1e-9, abs=1e-12 * scale
     )
@@ -400,6 +403,8 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
             where = None
             if nbytes is not None and kind != "paged":
                 where = expected_offset(a, m, nbytes)
+                if where is None and m.opts.get("compaction") and nbytes <= a.free_bytes():
+                    where = a.capacity - a.free_bytes()  # slabs packed below, then placed
             result = a.admit(req, tokens=tokens, decoding=decoding)
             if result:
                 assert result.rid == rid and result.nbytes == nbytes
@@ -578,5 +583,6 @@ def test_paged_integrate_and_full(block_size, phases, clock, extra_blocks, w0, w
 def test_integrate_zero_steps_is_zero():
     a = build("paged", {"block_size": 4}, 1000, 2, 64)
     assert a.admit(Request(0, 5, 20))
-    assert a.integrate(0, None, 3.0, 1.0) == dict.fromkeys(PARTS, 0)
-    assert math.isclose(sum(a.integrate(5, None, 1.0, 0.0).values()), 5 * 1000)
+    assert a.integrate(0, None, 3.0, 1.0) == dict.fromkeys((*PARTS, "saved"), 0)
+    five = a.integrate(5, None, 1.0, 0.0)
+    assert math.isclose(sum(five[part] for part in PARTS), 5 * 1000)

@@ -16,8 +16,11 @@ from sim.allocators import (
 )
 from sim.allocators.paged import _p1, _p2
 from sim.allocators.slab import next_pow2
+from sim.geometry import KVGeometry
 
 COMMON = {"capacity": 4096, "bytes_per_token": 2, "max_model_len": 64}
+# A geometry matching COMMON's 2 bytes per token, for kinds that need one (vattention).
+TINY = KVGeometry("tiny", layers=1, kv_heads=1, head_dim=1, dtype_bytes=1)
 
 
 def test_registry_kinds():
@@ -27,11 +30,11 @@ def test_registry_kinds():
     for kind, cls in REGISTRY.items():
         assert cls.kind == kind
         assert allocator_class(kind) is cls
-        assert isinstance(make_allocator(kind, **COMMON), cls)
+        assert isinstance(make_allocator(kind, **COMMON, geometry=TINY), cls)
 
 
 def test_options_of():
-    assert options_of("contiguous") == ["reserve", "placement"]
+    assert options_of("contiguous") == ["reserve", "placement", "compaction", "bandwidth"]
     assert options_of("buddy") == ["reserve"]
     assert options_of("paged") == ["block_size"]
 
@@ -52,7 +55,7 @@ def test_unknown_kind_lists_valid_kinds():
     [
         ("paged", "reserve", "valid: block_size"),
         ("buddy", "placement", "valid: reserve"),
-        ("contiguous", "block_size", "valid: reserve, placement"),
+        ("contiguous", "block_size", "valid: reserve, placement, compaction, bandwidth"),
     ],
 )
 def test_unknown_option_lists_valid_options(kind, option, valid):

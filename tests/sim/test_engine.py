@@ -29,7 +29,15 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
     reqs = [
         {
             "rid": int(row.request_id),
-            "req": Request(int(row.request_id), int(row.prompt_tokens), int(row.output_tokens)),
+            "req": Request(
+                int(row.request_id),
+                int(row.prompt_tokens),
+                int(row.output_tokens),
+                n=int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)),
+                beam=int(getattr(row, "beam_width", 1)) > 1,
+                prefix=tuple(getattr(row, "hash_ids", ())),
+                prefix_tokens=workload.attrs.get("hash_block_tokens", 0),
+            ),
             "arrival": float(row.arrival_s),
             "admitted": math.nan,
             "first": math.nan,
@@ -55,6 +63,9 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
     prefilling: list = []
     integrals = dict.fromkeys(PARTS, 0.0)
     t, total = 0.0, 0.0
+
+    def seqs():
+        return sum(r["req"].n for r in running)
 
     def preempt(r):
         stored = alloc.tokens(r["rid"])
@@ -88,7 +99,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             continue
         while alloc.n_decoding and alloc.steps_until_full() == 0:
             preempt(running[-1])
-        decoders = alloc.n_decoding
+        decoders = alloc.decoding_weight
         if decoders:
             assert alloc.step(1)
         budget = cfg.max_num_batched_tokens - decoders
@@ -115,14 +126,18 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
                     prefilling.remove(r)
                     done_prefill.append(r)
         i = 0
-        while i < len(queue) and len(running) < cfg.max_num_seqs and used < budget:
+        while i < len(queue) and seqs() < cfg.max_num_seqs and used < budget:
             r = queue[i]
-            chunk = min(r["prefill"], budget - used) if cfg.chunked_prefill else r["prefill"]
+            if seqs() + r["req"].n > cfg.max_num_seqs:
+                break
+            hit = alloc.cached_prefix_tokens(r["req"])
+            work = r["prefill"] - hit
+            chunk = min(work, budget - used) if cfg.chunked_prefill else work
             if chunk > budget - used:
                 reason = None
             else:
-                whole = chunk == r["prefill"]
-                grant = alloc.admit(r["req"], chunk + whole, decoding=False)
+                whole = chunk == work
+                grant = alloc.admit(r["req"], hit + chunk + whole, decoding=False)
                 reason = None if grant else grant.reason
                 if grant:
                     del queue[i]
@@ -130,7 +145,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
                     if math.isnan(r["admitted"]):
                         r["admitted"] = t
                     r["status"] = "running"
-                    r["left"] = r["prefill"] - chunk
+                    r["left"] = r["prefill"] - hit - chunk
                     running.append(r)
                     (done_prefill if whole else prefilling).append(r)
                     continue
@@ -147,7 +162,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
         dt = (
             st_.base_s
             + st_.per_batched_token_s * (decoders + used)
-            + st_.per_kv_token_s * alloc.total_tokens()
+            + st_.per_kv_token_s * alloc.sequence_tokens()
         )
         acc = alloc.account(queue[0]["req"] if queue else ref)
         acc.check()
@@ -164,7 +179,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             rid = r["rid"]
             if alloc.is_decoding(rid) and alloc.tokens(rid) == alloc.final_tokens(rid):
                 r["status"], r["finished"] = "completed", t
-                r["generated"] = alloc.tokens(rid) - r["req"].prompt
+                r["generated"] = r["req"].n * (alloc.tokens(rid) - r["req"].prompt)
                 r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
                 alloc.free(rid)
                 running.remove(r)
@@ -176,17 +191,32 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
     }
 
 
-def random_workload(seed: int, n: int, max_prompt: int, max_output: int, rate: float):
+def random_workload(
+    seed: int,
+    n: int,
+    max_prompt: int,
+    max_output: int,
+    rate: float,
+    samples: int = 1,
+    column: str = "n",
+):
     rng = np.random.default_rng(seed)
     arrival = np.cumsum(rng.exponential(1 / rate, n))
-    return pd.DataFrame(
+    prompts = rng.integers(1, max_prompt + 1, n)
+    # Prefix hashes per 8-token chunk from a tiny alphabet, so that prefixes repeat.
+    hashes = [[int(h) for h in rng.integers(0, 2, -(-int(p) // 8))] for p in prompts]
+    df = pd.DataFrame(
         {
             "request_id": np.arange(n),
             "arrival_s": arrival - arrival[0] if rng.random() < 0.5 else arrival,
-            "prompt_tokens": rng.integers(1, max_prompt + 1, n),
+            "prompt_tokens": prompts,
             "output_tokens": rng.integers(1, max_output + 1, n),
+            column: rng.integers(1, samples + 1, n),
+            "hash_ids": hashes,
         }
     )
+    df.attrs["hash_block_tokens"] = 8
+    return df
 
 
 ALLOCATORS = [
@@ -198,6 +228,8 @@ ALLOCATORS = [
     ("contiguous", {"reserve": "pow2", "placement": "next-fit"}),
     ("buddy", {"reserve": "pow2"}),
     ("buddy", {"reserve": "max_model_len"}),
+    ("prefix-caching", {"block_size": 4}),
+    ("prefix-caching", {"block_size": 8}),
 ]
 
 
@@ -210,14 +242,20 @@ ALLOCATORS = [
     chunked=st.booleans(),
     skip=st.booleans(),
     linear=st.booleans(),
+    samples=st.sampled_from([1, 1, 3]),
+    beams=st.booleans(),
 )
 def test_fast_engine_matches_per_iteration_reference(
-    seed, which, n, capacity_tokens, chunked, skip, linear
+    seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams
 ):
     kind, opts = ALLOCATORS[which]
+    if kind == "prefix-caching":
+        samples = 1  # prefix caching is not combined with sample groups
     b = 96
     mml = 128
-    wl = random_workload(seed, n, max_prompt=100, max_output=80, rate=2.0)
+    wl = random_workload(
+        seed, n, 100, 80, rate=2.0, samples=samples, column="beam_width" if beams else "n"
+    )
     cfg = EngineConfig(
         max_num_seqs=8,
         max_num_batched_tokens=40 if chunked else 160,

@@ -1,0 +1,189 @@
+"""Sharing within a request: n samples (or beams) of one prompt share blocks when paged.
+
+Parallel sampling shares the prompt's full blocks; beams share their whole trunk of full
+blocks and each keep a private copy of the current partial block. Slabs cannot share.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.allocators import PARTS, Request, make_allocator
+from sim.engine import EngineConfig, run
+
+B = 64  # bytes per token
+
+
+def paged(blocks: int, bs: int = 16):
+    return make_allocator(
+        "paged", capacity=blocks * bs * B + 7, bytes_per_token=B, max_model_len=512, block_size=bs
+    )
+
+
+def kept(beam: bool, prompt: int, tokens: int, bs: int) -> int:
+    """Full blocks the sequences share: the prompt's (samples) or the whole trunk (beams)."""
+    return tokens // bs if beam else prompt // bs
+
+
+def expected_blocks(n: int, prompt: int, tokens: int, bs: int, beam: bool = False) -> int:
+    """Shared full blocks once, then each sequence's own blocks (copied partial one too)."""
+    return n * -(-tokens // bs) - (n - 1) * kept(beam, prompt, tokens, bs)
+
+
+def test_samples_share_the_prompt_full_blocks():
+    a = paged(100)
+    req = Request(0, prompt=40, output=30, n=4)
+    grant = a.admit(req, 41)
+    # 2 full prompt blocks kept once; each of 4 samples holds its copy of the partial block.
+    assert grant.nbytes == (2 + 4 * 1) * 16 * B
+    acc = a.account()
+    acc.check()
+    assert acc.token_states == (32 + 4 * 9) * B  # shared tokens stored once
+    assert a.saved_by_sharing() == 3 * 2 * 16 * B
+    a.step(12)  # each sample at 53 tokens: 4 blocks each, 2 shared
+    assert a.allocated_bytes(0) == expected_blocks(4, 40, 53, 16) * 16 * B
+    a.account().check()
+    a.free(0)
+    assert a.free_blocks() == a.num_blocks and a.saved_by_sharing() == 0
+
+
+def test_slab_samples_each_store_their_own_copy():
+    a = make_allocator(
+        "contiguous", capacity=10_000 * B, bytes_per_token=B, max_model_len=512, reserve="oracle"
+    )
+    grant = a.admit(Request(0, prompt=40, output=30, n=3), 41)
+    assert grant.nbytes == 3 * 70 * B
+    assert len(a.slabs()) == 3
+    acc = a.account()
+    acc.check()
+    assert acc.token_states == 3 * 41 * B
+    assert a.saved_by_sharing() == 0
+
+
+def test_slab_samples_are_placed_all_or_none():
+    a = make_allocator(
+        "contiguous", capacity=250 * B, bytes_per_token=B, max_model_len=512, reserve="oracle"
+    )
+    before = a.account()
+    refusal = a.admit(Request(0, prompt=40, output=60, n=3), 41)  # 300 tokens > 250
+    assert not refusal
+    assert a.account() == before and a.slabs() == []
+
+
+def test_beams_share_their_trunk_and_copy_the_partial_block():
+    a = paged(100)
+    a.admit(Request(0, prompt=40, output=30, n=4, beam=True), 41)
+    assert a.blocks_of(0) == 2 + 4  # trunk of 2 full blocks, 4 private partial blocks
+    a.step(7)  # 48 tokens: the partial blocks filled, pruned back to one trunk of 3
+    assert a.blocks_of(0) == 3
+    a.step(1)  # 49 tokens: four new private partial blocks
+    assert a.blocks_of(0) == 3 + 4
+    acc = a.account()
+    acc.check()
+    assert acc.token_states == (48 + 4 * 1) * B
+    assert a.saved_by_sharing() == 3 * 3 * 16 * B
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    beam=st.booleans(),
+    bs=st.sampled_from([1, 4, 16]),
+    groups=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(1, 60), st.integers(1, 40)), min_size=1,
+        max_size=6,
+    ),
+    steps=st.lists(st.integers(1, 9), max_size=6),
+    w=st.tuples(st.floats(0.01, 1.0), st.floats(0.0, 0.5)),
+)
+def test_group_accounting_matches_its_closed_form(beam, bs, groups, steps, w):
+    a = paged(400, bs)
+    live = {}
+    for rid, (n, prompt, output) in enumerate(groups):
+        if a.admit(Request(rid, prompt, output, n=n, beam=beam), prompt + 1):
+            live[rid] = (n, prompt)
+    for k in steps:
+        done = a.steps_until_done()
+        full = a.steps_until_full()
+        k = min(k, done if done is not None else k, full if full is not None else k)
+        if k <= 0:
+            break
+        # integrate() over the next k steps equals stepping one by one on a copy.
+        c = copy.deepcopy(a)
+        total = dict.fromkeys(PARTS, 0.0)
+        for j in range(k):
+            c.step(1)
+            acc = c.account()
+            for p in PARTS:
+                total[p] += getattr(acc, p) * (w[0] + w[1] * j)
+        got = a.integrate(k, None, *w)
+        for p in PARTS:
+            assert got[p] == pytest.approx(total[p], rel=1e-9, abs=1e-6)
+        assert a.step(k)
+        acc = a.account()
+        acc.check()
+        tokens = {r: a.tokens(r) for r in live}
+        blocks = sum(expected_blocks(n, p, tokens[r], bs, beam) for r, (n, p) in live.items())
+        assert a.num_blocks - a.free_blocks() == blocks
+        stored = sum(
+            n * tokens[r] - (n - 1) * kept(beam, p, tokens[r], bs) * bs
+            for r, (n, p) in live.items()
+        )
+        assert acc.token_states == stored * B
+        saved = sum((n - 1) * kept(beam, p, tokens[r], bs) for r, (n, p) in live.items())
+        assert a.saved_by_sharing() == saved * bs * B
+    for rid in list(live):
+        a.free(rid)
+    assert a.free_blocks() == a.num_blocks
+    assert a.account().token_states == 0
+
+
+def workload(n_samples: int, count: int = 40, column: str = "n") -> pd.DataFrame:
+    rng = np.random.default_rng(3)
+    return pd.DataFrame(
+        {
+            "request_id": np.arange(count),
+            "arrival_s": np.sort(rng.uniform(0, 5, count)),
+            "prompt_tokens": rng.integers(60, 300, count),
+            "output_tokens": rng.integers(20, 200, count),
+            column: n_samples,
+        }
+    )
+
+
+def test_saving_grows_with_the_number_of_samples():
+    saved = []
+    for n in (1, 2, 4, 6):
+        alloc = paged(4000)
+        cfg = EngineConfig(max_num_seqs=256, max_num_batched_tokens=1024)
+        result = run(workload(n), alloc, cfg)
+        s = result.summary
+        assert s["completed"] == 40
+        assert s["generated_tokens"] == n * workload(n)["output_tokens"].sum()
+        saved.append(s["memory_saved_by_sharing"])
+    assert saved[0] == 0
+    assert saved[0] < saved[1] < saved[2] < saved[3]
+
+
+def test_samples_count_against_max_num_seqs():
+    alloc = paged(4000)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024)
+    result = run(workload(4, 10), alloc, cfg)
+    # 4 samples each: at most two requests run at once.
+    assert result.summary["max_running"] == 2
+
+
+def test_beam_search_saves_more_than_parallel_sampling():
+    def saved(column: str, width: int) -> float:
+        cfg = EngineConfig(max_num_seqs=256, max_num_batched_tokens=1024)
+        s = run(workload(width, column=column), paged(4000), cfg).summary
+        assert s["completed"] == 40
+        return s["memory_saved_by_sharing"]
+
+    for width in (2, 4, 6):
+        assert saved("beam_width", width) > saved("n", width) > 0

@@ -1,0 +1,276 @@
+"""vAttention-style virtual-memory pages: per-buffer physical pages mapped on demand.
+
+The waste is checked against a closed form (a request of L tokens maps ceil(L*t/P) pages of P
+bytes in each of its 2 x layers K/V buffers), the allocator against a paged allocator with
+P // t-token blocks operation by operation, and a run through the engine and a scenario."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.allocators import (
+    PagedAllocator,
+    Request,
+    VAttentionAllocator,
+    make_allocator,
+    options_of,
+)
+from sim.engine import EngineConfig, StepTime, run
+from sim.geometry import PRESETS, KVGeometry, preset
+from sim.scenario import Scenario
+from sim.scenario import run as run_scenario
+from sim.units import parse_size
+
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+LENGTHS = [1, 100, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 8000]
+
+
+def build(model: str, page, capacity: int = 40 * GIB, mml: int = 8192) -> VAttentionAllocator:
+    geo = preset(model)
+    a = make_allocator(
+        "vattention",
+        capacity=capacity,
+        bytes_per_token=geo.bytes_per_token,
+        max_model_len=mml,
+        geometry=geo,
+        page_size=page,
+    )
+    assert isinstance(a, VAttentionAllocator)
+    return a
+
+
+def held_closed_form(geo: KVGeometry, page: int, tokens: int) -> int:
+    """Bytes mapped for a request storing `tokens` tokens: whole pages in every buffer."""
+    t = geo.bytes_per_buffer_token
+    return 2 * geo.layers * math.ceil(tokens * t / page) * page
+
+
+def test_llama3_8b_page_arithmetic():
+    geo = preset("llama-3-8b")
+    assert geo.bytes_per_buffer_token == 2048 and geo.bytes_per_token == 128 * KIB
+    a = build("llama-3-8b", "2MiB")
+    assert a.page_size == 2 * MIB and a.tokens_per_page == a.block_size == 1024
+    assert a.buffers == 64 and a.block_bytes == 64 * 2 * MIB  # one page per K/V buffer
+    assert a.num_blocks == 40 * GIB // (128 * MIB) == 320
+    assert build("llama-3-8b", "64KiB").block_size == 32
+    assert build("llama-3-8b", 256 * KIB).block_size == 128
+    assert build("qwen2.5-7b", "2MiB").block_size == 2048  # 1 KiB rows: twice the tokens
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen2.5-7b", "mistral-7b", "llama-2-7b"])
+@pytest.mark.parametrize("page", ["64KiB", "256KiB", "2MiB"])
+def test_waste_matches_closed_form(model, page):
+    geo, p = preset(model), parse_size(page)
+    b = geo.bytes_per_token
+    a = build(model, page)
+    for rid, length in enumerate(LENGTHS):  # stored at their final length, prompt + 1
+        assert a.admit(Request(rid, length, 1), tokens=length + 1, decoding=False)
+    # ... and the same lengths reached by decoding from a one-token prompt, in one step batch.
+    for i, length in enumerate(LENGTHS):
+        assert a.admit(Request(100 + i, 1, length))  # final = 1 + length
+    while a.n_decoding:  # step to each completion; a finished request stops decoding
+        assert a.step(a.steps_until_done())
+        a.set_decoding(a.first_done(), False)
+    finals = {rid: n + 1 for rid, n in enumerate(LENGTHS)}
+    finals |= {100 + i: n + 1 for i, n in enumerate(LENGTHS)}
+    held = {rid: held_closed_form(geo, p, n) for rid, n in finals.items()}
+    for rid, n in finals.items():
+        assert a.tokens(rid) == n
+        assert a.allocated_bytes(rid) == held[rid]
+        assert a.allocated_bytes(rid) - b * n < 2 * geo.layers * p  # under a page per buffer
+    acc = a.account()
+    acc.check()
+    assert acc.token_states == b * sum(finals.values())
+    assert acc.internal == sum(held[r] - b * n for r, n in finals.items())
+    assert acc.reserved == 0
+    assert acc.allocated == sum(held.values())
+    assert acc.external == a.capacity % (2 * geo.layers * p)
+    assert a.pages_mapped() * p == acc.allocated
+
+
+def test_qwen_wastes_most_with_2mib_pages():
+    """With 2 MiB pages, the share of mapped memory never written is largest for qwen2.5-7b:
+    its 1 KiB rows put 2,048 tokens in a page, twice llama-3's 1,024."""
+    lengths = [120, 400, 700, 1500, 2600]  # short chat requests
+    waste = {}
+    for name, geo in PRESETS.items():
+        if 2 * MIB % geo.bytes_per_buffer_token:
+            continue  # 40-, 72- and 96-head models: rows straddle 2 MiB pages
+        a = build(name, "2MiB", capacity=200 * GIB)
+        for rid, n in enumerate(lengths):
+            assert a.admit(Request(rid, n, 1), tokens=n, decoding=False)
+        acc = a.account()
+        acc.check()
+        waste[name] = acc.internal / acc.allocated
+    assert max(waste, key=waste.get) == "qwen2.5-7b"
+    assert waste["qwen2.5-7b"] > waste["llama-3-8b"] > waste["llama-2-7b"]
+
+
+def test_page_size_must_be_a_multiple_of_the_row():
+    with pytest.raises(ValueError, match=r"page_size 2097152 bytes .* 10240 bytes"):
+        build("llama-2-13b", "2MiB")  # 40 KV heads x 128 x 2 B = 10 KiB rows
+    with pytest.raises(ValueError, match=r"page_size 3000 bytes .* 2048 bytes"):
+        build("llama-3-8b", 3000)
+    with pytest.raises(ValueError, match="positive multiple"):
+        build("llama-3-8b", 0)
+    assert build("llama-3-8b", "48KiB").block_size == 24  # any multiple of the row is fine
+
+
+def test_geometry_is_required_and_must_agree():
+    geo = preset("llama-3-8b")
+    common = {"capacity": GIB, "max_model_len": 4096}
+    with pytest.raises(ValueError, match="needs the model geometry"):
+        make_allocator("vattention", bytes_per_token=geo.bytes_per_token, **common)
+    with pytest.raises(ValueError, match="stores 131072 bytes per token, but bytes_per_token is 8"):
+        make_allocator("vattention", bytes_per_token=8, geometry=geo, **common)
+    with pytest.raises(ValueError, match="bytes_per_token is 8"):  # for every kind
+        make_allocator("paged", bytes_per_token=8, geometry=geo, **common)
+    with pytest.raises(ValueError, match="bytes_per_token must be a positive integer"):
+        VAttentionAllocator(GIB, 0, 4096, geometry=geo)  # the common checks come first
+    # Kinds without a geometry argument ignore it.
+    a = make_allocator("paged", bytes_per_token=geo.bytes_per_token, geometry=geo, **common)
+    assert a.block_size == 16
+    assert options_of("vattention") == ["page_size"]
+    with pytest.raises(ValueError, match="has no option 'block_size'"):
+        make_allocator(
+            "vattention", bytes_per_token=geo.bytes_per_token, geometry=geo, block_size=4, **common
+        )
+
+
+# ----------------------------------------------------------- the same as paged, op by op
+TINY = KVGeometry("tiny", layers=2, kv_heads=1, head_dim=2, dtype_bytes=1)  # t = 2, b = 8
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "grow", "step", "free", "decoding"]),
+        st.integers(0, 10**6),
+        st.integers(0, 10**6),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 7), extra=st.integers(0, 300), ops=OPS)
+def test_same_as_paged_with_page_blocks(rows, extra, ops):
+    page, b, mml = rows * TINY.bytes_per_buffer_token, TINY.bytes_per_token, 40
+    capacity = 10 * rows * b + extra
+    v = make_allocator(
+        "vattention", capacity=capacity, bytes_per_token=b, max_model_len=mml,
+        geometry=TINY, page_size=page,
+    )
+    p = PagedAllocator(capacity, b, mml, block_size=rows)
+    assert v.block_bytes == p.block_bytes == 2 * TINY.layers * page
+    rid = 0
+    for op, x, y in ops:
+        live = sorted(v.rids())
+        if op == "admit":
+            req = Request(rid, 1 + x % (mml - 1), 1 + y % mml)
+            tokens = 1 + y % req.prompt
+            assert v.admit(req, tokens, decoding=bool(x % 2)) == p.admit(
+                req, tokens, decoding=bool(x % 2)
+            )
+            rid += 1
+        elif op == "grow" and live:
+            r = live[x % len(live)]
+            room = v.final_tokens(r) - v.tokens(r)
+            if room:
+                assert v.grow(r, 1 + y % room) == p.grow(r, 1 + y % room)
+        elif op == "step":
+            done = v.steps_until_done()
+            n = x % (8 if done is None else done + 1)
+            assert v.step(n) == p.step(n)
+        elif op == "free" and live:
+            r = live[x % len(live)]
+            assert v.free(r) == p.free(r)
+        elif op == "decoding" and live:
+            r = live[x % len(live)]
+            v.set_decoding(r, bool(y % 2))
+            p.set_decoding(r, bool(y % 2))
+        acc = v.account()
+        acc.check()
+        assert acc == p.account()
+        assert v.steps_until_full() == p.steps_until_full()
+        for r in v.rids():
+            assert v.block_table(r) == p.block_table(r)
+        assert v.integrate(3, None, 1.0, 0.5) == p.integrate(3, None, 1.0, 0.5)
+
+
+# ------------------------------------------------------------------- engine and scenario
+def workload(n: int, seed: int = 3) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": np.sort(rng.uniform(0, 5, n)),
+            "prompt_tokens": rng.integers(10, 1500, n),
+            "output_tokens": rng.integers(1, 400, n),
+        }
+    )
+
+
+def test_runs_through_the_engine():
+    geo = preset("llama-3-8b")
+    cfg = EngineConfig(max_num_seqs=64, step_time=StepTime(base_s=0.01))
+    wl = workload(150)
+    results = {}
+    for kind, opts in (
+        ("paged", {"block_size": 16}),
+        ("vattention", {"page_size": "64KiB"}),
+        ("vattention", {"page_size": "2MiB"}),
+    ):
+        a = make_allocator(
+            kind, capacity=8 * GIB, bytes_per_token=geo.bytes_per_token, max_model_len=4096,
+            geometry=geo, **opts,
+        )
+        res = run(wl, a, cfg)
+        s = res.summary
+        assert s["completed"] == 150 and s["allocator"] == kind
+        total = sum(s[p] for p in ("token_states", "reserved", "internal", "external"))
+        assert total + s["usable_free"] == pytest.approx(1.0)
+        assert s["compactions"] == s["bytes_moved"] == 0 and s["stall_s"] == 0.0
+        results[(kind, opts.get("page_size"))] = s
+    # 64 KiB pages hold 32 tokens: twice paged-16's tail; 2 MiB pages far more (and preempt).
+    assert results[("paged", None)]["internal"] < results[("vattention", "64KiB")]["internal"]
+    assert results[("vattention", "64KiB")]["internal"] < results[("vattention", "2MiB")][
+        "internal"
+    ]
+
+
+def test_scenario_sweeps_the_model():
+    data = {
+        "model": "llama-3-8b",
+        "kv_budget": "8GiB",
+        "max_model_len": 4096,
+        "workload": {
+            "synthetic": {
+                "count": 60,
+                "prompt": {"kind": "uniform", "low": 10, "high": 1000},
+                "output": {"kind": "uniform", "low": 1, "high": 200},
+                "arrival": {"kind": "poisson", "rate": 20.0},
+            },
+            "seed": 1,
+        },
+        "allocators": [
+            {"label": "paged-16", "kind": "paged", "block_size": 16},
+            {"label": "va-2m", "kind": "vattention", "page_size": "2MiB"},
+        ],
+        "sweep": {"model": ["llama-3-8b", "qwen2.5-7b"]},
+    }
+    scenario = Scenario.model_validate(data)
+    summary = run_scenario(scenario).summary()
+    va = summary[summary["label"] == "va-2m"].set_index("model")
+    assert list(va.index) == ["llama-3-8b", "qwen2.5-7b"]
+    assert (summary["completed"] == 60).all()
+    assert va.loc["qwen2.5-7b", "bytes_per_token"] == preset("qwen2.5-7b").bytes_per_token
+    opts = next(a for a in scenario.points()[1][1].allocators if a.label == "va-2m").options
+    assert opts == {"page_size": "2MiB"}
+    # A model whose rows straddle 2 MiB pages is refused when the scenario is checked.
+    with pytest.raises(ValueError, match=r"allocator 'va-2m'.*page_size 2097152 bytes"):
+        Scenario.model_validate({**data, "model": "opt-13b", "sweep": {}})
