@@ -3,6 +3,11 @@
 Everything goes into a temporary sibling folder first; only when every file (and figure) is
 written is it renamed into place, replacing any earlier results. A failed run leaves nothing
 half-written behind.
+
+While a sweep runs, each finished point is staged as it completes, in a hidden sibling
+folder (`PointStore`, `results/.<name>.points/`), so that an interrupted sweep can be
+resumed; the final folder is assembled from it, and it is removed once that is written with
+no point failed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from sim.engine import RunResult
 from sim.scenario import ScenarioResult
 
 
@@ -27,8 +33,10 @@ def write_results(
     out_dir: Path,
     resolved: dict[str, Any],
     plot: Callable[[Path], object] | None = None,
+    failures: pd.DataFrame | None = None,
 ) -> Path:
-    """Write summary, records and the resolved scenario to `out_dir`, atomically."""
+    """Write summary, records and the resolved scenario to `out_dir`, atomically; with
+    `failures` (one row per failed run: its parameters and error), `failures.csv` too."""
     out_dir = Path(out_dir)
     parent = out_dir.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -46,6 +54,8 @@ def write_results(
         (tmp / "summary.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
         result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
         result.frames("requests").to_parquet(tmp / "requests.parquet", index=False)
+        if failures is not None and len(failures):
+            failures.to_csv(tmp / "failures.csv", index=False)
         if plot is not None:
             plot(tmp)
         _replace_dir(tmp, out_dir)
@@ -77,6 +87,129 @@ def _replace_dir(new: Path, target: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+class StagedScenarioMismatch(ValueError):
+    """`--resume` found staged points of a different scenario."""
+
+
+class PointStore:
+    """Finished sweep points, one folder each, staged while a sweep runs.
+
+    Layout, beside the results folder `results/<name>/`::
+
+        results/.<name>.points/
+            scenario.resolved.yaml     the scenario these points belong to
+            code.txt                   and a fingerprint of the simulator code that ran them
+            <key>/summary.json         one finished point: its summary and where it belongs,
+            <key>/timeseries.parquet   its accounting over time
+            <key>/requests.parquet     and its per-request records
+
+    A point's folder is written under a temporary name and renamed when complete, so a
+    killed sweep leaves only whole points (and temporary folders, which are ignored).
+    """
+
+    SCENARIO = "scenario.resolved.yaml"
+    CODE = "code.txt"
+
+    def __init__(self, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        self.dir = out_dir.parent / f".{out_dir.name}.points"
+
+    def open(self, resolved: dict[str, Any], resume: bool, code: str = "") -> set[str]:
+        """Start staging for `resolved`; the keys already finished (only with `resume`).
+
+        Without `resume`, anything staged before is discarded. With it, the staged points
+        must belong to the same resolved scenario and have been computed by the same code
+        (`code`, a fingerprint), else `StagedScenarioMismatch`.
+        """
+        scenario_file = self.dir / self.SCENARIO
+        if self.dir.exists() and (not resume or not scenario_file.exists()):
+            shutil.rmtree(self.dir)  # (no scenario file: killed before any point was staged)
+        if not self.dir.exists():
+            self.dir.mkdir(parents=True)
+            _write_atomic(self.dir / self.CODE, code + "\n")
+            _write_atomic(scenario_file, yaml.safe_dump(resolved, sort_keys=False))
+            return set()
+        staged = yaml.safe_load(scenario_file.read_text(encoding="utf-8"))
+        if staged != resolved:
+            where = _first_difference(staged, resolved)
+            raise StagedScenarioMismatch(
+                f"--resume: {self.dir} holds points of a different scenario"
+                + (f" (differs at {where})" if where else "")
+                + "; run without --resume to start over"
+            )
+        code_file = self.dir / self.CODE
+        staged_code = code_file.read_text(encoding="utf-8").strip() if code_file.exists() else ""
+        if staged_code != code:
+            raise StagedScenarioMismatch(
+                f"--resume: the points in {self.dir} were computed by other simulator code "
+                "(it changed since); run without --resume to start over"
+            )
+        for stale in self.dir.glob(".*.tmp-*"):  # points being written when it was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        return {
+            p.name
+            for p in self.dir.iterdir()
+            if not p.name.startswith(".") and (p / "summary.json").is_file()
+        }
+
+    def put(self, key: str, meta: dict[str, Any], result: RunResult) -> None:
+        """Stage one finished point, atomically."""
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=self.dir))
+        try:
+            record = {**meta, "key": key, "summary": result.summary}
+            (tmp / "summary.json").write_text(
+                json.dumps(record, default=_json_default, indent=1), encoding="utf-8"
+            )
+            result.timeseries.to_parquet(tmp / "timeseries.parquet", index=False)
+            result.requests.to_parquet(tmp / "requests.parquet", index=False)
+            target = self.dir / key
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def get(self, key: str) -> RunResult:
+        folder = self.dir / key
+        record = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+        return RunResult(
+            record["summary"],
+            pd.read_parquet(folder / "timeseries.parquet"),
+            pd.read_parquet(folder / "requests.parquet"),
+        )
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    raise TypeError(f"cannot stage a {type(value).__name__} in a point's summary")
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The dotted path of the first place two resolved scenarios differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}".lstrip("."))
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+        return None
+    return path or None
 
 
 #: Columns of the terminal table, with how to show them.

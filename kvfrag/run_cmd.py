@@ -1,26 +1,50 @@
-"""`kvfrag run SCENARIO.yaml` and `kvfrag plot RESULTS_DIR`."""
+"""`kvfrag run SCENARIO.yaml` (alias `kvfrag sweep`) and `kvfrag plot RESULTS_DIR`.
+
+A run is split into points (one allocator at one sweep point) that run on local worker
+processes (`--jobs N`, default all cores) or on Ray (`--executor ray [--address ADDR]`).
+Each finished point is staged as it completes (`kvfrag.results.PointStore`); `--resume`
+skips the points an interrupted run finished. The results folder is assembled from the
+points in the serial order, so it is the same whichever executor ran them. A failing point
+is reported with its parameters and error, listed in failures.csv, and makes the exit
+status 1; the others' results are written all the same.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
+import pandas as pd
 from tqdm import tqdm
 
 from kvfrag.config import load_scenario
-from kvfrag.results import format_table, write_results
-from sim.scenario import count_runs
-from sim.scenario import run as run_scenario
+from kvfrag.results import PointStore, format_table, write_results
+from sim.engine import RunResult
+from sim.sweep import (
+    Executor,
+    SerialExecutor,
+    Task,
+    assemble,
+    build_workloads,
+    distinct,
+    make_executor,
+    plan,
+)
 from sim.units import format_size
+from workloads import Workload
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
+        aliases=["sweep"],
         help="run a scenario: every allocator (and sweep point) on one workload",
-        description="Run every allocator of a scenario on the same workload and write "
-        "summary.csv/json, timeseries/requests Parquet and plots to results/<name>/.",
+        description="Run every allocator of a scenario (at every sweep point) on the same "
+        "workload, in parallel, and write summary.csv/json, timeseries/requests Parquet and "
+        "plots to results/<name>/. Each finished point is staged as it completes in "
+        "results/.<name>.points/, so an interrupted sweep continues with --resume.",
     )
     p.add_argument("scenario", type=Path, help="scenario YAML file")
     p.add_argument("-o", "--output", type=Path, help="results folder (default results/<name>)")
@@ -32,6 +56,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a field, e.g. --set kv_budget=40GB (repeatable)",
     )
+    p.add_argument(
+        "-j",
+        "--jobs",
+        type=_positive,
+        metavar="N",
+        help="worker processes (default: all cores; 1 runs in this process); with "
+        "--executor ray and no --address, the CPUs of the local Ray instance",
+    )
+    p.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="where points run: local worker processes (default) or Ray "
+        "(pip install 'kvfrag[ray]')",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="Ray cluster to use (ray://head:10001, head:6379 or auto; default: start a "
+        "local instance)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the points an interrupted run of the same scenario finished and run only "
+        "the rest (without it, earlier staged points are discarded)",
+    )
     p.add_argument("--no-plots", action="store_true", help="write tables only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
     p.set_defaults(func=cmd_run)
@@ -41,43 +92,201 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plot)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     loaded = load_scenario(args.scenario, args.sets)
     scenario = loaded.scenario
     out = args.output or Path("results") / scenario.name
-    total = count_runs(scenario)
+    resolved = loaded.resolved()
+    executor = make_executor(args.executor, args.jobs, args.address)
+    tasks = plan(scenario)
+    unique = distinct(tasks)
+    store = PointStore(out)
+    staged = store.open(resolved, args.resume, code_fingerprint())
+    todo = [t for t in unique if t.key not in staged]
     geo = scenario.geometry
     if not args.quiet:
         print(
             f"{scenario.name}: {geo.name} ({format_size(geo.bytes_per_token)}/token), "
             f"KV budget {format_size(scenario.budget_bytes)}, max_model_len "
-            f"{scenario.max_model_len}, {total} run(s)",
+            f"{scenario.max_model_len}, {len(tasks)} run(s)",
             file=sys.stderr,
         )
-    with tqdm(total=total, unit="run", disable=args.quiet or total < 2, file=sys.stderr) as bar:
-        result = run_scenario(scenario, loaded.base_dir, on_run=lambda label: bar.update(1))
-    workload = result.workloads[0]
-    notes = [f"workload: {workload.source}, {len(workload.requests):,} requests"]
-    for name in ("dropped_rows", "clipped", "rejected_long"):
-        if getattr(workload, name):
-            notes.append(f"{name.replace('_', ' ')}: {getattr(workload, name):,}")
+        if args.resume:
+            print(
+                f"resuming: {len(unique) - len(todo)} of {len(unique)} point(s) already "
+                f"finished in {store.dir}/",
+                file=sys.stderr,
+            )
+
+    # Each distinct workload is read and generated once, here, and shared with the workers.
+    workloads, errors = build_workloads([*todo, tasks[0]], loaded.base_dir)
+    if errors and not workloads:  # nothing can run: the one-line error of a plain run
+        if not staged:
+            store.remove()
+        raise ValueError(next(iter(errors.values())))
+    failed: dict[str, str] = {}
+    for task in todo:
+        if task.workload in errors:
+            failed[task.key] = errors[task.workload]
+            print(f"kvfrag: {task.describe()} failed: {failed[task.key]}", file=sys.stderr)
+    runnable = [t for t in todo if t.workload not in errors]
+    if len(runnable) < 2 and executor.name == "processes":
+        executor = SerialExecutor()
+    results: dict[str, RunResult] = {}
+    try:
+        _run_points(executor, runnable, workloads, store, results, failed, args.quiet)
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: {len(staged) + len(results)} of {len(unique)} point(s) are staged "
+            f"in {store.dir}/; run again with --resume to finish",
+            file=sys.stderr,
+        )
+        return 130
+    for key in staged:
+        results[key] = store.get(key)
+
+    result = assemble(scenario, tasks, results, workloads)
+    failures = _failures(tasks, failed, list(scenario.sweep))
+    workload = workloads.get(tasks[0].workload)
+    notes = []
+    if workload is not None:
+        notes.append(f"workload: {workload.source}, {len(workload.requests):,} requests")
+        for name in ("dropped_rows", "clipped", "rejected_long"):
+            if getattr(workload, name):
+                notes.append(f"{name.replace('_', ' ')}: {getattr(workload, name):,}")
     plot = None
-    if not args.no_plots:
+    if not args.no_plots and result.runs and workload is not None:
         from kvfrag.plots import plot_results
 
         spec = scenario.workload
         source = spec.trace.path if spec.trace else f"synthetic, seed {spec.seed}"
-        meta = _meta(loaded.resolved(), f"{source} ({len(workload.requests):,} requests)")
+        meta = _meta(resolved, f"{source} ({len(workload.requests):,} requests)")
 
         def plot(folder: Path) -> None:
             plot_results(folder, meta)
 
-    write_results(result, out, loaded.resolved(), plot)
+    try:
+        write_results(result, out, resolved, plot, failures)
+    except BaseException:
+        print(
+            f"kvfrag: the {len(results)} finished point(s) stay staged in {store.dir}/; "
+            "run again with --resume to write the results without recomputing them",
+            file=sys.stderr,
+        )
+        raise
     if not args.quiet:
-        print("; ".join(notes))
-        print(format_table(result.summary(), list(scenario.sweep)))
+        if notes:
+            print("; ".join(notes))
+        if result.runs:
+            print(format_table(result.summary(), list(scenario.sweep)))
         print(f"wrote {out}/")
+    if failed:
+        print(
+            f"kvfrag: {len(failures)} of {len(tasks)} run(s) failed (listed in "
+            f"{out}/failures.csv); the finished points stay staged in {store.dir}/: run again "
+            "with --resume to retry only the failed ones",
+            file=sys.stderr,
+        )
+        return 1
+    store.remove()
     return 0
+
+
+def code_fingerprint() -> str:
+    """A hash of the simulator's source (sim/, workloads/): staged points are only reused by
+    the code that computed them."""
+    import hashlib
+
+    import sim
+    import workloads
+
+    digest = hashlib.sha256()
+    for package in (sim, workloads):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root.parent)).encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _run_points(
+    executor: Executor,
+    tasks: list[Task],
+    workloads: dict[str, Workload],
+    store: PointStore,
+    results: dict[str, RunResult],
+    failed: dict[str, str],
+    quiet: bool,
+) -> None:
+    """Run `tasks`, staging each finished point as it completes."""
+    frames = {key: w.requests for key, w in workloads.items()}
+    outcomes = executor.map(tasks, frames)  # workers start here, before the bar's thread
+    disable = quiet or len(tasks) < 2
+    bar = _Bar(total=len(tasks), unit="run", disable=disable, file=sys.stderr)
+    try:
+        bar.set_postfix_str(_status(len(results), executor.running, len(failed)))
+        for outcome in outcomes:
+            task = outcome.task
+            if outcome.ok:
+                assert outcome.result is not None
+                store.put(task.key, {"index": task.index, **task.params()}, outcome.result)
+                results[task.key] = outcome.result
+            else:
+                failed[task.key] = outcome.error or "failed"
+                msg = f"kvfrag: {task.describe()} failed: {outcome.error}"
+                if disable:
+                    print(msg, file=sys.stderr)
+                else:
+                    bar.write(msg, file=sys.stderr)
+            bar.set_postfix_str(_status(len(results), executor.running, len(failed)), False)
+            bar.update(1)
+    finally:
+        bar.close()
+        close = getattr(outcomes, "close", None)
+        if close is not None:  # stop the workers: cancel what has not started
+            close()
+
+
+class _Bar(tqdm):
+    """A progress bar without tqdm's monitor thread, which would outlive it (even disabled):
+    a later sweep in this process forks its workers only while it is single-threaded."""
+
+    monitor_interval = 0
+
+
+def _status(done: int, running: int, failed: int) -> str:
+    return f"done={done} running={running} failed={failed}"
+
+
+def _failures(tasks: list[Task], failed: dict[str, str], sweep_keys: list[str]) -> pd.DataFrame:
+    """One row per failed run: where it is in the sweep, its parameters, its error."""
+    rows = [
+        {
+            "point": t.point,
+            "label": t.label,
+            "kind": t.kind,
+            **{k: _scalar(t.sweep.get(k)) for k in sweep_keys},
+            "key": t.key,
+            "error": failed[t.key],
+        }
+        for t in tasks
+        if t.key in failed
+    ]
+    return pd.DataFrame(rows)
+
+
+def _scalar(value: object) -> object:
+    return value if isinstance(value, int | float | str | bool) else json.dumps(value)
 
 
 def _meta(resolved: dict, source: str) -> dict:

@@ -136,4 +136,5 @@ def test_failure_while_writing_leaves_no_half_folder(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk on fire"):
         main(["run", str(ROOT / "scenarios" / "quickstart.yaml"), "-o", str(out), "-q",
               "--set", "workload.transforms.first_n=50"])
-    assert list((tmp_path / "results").iterdir()) == []
+    # No half-written results folder; the finished points stay staged for --resume.
+    assert [p.name for p in (tmp_path / "results").iterdir()] == [".quickstart.points"]

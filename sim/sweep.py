@@ -1,0 +1,407 @@
+"""Sweeps, point by point: in-process, on local worker processes, or on Ray.
+
+A sweep is split into *tasks*: one allocator at one sweep point (what `sim.scenario.iter_runs`
+yields), in that canonical order, each named by a stable `key` (a hash of the point's scenario
+and the allocator label) so that a finished task can be recognised again. Each distinct
+workload is built once, in the calling process, and shipped to the workers once: to each
+local worker process when it starts (inherited through fork where the platform has it), or
+into Ray's object store with one `ray.put`. Workers get tasks and return `RunResult`s, or the
+error of a task that raised; one failing task never stops the others.
+
+Whoever ran it, a task runs the same code on the same inputs, so results are identical
+whichever executor produced them; `assemble` puts them back in the canonical order. Nothing
+here writes files: staging finished points on disk is the `kvfrag` package's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pandas as pd
+
+from sim.engine import RunResult
+from sim.scenario import PointRun, Scenario, ScenarioResult, iter_runs, run_point
+from workloads import Workload, build_workload
+
+
+# ------------------------------------------------------------------------ tasks
+@dataclass(frozen=True)
+class Task:
+    """One allocator at one sweep point."""
+
+    index: int  # position in the canonical (serial) order
+    key: str  # stable name: same point scenario and label -> same key
+    point: int
+    sweep: dict[str, Any]
+    label: str
+    kind: str
+    scenario: Scenario  # the point's scenario
+    workload: str  # key of the workload it runs on
+
+    def params(self) -> dict[str, Any]:
+        return {"point": self.point, "label": self.label, "kind": self.kind, **self.sweep}
+
+    def describe(self) -> str:
+        values = ", ".join(f"{k}={v}" for k, v in self.sweep.items())
+        return f"point {self.point} ({self.label}" + (f"; {values})" if values else ")")
+
+
+@dataclass
+class Outcome:
+    """What became of a task: a result, or the error it raised."""
+
+    task: Task
+    result: RunResult | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def point_key(point: Scenario, label: str) -> str:
+    digest = hashlib.sha256(f"{point.model_dump_json()}|{label}".encode())
+    return digest.hexdigest()[:20]
+
+
+def workload_key(point: Scenario) -> str:
+    return f"{point.workload.model_dump_json()}|{point.max_model_len}"
+
+
+def plan(scenario: Scenario) -> list[Task]:
+    """Every task of the scenario, in the order the serial run takes them."""
+    return [
+        Task(n, point_key(point, spec.label), i, values, spec.label, spec.kind, point,
+             workload_key(point))
+        for n, (i, values, point, spec) in enumerate(iter_runs(scenario))
+    ]
+
+
+def distinct(tasks: Iterable[Task]) -> list[Task]:
+    """The first task of each key: tasks with the same key compute the same result."""
+    seen: dict[str, Task] = {}
+    for task in tasks:
+        seen.setdefault(task.key, task)
+    return list(seen.values())
+
+
+def build_workloads(
+    tasks: Iterable[Task], base_dir: Path
+) -> tuple[dict[str, Workload], dict[str, str]]:
+    """Build each distinct workload of `tasks` once: (built by key, error message by key)."""
+    built: dict[str, Workload] = {}
+    errors: dict[str, str] = {}
+    for task in tasks:
+        key = task.workload
+        if key in built or key in errors:
+            continue
+        point = task.scenario
+        try:
+            built[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
+        except Exception as exc:
+            errors[key] = _error(exc)
+    return built, errors
+
+
+def run_task(task: Task, requests: pd.DataFrame) -> RunResult:
+    """Run one task on its workload's request table (the same code as `sim.scenario.run`)."""
+    point = task.scenario
+    spec = next(a for a in point.allocators if a.label == task.label)
+    return run_point(point, spec, requests)
+
+
+def _attempt(task: Task, requests: pd.DataFrame) -> tuple[RunResult | None, str | None]:
+    try:
+        return run_task(task, requests), None
+    except Exception as exc:  # a failing point is reported, it does not stop the others
+        return None, _error(exc)
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().replace("\n", " ")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def assemble(
+    scenario: Scenario,
+    tasks: list[Task],
+    results: Mapping[str, RunResult],
+    workloads: Mapping[str, Workload],
+) -> ScenarioResult:
+    """The tasks that have a result (by key), as one `ScenarioResult` in canonical order."""
+    runs = [
+        PointRun(t.point, t.sweep, t.label, t.kind, t.scenario, results[t.key])
+        for t in tasks
+        if t.key in results
+    ]
+    by_point = {t.point: workloads[t.workload] for t in tasks if t.workload in workloads}
+    return ScenarioResult(scenario, by_point, runs)
+
+
+# ------------------------------------------------------------------------ executors
+class Executor(Protocol):
+    """Runs tasks and yields their outcomes as they finish (in any order).
+
+    `map` starts the work when it is called (worker processes are forked then, before the
+    caller starts any thread) and returns an iterator of outcomes; closing that iterator
+    early cancels what has not started.
+    """
+
+    name: str
+
+    @property
+    def workers(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+        ...
+
+
+class SerialExecutor:
+    """In this process, one task after the other: exactly the serial run."""
+
+    name = "serial"
+
+    def __init__(self) -> None:
+        self.running = 0
+
+    @property
+    def workers(self) -> int:
+        return 1
+
+    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+        for task in tasks:
+            self.running = 1
+            result, error = _attempt(task, workloads[task.workload])
+            self.running = 0
+            yield Outcome(task, result, error)
+
+
+#: The workloads of a local worker process, set once when it starts.
+_WORKLOADS: Mapping[str, pd.DataFrame] = {}
+
+
+def _init_worker(workloads: Mapping[str, pd.DataFrame]) -> None:
+    global _WORKLOADS
+    _WORKLOADS = workloads
+
+
+def _work(task: Task) -> tuple[RunResult | None, str | None]:
+    return _attempt(task, _WORKLOADS[task.workload])
+
+
+class ProcessExecutor:
+    """Local worker processes. The workloads reach each worker once, when it starts."""
+
+    name = "processes"
+
+    def __init__(self, jobs: int | None = None) -> None:
+        self.jobs = jobs or os.cpu_count() or 1
+        if self.jobs < 1:
+            raise ValueError("--jobs must be >= 1")
+        self._workers = self.jobs
+        self._in_flight = 0
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    @property
+    def running(self) -> int:
+        return min(self._workers, self._in_flight)
+
+    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+        if not tasks:
+            return iter(())
+        self._workers = min(self.jobs, len(tasks))
+        pool = ProcessPoolExecutor(
+            max_workers=self._workers,
+            mp_context=_mp_context(),
+            initializer=_init_worker,
+            initargs=(dict(workloads),),
+        )
+        try:  # start the workers now, before the caller starts threads (a progress bar)
+            pending = {pool.submit(_work, task): task for task in tasks}
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        self._in_flight = len(pending)
+        return self._collect(pool, pending)
+
+    def _collect(self, pool: ProcessPoolExecutor, pending: dict[Future, Task]) -> Iterator[Outcome]:
+        try:
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    task = pending.pop(future)
+                    self._in_flight = len(pending)
+                    exc = future.exception()
+                    if exc is not None:  # the worker died (killed, out of memory): its task fails
+                        yield Outcome(task, None, f"worker process failed: {_error(exc)}")
+                    else:
+                        result, error = future.result()
+                        yield Outcome(task, result, error)
+        finally:
+            self._in_flight = 0
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    """fork where it is safe (workers inherit the workloads for free), else forkserver/spawn."""
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["sim.sweep"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _ray_task(task: Task, requests: pd.DataFrame) -> tuple[RunResult | None, str | None]:
+    return _attempt(task, requests)
+
+
+class RayExecutor:
+    """Ray tasks, one CPU each. The workloads go into the object store once (`ray.put`).
+
+    Connects to `address` (a cluster: `ray://host:10001`, `host:6379` or `auto`), or starts
+    a local instance with `jobs` CPUs (default: all) when there is none; an instance already
+    initialised in this process (`ray.init(...)` by the caller) is used as it is. The cluster
+    must have kvfrag installed, at the same version, for identical results.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, jobs: int | None = None) -> None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--executor ray needs Ray: pip install 'kvfrag[ray]'"
+            ) from None
+        if jobs is not None and jobs < 1:
+            raise ValueError("--jobs must be >= 1")
+        self.address = address
+        self.jobs = jobs
+        self._workers = 0
+        self._in_flight = 0
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    @property
+    def running(self) -> int:
+        return min(self._workers, self._in_flight)
+
+    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+        import ray
+
+        if not tasks:
+            return iter(())
+        own = not ray.is_initialized()
+        if own:
+            ray.init(
+                address=self.address,
+                num_cpus=self.jobs if self.address is None else None,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
+        try:
+            self._workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            refs = {key: ray.put(df) for key, df in workloads.items()}  # once per sweep
+        except BaseException:
+            if own:
+                ray.shutdown()
+            raise
+        return self._collect(tasks, refs, own)
+
+    def _collect(self, tasks: list[Task], refs: dict[str, Any], own: bool) -> Iterator[Outcome]:
+        import ray
+
+        remote = ray.remote(num_cpus=1)(_ray_task)
+        window = 4 * self._workers  # queued on the cluster; the rest wait here
+        todo = iter(tasks)
+        pending: dict[Any, Task] = {}
+
+        def refill() -> None:
+            while len(pending) < window:
+                task = next(todo, None)
+                if task is None:
+                    return
+                pending[remote.remote(task, refs[task.workload])] = task
+
+        try:
+            refill()
+            while pending:
+                self._in_flight = len(pending)
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    task = pending.pop(ref)
+                    try:
+                        result, error = ray.get(ref)
+                    except Exception as exc:  # the task's worker or node was lost
+                        result, error = None, f"ray task failed: {_error(exc)}"
+                    self._in_flight = len(pending)
+                    yield Outcome(task, result, error)
+                refill()
+        finally:
+            self._in_flight = 0
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            if own:
+                ray.shutdown()
+
+
+def make_executor(
+    executor: str = "local", jobs: int | None = None, address: str | None = None
+) -> Executor:
+    """`local` (worker processes; in-process when jobs is 1) or `ray`."""
+    if executor == "ray":
+        return RayExecutor(address, jobs)
+    if executor != "local":
+        raise ValueError(f"unknown executor {executor!r} (local or ray)")
+    if address is not None:
+        raise ValueError("--address is for --executor ray")
+    jobs = jobs or os.cpu_count() or 1
+    if jobs < 1:
+        raise ValueError("--jobs must be >= 1")
+    return SerialExecutor() if jobs == 1 else ProcessExecutor(jobs)
+
+
+# ------------------------------------------------------------------------ in memory
+def run_sweep(
+    scenario: Scenario, base_dir: Path | None = None, executor: Executor | None = None
+) -> tuple[ScenarioResult, list[Outcome]]:
+    """Every task of the scenario on `executor` (default serial), nothing staged: the
+    `ScenarioResult` of the tasks that finished, and the outcomes of those that failed."""
+    base_dir = Path(".") if base_dir is None else base_dir
+    executor = executor or SerialExecutor()
+    tasks = plan(scenario)
+    unique = distinct(tasks)
+    workloads, errors = build_workloads(unique, base_dir)
+    failed = [Outcome(t, None, errors[t.workload]) for t in unique if t.workload in errors]
+    runnable = [t for t in unique if t.workload in workloads]
+    if len(runnable) < 2 and not isinstance(executor, RayExecutor):
+        executor = SerialExecutor()
+    results: dict[str, RunResult] = {}
+    frames = {k: w.requests for k, w in workloads.items()}
+    for outcome in executor.map(runnable, frames):
+        if outcome.ok:
+            results[outcome.task.key] = outcome.result  # type: ignore[assignment]
+        else:
+            failed.append(outcome)
+    return assemble(scenario, tasks, results, workloads), failed
