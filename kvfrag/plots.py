@@ -368,7 +368,13 @@ def sweep_columns(summary: pd.DataFrame) -> list[str]:
         )
         return per_point.dropna().nunique() > 1
 
-    keys = [c for c in summary.columns if c not in _BASE_COLUMNS and varies(c)]
+    cols = list(summary.columns)
+    if "model" in cols and cols.index("point") < cols.index("model"):
+        # summary.csv puts the sweep keys between `point` and `model`.
+        between = cols[cols.index("point") + 1 : cols.index("model")]
+        keys = [c for c in between if varies(c)]
+    else:
+        keys = [c for c in summary.columns if c not in _BASE_COLUMNS and varies(c)]
     if keys:
         return keys
     return [c for c in _SETTING_COLUMNS if c in summary.columns and varies(c)]

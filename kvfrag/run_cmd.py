@@ -158,9 +158,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = assemble(scenario, tasks, results, workloads)
     failures = _failures(tasks, failed, list(scenario.sweep))
     workload = workloads.get(tasks[0].workload)
+    spec = scenario.workload
+    source = spec.trace.path if spec.trace else f"synthetic, seed {spec.seed}"
     notes = []
     if workload is not None:
-        notes.append(f"workload: {workload.source}, {len(workload.requests):,} requests")
+        notes.append(f"workload: {source}, {len(workload.requests):,} requests")
         for name in ("dropped_rows", "clipped", "rejected_long"):
             if getattr(workload, name):
                 notes.append(f"{name.replace('_', ' ')}: {getattr(workload, name):,}")
@@ -168,8 +170,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.no_plots and result.runs and workload is not None:
         from kvfrag.plots import plot_results
 
-        spec = scenario.workload
-        source = spec.trace.path if spec.trace else f"synthetic, seed {spec.seed}"
         meta = _meta(resolved, f"{source} ({len(workload.requests):,} requests)")
 
         def plot(folder: Path) -> None:

@@ -250,7 +250,7 @@ class Engine:
             self._ensure_decode_room()
             decoders = self.alloc.decoding_weight  # sequences: n samples of a request count n
             if decoders:
-                self.alloc.step(1)
+                self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
             prefill_tokens = self._schedule(decoders)
             if not prefill_tokens and not decoders:
                 if self.running or self.queue:
@@ -268,7 +268,7 @@ class Engine:
             n, w0, w1, duration = self._stretch(decoders)
             self._record_stretch(n, w0, w1, duration)
             if n > 1:
-                self.alloc.step(n - 1)
+                self.alloc.advance(n - 1)  # n is within steps_until_done and _full
             yield env.timeout(duration)
             self._sync_log()
             self._end_iteration()

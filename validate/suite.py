@@ -25,10 +25,16 @@ from workloads import build_workload
 MODES = ("arena", "paged", "torch")
 SUPPORTS = {
     "arena": ("contiguous", "buddy"),
-    "paged": ("paged",),
+    "paged": ("paged", "vattention"),  # vAttention pages log and replay as paged blocks
     "torch": ("contiguous", "buddy", "torch-caching"),
 }
-AUTO = {"contiguous": "arena", "buddy": "arena", "paged": "paged", "torch-caching": "torch"}
+AUTO = {
+    "contiguous": "arena",
+    "buddy": "arena",
+    "paged": "paged",
+    "vattention": "paged",
+    "torch-caching": "torch",
+}
 CPU_CAP = 2 << 30  # default cap on the host
 CAP_FRACTION = 0.5  # default cap on a GPU: this share of its free memory
 SEGMENT = 2 << 20  # CUDA segments are rounded up to this
@@ -161,6 +167,7 @@ def _simulate(job: Job, base_dir: Path, cache: dict[str, Any]):
         capacity=point.budget_bytes,
         bytes_per_token=point.geometry.bytes_per_token,
         max_model_len=point.max_model_len,
+        geometry=point.geometry,
         **spec.options,
     )
     config = dataclasses.replace(point.engine_config(), log_allocations=True)

@@ -377,9 +377,14 @@ class Allocator(ABC):
         if full is not None and n > full:
             return Refusal(-1, Reason.OUT_OF_MEMORY, 0, self.free_bytes(), "no block for a decoder")
         before = self.capacity - self.free_bytes()
+        self.advance(n)
+        return Grant(-1, self.capacity - self.free_bytes() - before, 0)
+
+    def advance(self, n: int) -> None:
+        """`step(n)` without its checks, for a caller that has made them (the engine's loop:
+        it knows steps_until_done and steps_until_full already)."""
         self._clock += n
         self._stepped()
-        return Grant(-1, self.capacity - self.free_bytes() - before, 0)
 
     def free(self, rid: int) -> int:
         """Release everything request `rid` holds; returns the bytes freed."""

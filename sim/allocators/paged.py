@@ -56,21 +56,36 @@ class FloorSum:
         self.cnt = [0] * bs  # signed coefficients per residue r of x
         self.q = 0  # sum of coef * floor(x / bs)
         self.per = 0  # sum of coef: what every bs steps add
+        self.nonzero = 0  # residues with a nonzero coefficient (0: the sum is constant)
+        self.negative = 0  # residues with a negative one (beams): steps can give blocks back
+        self._memo = (-1, 0)  # (k, value(k)) until the next add
 
     def add(self, x: int, coef: int) -> None:
         q, r = divmod(x, self.bs)
-        self.cnt[r] += coef
+        before = self.cnt[r]
+        after = self.cnt[r] = before + coef
+        self.nonzero += (after != 0) - (before != 0)
+        self.negative += (after < 0) - (before < 0)
         self.q += coef * q
         self.per += coef
+        self._memo = (-1, 0)
 
     def value(self, k: int) -> int:
+        if not self.nonzero:
+            return self.q
+        if self._memo[0] == k:
+            return self._memo[1]
         q, m = divmod(k, self.bs)
-        return self.q + self.per * q + (sum(self.cnt[self.bs - m :]) if m else 0)
+        value = self.q + self.per * q + (sum(self.cnt[self.bs - m :]) if m else 0)
+        self._memo = (k, value)
+        return value
 
     def integrate(self, k: int, n: int, w0: float, w1: float, weight: float) -> float:
         """sum over j = 1..n of (w0 + w1*(j-1)) * value(k + j), exactly per residue class."""
         bs = self.bs
         total = self.q * weight
+        if not self.nonzero:
+            return total
         for r, count in enumerate(self.cnt):
             if count:
                 whole, m0 = divmod(r + k + 1, bs)
@@ -82,8 +97,19 @@ class FloorSum:
     def steps_within(self, k: int, budget: int) -> int | None:
         """Most steps t such that value(k + t') - value(k) <= budget for every t' <= t."""
         bs = self.bs
-        if not any(self.cnt):
+        if not self.nonzero:
             return None
+        if not self.negative:
+            # Every bs steps add `per`; walk the last, partial period step by step.
+            periods, left = divmod(budget, self.per)
+            base = k + periods * bs
+            taken = 0
+            cnt = self.cnt
+            for t in range(1, bs + 1):
+                taken += cnt[-(base + t) % bs]
+                if taken > left:
+                    return periods * bs + t - 1
+            raise AssertionError("unreachable: a full period adds `per` blocks")
         # What step t of a period adds: the terms whose x + k + t crosses a multiple of bs.
         idx = (-(k + np.arange(1, bs + 1))) % bs
         prefix = np.cumsum(np.asarray(self.cnt, dtype=np.int64)[idx])
