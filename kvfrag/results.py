@@ -49,7 +49,7 @@ def write_results(
         summary = result.summary()
         summary.to_csv(tmp / "summary.csv", index=False)
         records = [
-            {k: _json_value(v) for k, v in row.items()} for row in summary.to_dict("records")
+            {k: json_value(v) for k, v in row.items()} for row in summary.to_dict("records")
         ]
         (tmp / "summary.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
         result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
@@ -58,22 +58,24 @@ def write_results(
             failures.to_csv(tmp / "failures.csv", index=False)
         if plot is not None:
             plot(tmp)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
 
-def _json_value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A summary value as JSON holds it: numpy scalars unwrapped, NaN and inf as null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if hasattr(value, "item"):
-        return _json_value(value.item())
+        return json_value(value.item())
     return value
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`, replacing it; the old folder goes only once the new is in."""
     old = None
     if target.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from kvfrag.config import load_scenario
+from kvfrag.config import add_set_argument, load_scenario
 from kvfrag.results import PointStore, format_table, write_results
 from sim.engine import RunResult
 from sim.sweep import (
@@ -48,14 +48,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("scenario", type=Path, help="scenario YAML file")
     p.add_argument("-o", "--output", type=Path, help="results folder (default results/<name>)")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set kv_budget=40GB (repeatable)",
-    )
+    add_set_argument(p, "kv_budget=40GB")
     p.add_argument(
         "-j",
         "--jobs",

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvfrag.config import load_scenario
+from kvfrag.config import add_set_argument, load_scenario
 from sim.units import format_size, parse_size
 
 
@@ -33,14 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="arena (contiguous, buddy), paged, torch (CUDA caching allocator), all, or auto: "
         "one mode per allocator (default)",
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field, e.g. --set kv_budget=64MiB (repeatable)",
-    )
+    add_set_argument(p, "kv_budget=64MiB")
     p.add_argument(
         "--cap",
         help="most device memory to use, e.g. 8GiB (default: half the GPU's free memory; "

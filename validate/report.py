@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from kvfrag.results import json_value, replace_dir
 from validate.outcome import FAILING, Outcome
 
 META = (
@@ -69,7 +69,7 @@ def write_report(
     try:
         df = table(outcomes)
         df.to_csv(tmp / "validate.csv", index=False)
-        records = [{k: _json(v) for k, v in r.items()} for r in df.to_dict("records")]
+        records = [{k: json_value(v) for k, v in r.items()} for r in df.to_dict("records")]
         (tmp / "validate.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
         series = [
             o.series.assign(label=o.label, mode=o.mode, point=o.point)
@@ -83,7 +83,7 @@ def write_report(
                 yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
             )
         figure(outcomes).savefig(tmp / "validate.png", dpi=110)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -164,26 +164,3 @@ def format_table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def _json(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename `new` to `target`, replacing it; the old folder goes only once the new is in."""
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.rmdir(old)
-        target.rename(old)
-    try:
-        new.rename(target)
-    except BaseException:
-        if old is not None:
-            old.rename(target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

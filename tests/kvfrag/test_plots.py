@@ -56,16 +56,17 @@ def _write_results(folder: Path, allocators=ALLOCATORS, budgets=(CAP,)) -> Path:
                 kind, capacity=cap, bytes_per_token=BPT, max_model_len=MML, **opts
             )
             res = run(wl, alloc, EngineConfig(max_num_batched_tokens=4096))
+            # As summary.csv lays it out: the sweep keys between `point` and `model`.
+            swept = {"kv_budget": f"{cap // 2**30} GiB"} if sweep else {}
             row = {
                 "label": label,
                 "kind": kind,
                 "point": point,
+                **swept,
                 "model": "OPT-13B",
                 "kv_budget_bytes": cap,
                 **res.summary,
             }
-            if sweep:
-                row["kv_budget"] = f"{cap // 2**30} GiB"
             rows.append(row)
             for frame, out in ((res.timeseries, series), (res.requests, requests)):
                 out.append(frame.assign(label=label, point=point))
