@@ -201,7 +201,22 @@ def _work(task: Task) -> tuple[RunResult | None, str | None]:
     return _attempt(task, _WORKLOADS[task.workload])
 
 
-class ProcessExecutor:
+class _PoolCounts:
+    """What the progress bar reads from a pool of workers: its size and points in flight."""
+
+    _workers = 0
+    _in_flight = 0
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    @property
+    def running(self) -> int:
+        return min(self._workers, self._in_flight)
+
+
+class ProcessExecutor(_PoolCounts):
     """Local worker processes. The workloads reach each worker once, when it starts."""
 
     name = "processes"
@@ -212,14 +227,6 @@ class ProcessExecutor:
             raise ValueError("--jobs must be >= 1")
         self._workers = self.jobs
         self._in_flight = 0
-
-    @property
-    def workers(self) -> int:
-        return self._workers
-
-    @property
-    def running(self) -> int:
-        return min(self._workers, self._in_flight)
 
     def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
         if not tasks:
@@ -273,7 +280,7 @@ def _ray_task(task: Task, requests: pd.DataFrame) -> tuple[RunResult | None, str
     return _attempt(task, requests)
 
 
-class RayExecutor:
+class RayExecutor(_PoolCounts):
     """Ray tasks, one CPU each. The workloads go into the object store once (`ray.put`).
 
     Connects to `address` (a cluster: `ray://host:10001`, `host:6379` or `auto`), or starts
@@ -297,14 +304,6 @@ class RayExecutor:
         self.jobs = jobs
         self._workers = 0
         self._in_flight = 0
-
-    @property
-    def workers(self) -> int:
-        return self._workers
-
-    @property
-    def running(self) -> int:
-        return min(self._workers, self._in_flight)
 
     def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
         import ray
