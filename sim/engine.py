@@ -444,6 +444,11 @@ class Engine:
         if shrink is not None:  # memory comes back then: the queue head may fit
             n = min(n, shrink)
         horizon = self.arrivals[0][0] if self.arrivals else math.inf
+        if self.queue and self.cfg.admission == "fcfs":
+            # Behind a waiting head, strict FCFS admits nobody new before the head, and the
+            # head waits for memory or room that only a completion gives back: an arrival now
+            # changes nothing but the queue's length. It joins at the next event.
+            horizon = math.inf
         if self.cfg.max_time_s is not None:
             horizon = min(horizon, self.cfg.max_time_s)
         if horizon < math.inf:
