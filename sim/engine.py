@@ -3,7 +3,8 @@
 A thin SimPy layer. One process runs the serving loop; SimPy keeps the clock. Each turn of
 the loop is one *segment*: either a single iteration in which something other than decoding
 happens (admissions, prefill chunks), or a stretch of decode-only iterations that ends at the
-next event: a completion, an arrival, or the moment a decoder needs a block and none is free.
+next event: a completion, an arrival that could be admitted (not one queueing behind a
+waiting FCFS head), or the moment a decoder needs a block and none is free.
 Inside a stretch every running request gains one token per iteration, so the allocator's
 `step(n)` and `integrate(n, ...)` advance token counts, block counts, step times and the
 accounting integrals in closed form: the cost grows with requests, never with tokens.
