@@ -238,6 +238,17 @@ class TraceSpec(_Model):
     arrival: ArrivalSpec | None = None
 
 
+class SharedPrefix(_Model):
+    """A system prompt of `tokens` tokens put before every prompt, one of `groups` different
+    ones per request (drawn uniformly), so that prefix caching can find it again. Prompts get
+    hash ids per `chunk_tokens` tokens: the system prompt's whole chunks are shared within a
+    group, every other chunk is the request's own."""
+
+    tokens: PositiveInt
+    groups: PositiveInt = 1
+    chunk_tokens: PositiveInt = 16
+
+
 class SyntheticSpec(_Model):
     """`count` requests with independent (or rank-correlated) prompt and output lengths.
 
@@ -252,6 +263,7 @@ class SyntheticSpec(_Model):
     correlation: float = Field(default=0.0, ge=-1, le=1)
     arrival: ArrivalSpec = AtOnceArrivals()
     max_tokens: PositiveInt | None = None
+    shared_prefix: SharedPrefix | None = None
 
 
 class Window(_Model):

@@ -230,12 +230,37 @@ def sample_requests(
         table["output_tokens"] = np.minimum(output, spec.max_tokens)
         table["max_tokens"] = np.full(spec.count, spec.max_tokens, dtype=np.int64)
         notes.append(f"output lengths capped at max_tokens {spec.max_tokens}")
+    chunk = 0
+    if spec.shared_prefix is not None:
+        sp, chunk = spec.shared_prefix, spec.shared_prefix.chunk_tokens
+        table["prompt_tokens"] = prompt = prompt + sp.tokens
+        table["hash_ids"] = shared_prefix_hashes(prompt, sp.tokens, sp.groups, chunk, rng)
+        notes.append(f"system prompt of {sp.tokens} tokens, {sp.groups} different one(s)")
+    requests = pd.DataFrame(table)
+    if chunk:
+        requests.attrs["hash_block_tokens"] = chunk
     return Workload(
-        requests=pd.DataFrame(table),
+        requests=requests,
         source="synthetic",
         notes=tuple(notes),
         has_arrivals=False,
     )
+
+
+def shared_prefix_hashes(
+    prompt: np.ndarray, tokens: int, groups: int, chunk: int, rng: np.random.Generator
+) -> list[list[int]]:
+    """Hash ids per `chunk` prompt tokens: the first tokens // chunk of them name the chunks
+    of the request's system prompt (one of `groups`, drawn), the rest are unique."""
+    shared = tokens // chunk
+    group = rng.integers(0, groups, len(prompt))
+    next_id = groups * shared
+    hashes = []
+    for g, length in zip(group.tolist(), prompt.tolist(), strict=True):
+        own = -(-length // chunk) - shared
+        hashes.append([g * shared + c for c in range(shared)] + list(range(next_id, next_id + own)))
+        next_id += own
+    return hashes
 
 
 def synthesize(

@@ -168,3 +168,28 @@ def test_ideal_reuse_is_bounded_by_the_trace_figure():
     # of each prompt is always computed here, so slightly less).
     assert 0.2 < hit / total < 0.5
     assert np.isfinite(hit)
+
+
+def test_a_synthetic_system_prompt_is_found_again():
+    from workloads import WorkloadSpec, build_workload
+
+    spec = WorkloadSpec.model_validate(
+        {
+            "synthetic": {
+                "count": 50,
+                "prompt": {"kind": "fixed", "value": 30},
+                "output": {"kind": "fixed", "value": 10},
+                "shared_prefix": {"tokens": 64, "groups": 1, "chunk_tokens": 16},
+                "arrival": {"kind": "constant", "rate": 1.0},
+            }
+        }
+    )
+    wl = build_workload(spec, Path(".")).requests
+    alloc = make_allocator(
+        "prefix-caching", capacity=10_000 * B, bytes_per_token=B, max_model_len=512,
+        block_size=16,
+    )
+    s = run(wl, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=512)).summary
+    # Every request after the first finds the 64-token system prompt (4 blocks) cached.
+    assert s["prefill_tokens_skipped"] == 49 * 64
+    assert s["prefix_hit_blocks"] == 49 * 4

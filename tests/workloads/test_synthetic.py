@@ -175,3 +175,30 @@ def test_same_seed_same_table() -> None:
     pd.testing.assert_frame_equal(first, again)
     assert not first.equals(other)
     validate_requests(first, "synthetic")
+
+
+def test_shared_system_prompt_hashes():
+    from pathlib import Path
+
+    from workloads import WorkloadSpec, build_workload
+
+    spec = WorkloadSpec.model_validate(
+        {
+            "synthetic": {
+                "count": 200,
+                "prompt": {"kind": "uniform", "low": 1, "high": 100},
+                "output": {"kind": "fixed", "value": 5},
+                "shared_prefix": {"tokens": 40, "groups": 3, "chunk_tokens": 16},
+            },
+            "seed": 4,
+        }
+    )
+    df = build_workload(spec, Path(".")).requests
+    assert df.attrs["hash_block_tokens"] == 16
+    assert (df["prompt_tokens"] >= 41).all()
+    heads = {tuple(h[:2]) for h in df["hash_ids"]}
+    assert heads == {(0, 1), (2, 3), (4, 5)}  # 40 // 16 = 2 whole chunks, 3 system prompts
+    pairs = zip(df["hash_ids"], df["prompt_tokens"], strict=True)
+    assert all(len(h) == -(-p // 16) for h, p in pairs)
+    own = [x for h in df["hash_ids"] for x in h[2:]]
+    assert len(own) == len(set(own)) and min(own) >= 6  # every other chunk is unique
