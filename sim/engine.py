@@ -259,7 +259,7 @@ class Engine:
                 continue  # every waiting request was rejected
             if prefill_tokens:
                 # A compaction during admission stalls every running request.
-                dt = self._iteration_time(decoders + prefill_tokens) + self._take_stall()
+                dt = self._iteration_time(decoders + prefill_tokens) + self.alloc.take_stall()
                 self._record(dt, 1)
                 yield env.timeout(dt)
                 self._sync_log()
@@ -516,15 +516,9 @@ class Engine:
              from_offset)
         )
 
-    def _take_stall(self) -> float:
-        """Seconds the allocator stalled (compaction) since last asked; 0 for most kinds."""
-        take = getattr(self.alloc, "take_stall", None)
-        return take() if take is not None else 0.0
-
     def _apply_moves(self) -> None:
         """Slabs the allocator moved (compaction): update their offsets and log the moves."""
-        take = getattr(self.alloc, "take_moves", None)
-        for rid, old, new, nbytes in take() if take is not None else ():
+        for rid, old, new, nbytes in self.alloc.take_moves():
             r = self.by_rid[rid]
             if r.offset == old:  # its first slab (other samples' copies have no record here)
                 r.offset = new
@@ -667,9 +661,9 @@ class Engine:
             "recomputed_tokens": self.recomputed,
             "frag_refusals": int(requests["frag_refused"].sum()),
             "frag_blocked_s": self.frag_blocked_s,
-            "compactions": getattr(self.alloc, "compactions", 0),
-            "bytes_moved": getattr(self.alloc, "bytes_moved", 0),
-            "stall_s": getattr(self.alloc, "stall_s", 0.0),
+            "compactions": self.alloc.compactions,
+            "bytes_moved": self.alloc.bytes_moved,
+            "stall_s": self.alloc.stall_s,
             "generated_tokens": generated,
             "throughput_tok_s": generated / span if span else 0.0,
             "throughput_req_s": len(done) / span if span else 0.0,

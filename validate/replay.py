@@ -153,6 +153,13 @@ class MemoryReplay:
             held += int(torch.count_nonzero(piece == HELD))
         return self.capacity - free - held, held, free
 
+    def _take_blocks_for(self, rid: int, live: _Live, blocks: list[int], tokens: int) -> str:
+        """Add `blocks` to the request's table; a problem if they or its tokens do not fit."""
+        problem = self._take_blocks(live, blocks)
+        if not problem and len(live.table) * self.block_size < tokens:
+            problem = f"request {rid}: {tokens} tokens do not fit {len(live.table)} blocks"
+        return problem
+
     # -------------------------------------------------------------- operations
     def admit(self, rid: int, tokens: int, nbytes: int, offset: int, blocks: list[int]) -> str:
         """Hand out memory and write the first `tokens` tokens; returns a problem or ''."""
@@ -160,11 +167,9 @@ class MemoryReplay:
             return f"admit of request {rid}, which is already live"
         live = _Live(tokens=tokens, offset=offset, nbytes=nbytes)
         if self.paged:
-            problem = self._take_blocks(live, blocks)
+            problem = self._take_blocks_for(rid, live, blocks, tokens)
             if problem:
                 return problem
-            if len(live.table) * self.block_size < tokens:
-                return f"request {rid}: {tokens} tokens do not fit {len(live.table)} blocks"
         else:
             if offset < 0 or offset + nbytes > self.capacity:
                 return f"request {rid}: slab [{offset}, {offset + nbytes}) outside the arena"
@@ -182,11 +187,9 @@ class MemoryReplay:
         if live is None:
             return f"grow of request {rid}, which is not live"
         if self.paged:
-            problem = self._take_blocks(live, blocks)
+            problem = self._take_blocks_for(rid, live, blocks, tokens)
             if problem:
                 return problem
-            if len(live.table) * self.block_size < tokens:
-                return f"request {rid}: {tokens} tokens do not fit {len(live.table)} blocks"
         elif nbytes or tokens * self.b > live.nbytes:
             return f"request {rid}: a slab cannot grow ({tokens} tokens, +{nbytes} bytes)"
         if tokens < live.tokens:

@@ -168,6 +168,10 @@ class Allocator(ABC):
 
     kind: ClassVar[str]
     loggable: ClassVar[bool] = True  # its operations fit the engine's allocation log
+    # Compaction totals; only allocators that move live data (contiguous) change them.
+    compactions: int = 0
+    bytes_moved: int = 0
+    stall_s: float = 0.0
 
     def __init__(self, capacity: int, bytes_per_token: int, max_model_len: int) -> None:
         for name, value in (
@@ -412,6 +416,14 @@ class Allocator(ABC):
     def summary_stats(self) -> dict[str, float | int]:
         """Allocator-specific figures for the run's summary."""
         return {}
+
+    def take_stall(self) -> float:
+        """Seconds of stall (moving live data) since last asked; the engine charges them."""
+        return 0.0
+
+    def take_moves(self) -> list[tuple[int, int, int, int]]:
+        """(rid, old offset, new offset, bytes) of slabs moved since last asked."""
+        return []
 
     def account(self, probe: Request | None = None) -> Accounting:
         """The budget's five parts now. `probe` is the request the free space is judged by."""

@@ -102,7 +102,7 @@ class ContiguousAllocator(SlabAllocator):
         """Slide every live slab down, in address order, and merge the free space at the top."""
         slabs = []  # (offset, size, live, index): index 0 is live.offset, i > 0 extra[i - 1]
         for lv in self._live.values():
-            extra = getattr(lv, "extra", None) or ()
+            extra = lv.extra or ()
             one = lv.nbytes // (1 + len(extra))
             slabs.append((lv.offset, one, lv, 0))
             slabs.extend((off, one, lv, i) for i, off in enumerate(extra, 1))
