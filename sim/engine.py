@@ -192,7 +192,9 @@ class Engine:
             raise ValueError("workload request ids are not unique")
         self.reference = _reference_request(self.reqs)
         self.queue: deque[_Req] = deque()
-        self.running: list[_Req] = []  # in admission order: the last one is the victim
+        # Running requests in admission order (the last one is the victim): a dict, so that a
+        # completion leaves in O(1).
+        self.running: dict[_Req, None] = {}
         self.seqs = 0  # sequences running (a request with n samples counts n)
         self.prefilling: list[_Req] = []  # admitted, prompt not fully stored yet
         self.prefilled: list[_Req] = []  # prompt fully stored this iteration
@@ -296,7 +298,7 @@ class Engine:
         """Preempt the newest requests until every decoder can store its next token."""
         alloc = self.alloc
         while alloc.n_decoding and alloc.steps_until_full() == 0:
-            self._preempt(self.running[-1])
+            self._preempt(next(reversed(self.running)))
 
     def _preempt(self, r: _Req) -> None:
         alloc, rid = self.alloc, r.req.rid
@@ -305,7 +307,7 @@ class Engine:
         decoded = alloc.is_decoding(rid)
         self._log_free(r)
         alloc.free(rid)
-        self.running.remove(r)
+        del self.running[r]
         self.seqs -= r.req.n
         if r in self.prefilling:
             self.prefilling.remove(r)
@@ -359,6 +361,8 @@ class Engine:
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
         used = 0
+        if not self.prefilling:
+            return used
         for r in list(self.prefilling):
             if used >= budget:
                 break
@@ -367,7 +371,7 @@ class Engine:
             chunk = min(r.prefill_left, budget - used)
             last = chunk == r.prefill_left
             while not (grant := self.alloc.grow(r.req.rid, chunk + last)):
-                victim = self.running[-1]
+                victim = next(reversed(self.running))
                 self._preempt(victim)
                 if victim is r:
                     break
@@ -407,7 +411,7 @@ class Engine:
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:
             r.offset = grant.offset
-        self.running.append(r)
+        self.running[r] = None
         self.seqs += r.req.n
         self.max_running = max(self.max_running, len(self.running))
         (self.prefilled if whole else self.prefilling).append(r)
@@ -481,7 +485,7 @@ class Engine:
         r.status = "completed"
         r.finished = now
         r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt)
-        self.running.remove(r)
+        del self.running[r]
         self.seqs -= r.req.n
         if self.cfg.batching == "static":
             alloc.set_decoding(rid, False)
@@ -551,26 +555,26 @@ class Engine:
         return self.queue[0].req if self.queue else self.reference
 
     def _record(self, dt: float, iterations: int) -> None:
-        acc = self.alloc.account(self._probe())
-        parts = [getattr(acc, p) for p in PARTS]
+        alloc, integrals = self.alloc, self.integrals
+        parts = alloc.parts(self._probe())
         for p, v in zip(PARTS, parts, strict=True):
-            self.integrals[p] += v * dt
-        self.saved += self.alloc.saved_by_sharing() * dt
-        self._row(dt, iterations, parts, acc.largest_hole)
+            integrals[p] += v * dt
+        self.saved += alloc.saved_by_sharing() * dt
+        self._row(dt, iterations, parts, alloc.largest_hole())
 
     def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
         """This iteration (already stepped) plus n-1 more: exact integrals, one row."""
+        alloc, integrals = self.alloc, self.integrals
         probe = self._probe()
-        acc = self.alloc.account(probe)
-        sums = [getattr(acc, p) * w0 for p in PARTS]
-        self.saved += self.alloc.saved_by_sharing() * w0
+        sums = [v * w0 for v in alloc.parts(probe)]
+        self.saved += alloc.saved_by_sharing() * w0
         if n > 1:
-            more = self.alloc.integrate(n - 1, probe, w0 + w1, w1)
+            more = alloc.integrate(n - 1, probe, w0 + w1, w1)
             sums = [s + more[p] for s, p in zip(sums, PARTS, strict=True)]
             self.saved += more["saved"]
         for p, v in zip(PARTS, sums, strict=True):
-            self.integrals[p] += v
-        self._row(duration, n, [v / duration for v in sums], acc.largest_hole)
+            integrals[p] += v
+        self._row(duration, n, [v / duration for v in sums], alloc.largest_hole())
 
     def _row(self, dt: float, iterations: int, parts: list, largest_hole: int) -> None:
         running = len(self.running)

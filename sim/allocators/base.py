@@ -28,12 +28,11 @@ and token_states + reserved + internal + external + usable_free == capacity, alw
 
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import ClassVar
-
-from sortedcontainers import SortedList
 
 #: The five parts of the budget, in the order plots stack them.
 PARTS = ("token_states", "reserved", "internal", "external", "usable_free")
@@ -191,7 +190,11 @@ class Allocator(ABC):
         self._dec_weight = 0  # sequences decoding: stored tokens gained per step
         self._fixed_seq = 0  # sum of n*L over non-decoding requests
         self._seq_phase_sum = 0  # sum of n*c over decoding requests
-        self._done = SortedList()  # (final - c, rid): the clock at which each decoder is done
+        # When each decoder is done: the clock value final - c. A heap of (done, rid) with lazy
+        # deletion (an entry counts while `_done_at[rid]` still says `done`): cheaper than a
+        # sorted list for the engine's push / peek / leave pattern.
+        self._done: list[tuple[int, int]] = []
+        self._done_at: dict[int, int] = {}
         self.frees = 0  # how many frees so far: memory can only come back through one
 
     # ----------------------------------------------------------------- queries
@@ -201,7 +204,7 @@ class Allocator(ABC):
 
     @property
     def n_decoding(self) -> int:
-        return len(self._done)
+        return len(self._done_at)
 
     def rids(self) -> list[int]:
         return list(self._live)
@@ -259,14 +262,25 @@ class Allocator(ABC):
 
     def steps_until_done(self) -> int | None:
         """Steps until the first decoding request reaches its final length (None: no decoder)."""
-        return self._done[0][0] - self._clock if self._done else None
+        top = self._done_top()
+        return None if top is None else top[0] - self._clock
+
+    def _done_top(self) -> tuple[int, int] | None:
+        heap, valid = self._done, self._done_at
+        while heap:
+            done, rid = heap[0]
+            if valid.get(rid) == done:
+                return heap[0]
+            heapq.heappop(heap)  # left the cohort since it was pushed
+        return None
 
     def is_decoding(self, rid: int) -> bool:
         return self._get(rid).decoding
 
     def first_done(self) -> int | None:
         """The decoder that reaches its final length first (ties: lowest rid), if any."""
-        return self._done[0][1] if self._done else None
+        top = self._done_top()
+        return None if top is None else top[1]
 
     def block_table(self, rid: int) -> tuple[int, ...]:
         """Block ids of request `rid` in token order; slab allocators have none."""
@@ -358,9 +372,11 @@ class Allocator(ABC):
             self._phase_sum += self._linear(live, live.base)
             self._seq_phase_sum += live.weight * live.base
             self._dec_weight += live.weight
-            self._done.add((live.final - live.base, rid))
+            done = live.final - live.base
+            self._done_at[rid] = done
+            heapq.heappush(self._done, (done, rid))
         else:
-            self._done.remove((live.final - live.base, rid))
+            del self._done_at[rid]
             self._phase_sum -= self._linear(live, live.base)
             self._seq_phase_sum -= live.weight * live.base
             self._dec_weight -= live.weight
@@ -427,22 +443,36 @@ class Allocator(ABC):
 
     def account(self, probe: Request | None = None) -> Accounting:
         """The budget's five parts now. `probe` is the request the free space is judged by."""
-        b = self.bytes_per_token
-        allocated = self._allocated_total()
-        token_states = b * self.total_tokens()
-        internal = self._internal_total()
-        free = self.capacity - allocated
-        usable = self._usable_free(probe)
+        token_states, reserved, internal, external, usable = self.parts(probe)
         return Accounting(
             capacity=self.capacity,
             token_states=token_states,
-            reserved=allocated - internal - token_states,
+            reserved=reserved,
             internal=internal,
-            external=free - usable,
+            external=external,
             usable_free=usable,
             largest_hole=self._largest_hole(),
             live=len(self._live),
         )
+
+    def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
+        """`account(probe)`'s five parts in PARTS order, as a plain tuple: the engine asks
+        this at every event, and building an Accounting costs more than computing it."""
+        allocated = self._allocated_total()
+        token_states = self.bytes_per_token * self.total_tokens()
+        internal = self._internal_total()
+        usable = self._usable_free(probe)
+        return (
+            token_states,
+            allocated - internal - token_states,
+            internal,
+            self.capacity - allocated - usable,
+            usable,
+        )
+
+    def largest_hole(self) -> int:
+        """Bytes of the largest free hole (the paged pool counts as one hole)."""
+        return self._largest_hole()
 
     def integrate(
         self, n: int, probe: Request | None = None, w0: float = 1.0, w1: float = 0.0

@@ -179,6 +179,8 @@ class PagedAllocator(Allocator):
 
     def steps_until_shrink(self) -> int | None:
         # Beams are pruned back to one trunk when their length reaches a multiple of bs.
+        if not self._saved.nonzero:
+            return None
         bs, k = self.block_size, self._clock
         steps = [(-(r + k) % bs) or bs for r, count in enumerate(self._saved.cnt) if count]
         return min(steps) if steps else None
@@ -196,13 +198,19 @@ class PagedAllocator(Allocator):
 
     def _blocks_at(self, live: Live, tokens: int) -> int:
         """Blocks a request holds when each of its sequences stores `tokens` tokens."""
+        if live.req.n == 1:  # the common case, kept short: it runs at every event
+            return -(-tokens // self.block_size)
         return self._count_blocks(live.req, tokens, live.shared // self.block_size)
 
     def _saved_at(self, live: Live, tokens: int) -> int:
+        if live.req.n == 1:
+            return 0
         n, bs = self._sequences(live.req, tokens), self.block_size
         return (n - 1) * (tokens // bs if live.req.beam else live.shared // bs)
 
     def _stored(self, live: Live, tokens: int) -> int:
+        if live.req.n == 1:
+            return tokens
         n, bs = self._sequences(live.req, tokens), self.block_size
         kept = tokens // bs * bs if live.req.beam else live.shared
         return n * tokens - (n - 1) * kept
@@ -231,10 +239,10 @@ class PagedAllocator(Allocator):
 
     def _tail_waste(self, live: Live, tokens: int) -> int:
         """Internal fragmentation of a request holding `tokens` tokens (only its last block)."""
-        bs = self.block_size
-        held = -(-tokens // bs) * bs
-        n = self._sequences(live.req, tokens)
-        return n * max(0, held - live.final) * self.bytes_per_token
+        held = -(-tokens // self.block_size) * self.block_size
+        if held <= live.final:
+            return 0
+        return self._sequences(live.req, tokens) * (held - live.final) * self.bytes_per_token
 
     def _materialize(self, live: Live, blocks: int) -> tuple[int, ...]:
         table = live.table if live.table is not None else []
@@ -304,16 +312,17 @@ class PagedAllocator(Allocator):
         # Move the request between the fixed counts and the clocked ones.
         self._fixed_blocks -= sign * self._blocks_at(live, tokens)
         self._fixed_internal -= sign * self._tail_waste(live, tokens)
-        self._fixed_saved -= sign * self._saved_at(live, tokens)
         self._blocks.add(phase + bs - 1, sign * n)  # n * ceil((c + K)/bs)
-        if live.req.beam:
-            self._blocks.add(phase, -sign * (n - 1))  # - (n-1) * floor((c + K)/bs)
-            self._tokens.add(phase, -sign * (n - 1) * bs)
-            self._saved.add(phase, sign * (n - 1))
-        else:
-            shared = live.shared // bs
-            self._fixed_blocks -= sign * (n - 1) * shared
-            self._fixed_saved += sign * (n - 1) * shared
+        if n > 1:
+            self._fixed_saved -= sign * self._saved_at(live, tokens)
+            if live.req.beam:
+                self._blocks.add(phase, -sign * (n - 1))  # - (n-1) * floor((c + K)/bs)
+                self._tokens.add(phase, -sign * (n - 1) * bs)
+                self._saved.add(phase, sign * (n - 1))
+            else:
+                shared = live.shared // bs
+                self._fixed_blocks -= sign * (n - 1) * shared
+                self._fixed_saved += sign * (n - 1) * shared
         reach = bs * (-(-live.final // bs) - 1) + 1 - phase  # clock of entering the last block
         if decoding:
             if reach <= self._clock:
