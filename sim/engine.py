@@ -704,15 +704,22 @@ def _requests_from(workload: pd.DataFrame) -> list[_Req]:
         if col not in workload.columns:
             raise ValueError(f"workload has no column {col!r}")
     n = len(workload)
-    rid = workload["request_id"].to_numpy() if "request_id" in workload else np.arange(n)
-    arrival = workload["arrival_s"].to_numpy(dtype=float)
-    prompt = workload["prompt_tokens"].to_numpy()
-    output = workload["output_tokens"].to_numpy()
-    max_tokens = workload["max_tokens"].to_numpy() if "max_tokens" in workload else None
-    users = workload["user_id"].to_numpy() if "user_id" in workload else None
-    think = workload["think_s"].to_numpy(dtype=float) if "think_s" in workload else None
-    samples = workload["n"].to_numpy() if "n" in workload else None
-    beams = workload["beam_width"].to_numpy() if "beam_width" in workload else None
+
+    def column(name: str, dtype=None) -> list | None:
+        """A column as a Python list (None when absent): per-row numpy scalars are slow."""
+        if name not in workload:
+            return None
+        return workload[name].to_numpy(dtype=dtype).tolist()
+
+    rid = column("request_id") or list(range(n))
+    arrival = column("arrival_s", float)
+    prompt = column("prompt_tokens")
+    output = column("output_tokens")
+    max_tokens = column("max_tokens")
+    users = column("user_id")
+    think = column("think_s", float)
+    samples = column("n")
+    beams = column("beam_width")
     hashes = workload["hash_ids"].to_numpy() if "hash_ids" in workload else None
     chunk = int(workload.attrs.get("hash_block_tokens", 0) or 0)
     reqs = []

@@ -89,9 +89,16 @@ class FloorSum:
         for r, count in enumerate(self.cnt):
             if count:
                 whole, m0 = divmod(r + k + 1, bs)
-                u1 = _p1(m0 + n, bs) - _p1(m0, bs)
-                u2 = _p2(m0 + n, bs) - _p2(m0, bs) - m0 * u1
-                total += count * (whole * weight + w0 * u1 + w1 * u2)
+                # _p1 and _p2 vanish below bs, so u1 = _p1(m0 + n) and u2 = _p2(m0 + n) - m0*u1.
+                # Inlined: this loop runs at every decode stretch.
+                q, m = divmod(m0 + n, bs)
+                u1 = bs * q * (q - 1) // 2 + m * q
+                p2 = (
+                    bs * bs * (q - 1) * q * (2 * q - 1) // 6
+                    + bs * (bs - 1) * q * (q - 1) // 4
+                    + q * (m * q * bs + m * (m - 1) // 2)
+                )
+                total += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
         return total
 
     def steps_within(self, k: int, budget: int) -> int | None:
