@@ -273,6 +273,22 @@ class Allocator(ABC):
         self._get(rid)
         return ()
 
+    def block_tables(self, rid: int) -> list[tuple[int, ...]]:
+        """One block table per sequence of request `rid`; slab allocators have none."""
+        self._get(rid)
+        return []
+
+    def slab_offsets(self, rid: int) -> tuple[int, ...]:
+        """Byte offset of each sequence's slab (slab allocators: one per sample); else ()."""
+        self._get(rid)
+        return ()
+
+    def prefix_keys(self, rid: int) -> tuple[int, ...]:
+        """Prefix caching: one digest per full prompt block the request's hash chain names;
+        blocks with equal digests hold the same tokens. Others: ()."""
+        self._get(rid)
+        return ()
+
     def steps_until_full(self) -> int | None:
         """Steps every decoder can take before an allocation fails (None: never)."""
         return None
@@ -423,6 +439,14 @@ class Allocator(ABC):
 
     def take_moves(self) -> list[tuple[int, int, int, int]]:
         """(rid, old offset, new offset, bytes) of slabs moved since last asked."""
+        return []
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """(rid, source block, destination block) of copies on write since last asked."""
+        return []
+
+    def take_renamed(self) -> list[int]:
+        """Requests whose block ids changed since last asked without a call for them."""
         return []
 
     def account(self, probe: Request | None = None) -> Accounting:

@@ -172,7 +172,7 @@ class PrefixCachingAllocator(PagedAllocator):
         self.hits += min(self._hit_blocks(self._keys_of[req.rid], req), tokens // bs)
         self._register(live, tokens)
         private = self._blocks_at(live, tokens)
-        ids = self._materialize(live, private)
+        ids = self._materialize(live, private, tokens)
         self._fixed_blocks += private
         self._fixed_internal += self._tail_waste(live, tokens)
         self._evict()
@@ -185,7 +185,7 @@ class PrefixCachingAllocator(PagedAllocator):
         before = self._blocks_at(live, old)
         self._register(live, new)
         after = self._blocks_at(live, new)
-        ids = self._materialize(live, after)
+        ids = self._materialize(live, after, new)
         self._fixed_blocks += after - before
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
         self._evict()
