@@ -22,9 +22,10 @@ MML = 256
 ROOT_TINY = Path(__file__).resolve().parents[2] / "scenarios" / "validate-tiny.yaml"
 
 
-def workload(n: int = 45, seed: int = 3) -> pd.DataFrame:
+def workload(n: int = 45, seed: int = 3, group: dict | None = None) -> pd.DataFrame:
+    """Requests; `group` adds a column of sequences per request, e.g. {"n": 3}."""
     rng = np.random.default_rng(seed)
-    return pd.DataFrame(
+    df = pd.DataFrame(
         {
             "request_id": np.arange(n),
             "arrival_s": np.sort(rng.uniform(0, 2.0, n)),
@@ -32,13 +33,16 @@ def workload(n: int = 45, seed: int = 3) -> pd.DataFrame:
             "output_tokens": rng.integers(1, 100, n),
         }
     )
+    for column, value in (group or {}).items():
+        df[column] = value
+    return df
 
 
-def simulate(kind: str, engine: dict | None = None, **options):
+def simulate(kind: str, engine: dict | None = None, group: dict | None = None, **options):
     alloc = make_allocator(kind, capacity=BUDGET, bytes_per_token=B, max_model_len=MML, **options)
     cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, log_allocations=True)
     cfg = dataclasses.replace(cfg, **(engine or {}))
-    return run(workload(), alloc, cfg)
+    return run(workload(group=group), alloc, cfg)
 
 
 def replay(log, kind: str, block_size: int | None = None, checkpoints=None) -> Outcome:
@@ -190,3 +194,86 @@ def test_plan_and_requested_sizes():
         result, _, requested = suite._simulate(job, loaded.base_dir, {})
         admits = result.log[result.log["op"] == "admit"]
         assert all(requested[r.rid] == r.nbytes for r in admits.itertuples())
+
+
+# ------------------------------------------------------------------ groups (n > 1)
+CHUNKED = {"chunked_prefill": True, "max_num_batched_tokens": 64}
+GROUPS = [
+    ("paged", {}, {"n": 3}, {"block_size": 16}),
+    ("paged", CHUNKED, {"n": 2}, {"block_size": 8}),
+    ("paged", {}, {"beam_width": 3}, {"block_size": 16}),
+    ("paged", CHUNKED, {"beam_width": 3}, {"block_size": 8}),
+    ("contiguous", {}, {"n": 2}, {"reserve": "oracle", "placement": "first-fit"}),
+    ("contiguous", {}, {"n": 2}, {"reserve": "oracle", "compaction": True}),
+    ("buddy", CHUNKED, {"n": 3}, {"reserve": "pow2"}),
+]
+
+
+@pytest.mark.parametrize(("kind", "engine", "group", "options"), GROUPS)
+def test_groups_replay_exactly(kind, engine, group, options):
+    result = simulate(kind, engine, group, **options)
+    log = result.log
+    assert result.summary["completed"] == 45
+    out = replay(log, kind, options.get("block_size"))
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0
+    assert out.checks == int((log["op"] == "check").sum()) > 10
+    admits = log[log["op"] == "admit"]
+    width = next(iter(group.values()))
+    if kind == "paged":
+        # At each fork (one table -> n), the prompt's partial block is copied on write for
+        # every sequence past the first (beams: unless they have filled it already).
+        prompt = dict(zip(admits["rid"], admits["prompt"], strict=False))
+        bs, beam = options["block_size"], "beam_width" in group
+        forks, forked = 0, set()
+        for row in log[log["op"].isin(["admit", "grow", "free"])].itertuples():
+            p = prompt[row.rid]
+            if row.op == "free":
+                forked.discard(row.rid)
+            elif len(row.tables) == width and row.rid not in forked:
+                forked.add(row.rid)
+                forks += p % bs > 0 and (not beam or row.tokens // bs == p // bs)
+            else:
+                assert len(row.tables) in (1, width)
+        assert (log["op"] == "copy").sum() == (width - 1) * forks > 0
+    else:
+        assert (admits["offsets"].map(len) == width).all()
+        assert (log["op"] == "copy").sum() == 0
+
+
+def test_beams_are_pruned_and_preempted_in_the_replay():
+    result = simulate("paged", CHUNKED, {"beam_width": 3}, block_size=8)
+    log = result.log
+    assert result.summary["preemptions"] > 0
+    grows = log[log["op"] == "grow"]
+    distinct = grows["tables"].map(lambda t: len({b for table in t for b in table}))
+    assert (distinct.diff() < 0).any(), "no grow gave pruned blocks back"
+    out = replay(log, "paged", 8)
+    assert out.status == "pass", out.first_fail
+
+
+@pytest.mark.parametrize("how", ["skip", "wrong source"])
+def test_a_bad_copy_on_write_is_caught(how):
+    result = simulate("paged", {}, {"n": 3}, block_size=16)
+    log = result.log.copy()
+    copies = log.index[log["op"] == "copy"]
+    if how == "skip":
+        log = log.drop(copies[:2]).reset_index(drop=True)
+    else:  # copy the first prompt block instead of the partial last one
+        for i in copies:
+            rid = log.at[i, "rid"]
+            first = log[(log["rid"] == rid) & (log["op"] == "admit") & (log.index > i)].iloc[0]
+            log.at[i, "blocks"] = [first["tables"][0][0], log.at[i, "blocks"][1]]
+    out = replay(log, "paged", 16)
+    assert out.status == "fail"
+    assert out.corrupt >= 1  # the copies' prompt bytes: HELD, or the wrong tokens
+
+
+def test_slab_copies_are_checked_by_value():
+    result = simulate("contiguous", {}, {"n": 2}, reserve="oracle")
+    log = result.log.copy()
+    i = log.index[log["op"] == "admit"][4]
+    first, _ = log.at[i, "offsets"]
+    log.at[i, "offsets"] = [first, first]  # both samples written over one slab
+    out = replay(log, "contiguous")
+    assert out.status == "fail" and out.corrupt >= 1
