@@ -108,7 +108,8 @@ class RunResult:
 #: destination must receive before the sequences write on. Slab allocators with n > 1 list each
 #: sequence's slab in `offsets` (the first is `offset`; `nbytes` covers all of them). Prefix
 #: caching: admit rows carry `keys`, one digest per full prompt block the hash chain names
-#: (equal digests: equal tokens).
+#: (equal digests: equal tokens); `evict` rows list the idle cached blocks whose bytes were
+#: dropped (their ids are free again).
 LOG_COLUMNS = (
     "seq", "t", "op", "rid", "tokens", "nbytes", "offset", "blocks",
     "token_states", "held_unwritten", "free", "from_offset",
@@ -183,8 +184,6 @@ class Engine:
     def __init__(self, workload: pd.DataFrame, allocator: Allocator, config: EngineConfig):
         if allocator.live or allocator.total_tokens():
             raise ValueError("the allocator must be fresh (nothing live)")
-        if config.log_allocations and not allocator.loggable:
-            raise ValueError(f"allocation logs do not cover the {allocator.kind} allocator yet")
         if not config.chunked_prefill and config.max_num_batched_tokens < allocator.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
@@ -537,6 +536,7 @@ class Engine:
                 offsets = list(alloc.slab_offsets(rid))
             self.logged[rid] = (tokens, len(alloc.block_table(rid)), alloc.allocated_bytes(rid),
                                 ids)
+            self._log_evictions()
             copies = alloc.take_copies()  # made by this operation: they come first
             for other in alloc.take_renamed():  # it took back blocks beams had pruned: first
                 if other != rid:
@@ -557,6 +557,11 @@ class Engine:
              token_states, held_unwritten, free, from_offset, prompt, list(tables),
              list(offsets), list(keys))
         )
+
+    def _log_evictions(self) -> None:
+        evicted = self.alloc.take_evictions()
+        if evicted:
+            self._log_row("evict", -1, blocks=evicted)
 
     def _apply_moves(self) -> None:
         """Slabs the allocator moved (compaction): update their offsets and log the moves."""
@@ -585,6 +590,7 @@ class Engine:
         if self.log is None:
             return
         alloc = self.alloc
+        self._log_evictions()
         for rid in alloc.rids():
             if alloc.tokens(rid) != self.logged[rid][0]:
                 self._log_grow(rid)

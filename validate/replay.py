@@ -31,8 +31,8 @@ leave a request's tables (beams pruned back to one trunk) are checked, then set 
 Prefix caching: a request's table starts with its cached prompt blocks (min(#keys, tokens //
 block_size) of them). A block it joins that another request holds as cached, or that is
 idle-cached, already holds its tokens: it is checked, not written. When its last user frees
-it, a cached block keeps its bytes (idle) and counts as free, as the model counts it; an idle
-block handed out anew (evicted) is checked against what it held, then taken.
+it, a cached block keeps its bytes (idle) and counts as free, as the model counts it; `evict`
+rows check an idle block against what it held, then set it FREE.
 
 At each checkpoint (the log's `check` rows, optionally thinned) the bytes in each state are
 counted on the device and must equal the model's token_states, held_unwritten (reserved +
@@ -351,10 +351,8 @@ class MemoryReplay:
             bad += self._bad_blocks(rid, live, hits, t1)
             for b, _, _ in hits:
                 self.idle.pop(b, None)
-        for b, _, _ in fresh:
-            held = self.idle.pop(b, None)  # evicted: what it held must still be there
-            if held is not None:
-                bad += int(self.torch.count_nonzero(self.pool[b] != held[:, None]))
+        if any(b in self.idle for b, _, _ in fresh):
+            problem = f"request {rid}: an idle cached block handed out without its eviction"
         self._set([b for b, _, _ in fresh], HELD)
         live.tables = tables
         hit = {b for b, _, _ in hits}
@@ -406,6 +404,18 @@ class MemoryReplay:
             for off in live.offsets:
                 self.buf[off : off + one].fill_(FREE)
         return bad, problem
+
+    def evict(self, blocks: list[int]) -> tuple[int, str]:
+        """Idle cached blocks dropped: checked against what they held, then set FREE."""
+        bad, gone = 0, []
+        for b in blocks:
+            held = self.idle.pop(b, None)
+            if held is None:
+                return bad, f"eviction of block {b}, which is not idle-cached"
+            bad += int(self.torch.count_nonzero(self.pool[b] != held[:, None]))
+            gone.append(b)
+        self._set(gone, FREE)
+        return bad, ""
 
     def move(self, rid: int, nbytes: int, offset: int, from_offset: int) -> str:
         """Compaction: copy a slab's bytes to `offset` (piece by piece, safe when the two
@@ -498,9 +508,14 @@ def _replay(mem: MemoryReplay, log: pd.DataFrame, out: Outcome, limit: int | Non
             problem2 = mem.move(rid, int(row.nbytes), int(row.offset), frm)
         elif op == "free":
             bad, problem2 = mem.free(rid, int(row.nbytes), int(row.offset), blocks)
+        elif op == "evict":
+            bad, problem2 = mem.evict(blocks)
         else:
             problem2 = f"unknown log operation {op!r}"
-        if bad:
+        if bad and op == "evict":
+            out.corrupt += 1
+            out.fail(seq, f"{bad} bytes of idle cached blocks {blocks[:3]} changed")
+        elif bad:
             out.corrupt += 1
             what = "before its free" if op == "free" else f"found at its {op}"
             out.fail(seq, f"request {rid}: {bad} of its bytes changed ({what})")

@@ -167,7 +167,6 @@ class Allocator(ABC):
     """
 
     kind: ClassVar[str]
-    loggable: ClassVar[bool] = True  # its operations fit the engine's allocation log
     # Compaction totals; only allocators that move live data (contiguous) change them.
     compactions: int = 0
     bytes_moved: int = 0
@@ -443,6 +442,10 @@ class Allocator(ABC):
 
     def take_copies(self) -> list[tuple[int, int, int]]:
         """(rid, source block, destination block) of copies on write since last asked."""
+        return []
+
+    def take_evictions(self) -> list[int]:
+        """Prefix caching: ids of idle cached blocks evicted since last asked."""
         return []
 
     def take_renamed(self) -> list[int]:

@@ -274,10 +274,8 @@ class PagedAllocator(Allocator):
         table = live.table if live.table is not None else []
         live.table = table
         need = blocks - len(table)
-        if need < 0:  # prefix caching: blocks that joined the cache leave the private table
-            self._stack.extend(reversed(table[need:]))
-            del table[need:]
-            return ()
+        if need < 0:
+            raise AssertionError(f"request {live.req.rid}: its named blocks outnumber its count")
         if need == 0:
             return ()
         if need > len(self._stack):

@@ -277,3 +277,72 @@ def test_slab_copies_are_checked_by_value():
     log.at[i, "offsets"] = [first, first]  # both samples written over one slab
     out = replay(log, "contiguous")
     assert out.status == "fail" and out.corrupt >= 1
+
+
+# ------------------------------------------------------------------ prefix caching
+def shared_prompts(bs: int = 8, count: int = 60, seed: int = 3) -> pd.DataFrame:
+    """Requests behind one of three 40-token system prompts (hash chains per 8 tokens)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(40, 150, count)
+    system, chunk = 40, 8
+    group = rng.integers(0, 3, count)
+    hashes, own = [], 10_000
+    for g, p in zip(group.tolist(), prompt.tolist(), strict=True):
+        mine = -(-p // chunk) - system // chunk
+        hashes.append([100 * g + c for c in range(system // chunk)] + list(range(own, own + mine)))
+        own += mine
+    df = pd.DataFrame(
+        {
+            "request_id": np.arange(count),
+            "arrival_s": np.sort(rng.uniform(0, 2.0, count)),
+            "prompt_tokens": prompt,
+            "output_tokens": rng.integers(1, 60, count),
+            "hash_ids": hashes,
+        }
+    )
+    df.attrs["hash_block_tokens"] = chunk
+    return df
+
+
+def simulate_cached(bs: int, engine: dict | None = None):
+    alloc = make_allocator(
+        "prefix-caching", capacity=BUDGET, bytes_per_token=B, max_model_len=MML, block_size=bs
+    )
+    cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, log_allocations=True)
+    return run(shared_prompts(), alloc, dataclasses.replace(cfg, **(engine or {})))
+
+
+@pytest.mark.parametrize(("bs", "engine"), [(16, {}), (8, CHUNKED), (4, {})])
+def test_prefix_caching_replays_exactly(bs, engine):
+    result = simulate_cached(bs, engine)
+    s, log = result.summary, result.log
+    assert s["completed"] == 60 and s["prefix_hit_blocks"] > 0 and s["prefix_evictions"] > 0
+    assert (log["op"] == "evict").sum() > 0
+    admits = log[log["op"] == "admit"]
+    assert (admits["keys"].map(len) > 0).all()
+    # Requests behind the same system prompt name the same block for its first tokens.
+    first_block = admits["tables"].map(lambda tables: tables[0][0])
+    system = admits["keys"].map(lambda keys: keys[0])
+    assert first_block.groupby(system).apply(lambda ids: ids.duplicated().any()).all()
+    out = replay(log, "prefix-caching", bs)
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0 and out.checks > 10
+
+
+def test_a_corrupted_cached_block_is_caught(monkeypatch):
+    from validate import replay as replay_mod
+
+    result = simulate_cached(16)
+    real_free = replay_mod.MemoryReplay.free
+
+    def free_then_scribble(self, rid, nbytes, offset, blocks):
+        idle = set(self.idle)
+        got = real_free(self, rid, nbytes, offset, blocks)
+        for b in set(self.idle) - idle:  # a block just gone idle: one byte overwritten
+            self.pool[b, 3, 0] = 1 + self.pool[b, 3, 0] % 250
+        return got
+
+    monkeypatch.setattr(replay_mod.MemoryReplay, "free", free_then_scribble)
+    out = replay(result.log, "prefix-caching", 16)
+    assert out.status == "fail" and out.corrupt >= 1
+    assert "idle cached" in out.first_fail or "found at its admit" in out.first_fail
