@@ -346,3 +346,30 @@ def test_a_corrupted_cached_block_is_caught(monkeypatch):
     out = replay(result.log, "prefix-caching", 16)
     assert out.status == "fail" and out.corrupt >= 1
     assert "idle cached" in out.first_fail or "found at its admit" in out.first_fail
+
+
+def test_shipped_sharing_scenarios_pass_cut_down():
+    """validate-sharing.yaml (samples, beams) and validate-prefix-caching.yaml, on fewer
+    requests: every replay passes exactly."""
+    from kvfrag.config import load_scenario
+    from validate import suite
+
+    root = ROOT_TINY.parent
+    outcomes = []
+    loaded = load_scenario(root / "validate-sharing.yaml", ["kv_budget=4MiB"])
+    sweep = loaded.scenario.sweep
+    fewer = [{**w, "transforms": {**w["transforms"], "first_n": 15}} for w in sweep["workload"]]
+    assert [(w.get("n"), w.get("beam_width")) for w in fewer] == [(2, None), (4, None), (None, 3)]
+    scenario = loaded.scenario.model_copy(update={"sweep": {"workload": fewer}})
+    jobs, skipped = suite.plan(scenario, "auto", "cpu")
+    assert len(jobs) == 9 and not skipped
+    outcomes += suite.run_jobs(jobs, loaded.base_dir, "cpu", checkpoints=5)
+    loaded = load_scenario(
+        root / "validate-prefix-caching.yaml", ["workload.synthetic.count=25", "kv_budget=2MiB"]
+    )
+    jobs, _ = suite.plan(loaded.scenario, "auto", "cpu")
+    assert [(j.spec.kind, j.mode) for j in jobs] == [("prefix-caching", "paged")] * 2 + [
+        ("paged", "paged")
+    ]
+    outcomes += suite.run_jobs(jobs, loaded.base_dir, "cpu", checkpoints=5)
+    assert [o.status for o in outcomes] == ["pass"] * 12, [o.first_fail for o in outcomes]
