@@ -99,9 +99,21 @@ class RunResult:
 #: Columns of the allocation log. `check` rows carry the model's accounting at that instant:
 #: bytes holding tokens, bytes held but unwritten (reserved + internal) and free bytes.
 #: `move` rows (compaction) carry a slab's new offset in `offset`, its old one in `from_offset`.
+#: Admit rows carry the request's `prompt` length. A request whose blocks are not simply
+#: appended (n > 1 sequences, or prefix caching with a hash chain) has all of its block ids in
+#: `tables` on each admit and grow row: one table per sequence (paged; one while its prompt is
+#: prefilled), and its full table with its cached blocks first (prefix caching); `blocks` are
+#: then only the ids it did not hold before. `copy` rows (paged copy on write) come right before
+#: the row that made them: `blocks` = [source block, destination block], whose bytes the
+#: destination must receive before the sequences write on. Slab allocators with n > 1 list each
+#: sequence's slab in `offsets` (the first is `offset`; `nbytes` covers all of them). Prefix
+#: caching: admit rows carry `keys`, one digest per full prompt block the hash chain names
+#: (equal digests: equal tokens); `evict` rows list the idle cached blocks whose bytes were
+#: dropped (their ids are free again).
 LOG_COLUMNS = (
     "seq", "t", "op", "rid", "tokens", "nbytes", "offset", "blocks",
     "token_states", "held_unwritten", "free", "from_offset",
+    "prompt", "tables", "offsets", "keys",
 )
 
 
@@ -172,11 +184,6 @@ class Engine:
     def __init__(self, workload: pd.DataFrame, allocator: Allocator, config: EngineConfig):
         if allocator.live or allocator.total_tokens():
             raise ValueError("the allocator must be fresh (nothing live)")
-        if config.log_allocations and not allocator.loggable:
-            raise ValueError(f"allocation logs do not cover the {allocator.kind} allocator yet")
-        for col in ("n", "beam_width"):
-            if config.log_allocations and col in workload and (workload[col] > 1).any():
-                raise ValueError(f"allocation logs do not cover requests with {col} > 1 yet")
         if not config.chunked_prefill and config.max_num_batched_tokens < allocator.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
@@ -217,7 +224,9 @@ class Engine:
         self.blocked_head: tuple[int, int] | None = None  # (request, frees) of a memory refusal
         self.stopped = False
         self.log: list[tuple] | None = [] if config.log_allocations else None
-        self.logged: dict[int, tuple[int, int, int]] = {}  # rid -> (tokens, blocks, bytes) logged
+        # rid -> (tokens, blocks, bytes, ids) when last logged; ids: the block ids of a request
+        # logged with its whole tables (None: its blocks are only ever appended)
+        self.logged: dict[int, tuple[int, int, int, tuple[int, ...] | None]] = {}
 
     # ------------------------------------------------------------------ set-up
     def _init_arrivals(self) -> None:
@@ -506,6 +515,7 @@ class Engine:
         if self.log is None:
             return
         alloc = self.alloc
+        prompt, tables, offsets, keys = -1, [], [], []
         if op == "free":
             tokens = 0
             self.logged.pop(rid, None)
@@ -513,12 +523,49 @@ class Engine:
             tokens = alloc.tokens(rid)
         else:
             tokens = alloc.tokens(rid)
-            self.logged[rid] = (tokens, len(alloc.block_table(rid)), alloc.allocated_bytes(rid))
+            req = self.by_rid[rid].req
+            ids = None
+            if op == "admit":
+                prompt, keys = req.prompt, list(alloc.prefix_keys(rid))
+                whole, held = req.n > 1 or bool(keys), ()
+            else:
+                held = self.logged[rid][3]
+                whole = held is not None
+            if whole:
+                tables = [list(t) for t in alloc.block_tables(rid)]
+                ids = alloc.block_table(rid)
+                before = set(held)
+                blocks = [b for b in ids if b not in before]
+            if req.n > 1:
+                offsets = list(alloc.slab_offsets(rid))
+            self.logged[rid] = (tokens, len(alloc.block_table(rid)), alloc.allocated_bytes(rid),
+                                ids)
+            self._log_evictions()
+            copies = alloc.take_copies()  # made by this operation: they come first
+            for other in alloc.take_renamed():  # it took back blocks beams had pruned: first
+                if other != rid:
+                    self._log_grow(other)
+            for copy in copies:
+                self._log_row("copy", copy[0], tokens=alloc.tokens(copy[0]), blocks=copy[1:])
         off = -1 if offset is None else offset
+        self._log_row(op, rid, tokens, nbytes, off, blocks, from_offset=from_offset,
+                      prompt=prompt, tables=tables, offsets=offsets, keys=keys)
+
+    def _log_row(
+        self, op: str, rid: int, tokens: int = 0, nbytes: int = 0, offset: int = -1, blocks=(),
+        token_states: int = 0, held_unwritten: int = 0, free: int = 0, from_offset: int = -1,
+        prompt: int = -1, tables=(), offsets=(), keys=(),
+    ) -> None:
         self.log.append(
-            (len(self.log), self.env.now, op, rid, tokens, nbytes, off, list(blocks), 0, 0, 0,
-             from_offset)
+            (len(self.log), self.env.now, op, rid, tokens, nbytes, offset, list(blocks),
+             token_states, held_unwritten, free, from_offset, prompt, list(tables),
+             list(offsets), list(keys))
         )
+
+    def _log_evictions(self) -> None:
+        evicted = self.alloc.take_evictions()
+        if evicted:
+            self._log_row("evict", -1, blocks=evicted)
 
     def _apply_moves(self) -> None:
         """Slabs the allocator moved (compaction): update their offsets and log the moves."""
@@ -531,24 +578,30 @@ class Engine:
     def _log_free(self, r: _Req) -> None:
         if self.log is not None:
             alloc, rid = self.alloc, r.req.rid
+            if alloc.tokens(rid) != self.logged[rid][0]:
+                self._log_grow(rid)  # it stepped since its last entry (preempted mid-iteration)
             offset = None if math.isnan(r.offset) else int(r.offset)
             self._log_op("free", rid, alloc.allocated_bytes(rid), offset, alloc.block_table(rid))
+
+    def _log_grow(self, rid: int) -> None:
+        alloc = self.alloc
+        _, nblocks, nbytes, ids = self.logged[rid]
+        new = alloc.block_table(rid)[nblocks:] if ids is None else ()
+        self._log_op("grow", rid, alloc.allocated_bytes(rid) - nbytes, None, new)
 
     def _sync_log(self) -> None:
         """Log the growth of every live request since its last entry, then the model's view."""
         if self.log is None:
             return
         alloc = self.alloc
+        self._log_evictions()
         for rid in alloc.rids():
-            tokens, nblocks, nbytes = self.logged[rid]
-            if alloc.tokens(rid) != tokens:
-                new = alloc.block_table(rid)[nblocks:]
-                self._log_op("grow", rid, alloc.allocated_bytes(rid) - nbytes, None, new)
+            if alloc.tokens(rid) != self.logged[rid][0]:
+                self._log_grow(rid)
         acc = alloc.account(self._probe())
-        self.log.append(
-            (len(self.log), self.env.now, "check", -1, alloc.total_tokens(), acc.allocated, -1,
-             [], acc.token_states, acc.reserved + acc.internal, acc.free, -1)
-        )
+        self._log_row("check", -1, alloc.total_tokens(), acc.allocated, blocks=(),
+                      token_states=acc.token_states,
+                      held_unwritten=acc.reserved + acc.internal, free=acc.free)
 
     # --------------------------------------------------------------- recording
     def _probe(self) -> Request:

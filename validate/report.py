@@ -143,8 +143,12 @@ def _panel(ax: Any, o: Outcome) -> dict[str, Any]:
 
 
 def format_table(outcomes: list[Outcome]) -> str:
-    """A short terminal table: status and the largest error per outcome."""
+    """A short terminal table: status and the largest error per outcome (and its sweep point,
+    when there are several)."""
+    points = len({o.point for o in outcomes}) > 1
     header = ["label", "mode", "status", "checks", "max |err| B", "corrupt", "first failure"]
+    if points:
+        header.insert(1, "point")
     rows = []
     for o in outcomes:
         errs = [f["abs_err"] for f in o.figures.values() if f["abs_err"] is not None]
@@ -155,6 +159,8 @@ def format_table(outcomes: list[Outcome]) -> str:
             o.label, o.mode, o.status, str(o.checks),
             f"{max(errs):,}" if errs else "-", str(o.corrupt), first[:70] or "-",
         ])
+        if points:
+            rows[-1].insert(1, str(o.point))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

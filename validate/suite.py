@@ -1,8 +1,9 @@
 """A scenario's validation: simulate each allocator with its allocation log, replay it, report.
 
 `plan` decides which (allocator, mode) pairs run: arena for contiguous and buddy, paged for
-paged, torch for contiguous, buddy and torch-caching (CUDA only). `--mode auto` picks one mode
-per allocator (torch-caching -> torch); `--mode all` runs every mode an allocator supports.
+paged, vattention and prefix-caching, torch for contiguous, buddy and torch-caching (CUDA
+only). `--mode auto` picks one mode per allocator (torch-caching -> torch); `--mode all` runs
+every mode an allocator supports.
 `check_device` and `check_cap` refuse, with one line, what cannot or must not run: torch
 missing, CUDA absent, or a KV budget (plus the replay's scratch) over the memory cap.
 """
@@ -25,7 +26,8 @@ from workloads import build_workload
 MODES = ("arena", "paged", "torch")
 SUPPORTS = {
     "arena": ("contiguous", "buddy"),
-    "paged": ("paged", "vattention"),  # vAttention pages log and replay as paged blocks
+    # vAttention pages log and replay as paged blocks; prefix caching's cached blocks too
+    "paged": ("paged", "vattention", "prefix-caching"),
     "torch": ("contiguous", "buddy", "torch-caching"),
 }
 AUTO = {
@@ -33,6 +35,7 @@ AUTO = {
     "buddy": "arena",
     "paged": "paged",
     "vattention": "paged",
+    "prefix-caching": "paged",
     "torch-caching": "torch",
 }
 CPU_CAP = 2 << 30  # default cap on the host

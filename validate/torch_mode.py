@@ -1,7 +1,8 @@
 """Torch mode: the log's slab allocations made for real through PyTorch's CUDA caching allocator.
 
-Every admission becomes `torch.empty(nbytes, dtype=torch.uint8, device="cuda")` and every free
-drops that tensor, in log order, with the process capped at exactly `capacity` bytes by
+Every admission becomes `torch.empty(nbytes, dtype=torch.uint8, device="cuda")` (one per slab:
+a request with n samples has n, listed in the log's `offsets`) and every free drops them, in
+log order, with the process capped at exactly `capacity` bytes by
 `torch.cuda.set_per_process_memory_fraction` (a deterministic cap: a segment that would take
 reserved memory past it fails without asking CUDA). After every operation
 `torch.cuda.memory_stats()` is read (less the stats before the replay), and the same operation
@@ -125,33 +126,45 @@ def replay_torch(
 
 def _run(log, out, torch, oom_error, tensors, model, base, sizes) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    addr: dict[int, int] = {}  # rid -> model block address
+    addr: dict[int, list[int]] = {}  # rid -> model block addresses (one per slab)
     ooms = [0, 0]  # (predicted, measured) allocations refused so far
     ops = log[log["op"].isin(("admit", "free"))]
     for row in ops.itertuples(index=False):
         rid, seq = int(row.rid), int(row.seq)
-        nbytes = int(sizes.get(rid, row.nbytes))
+        offsets = getattr(row, "offsets", None)
+        copies = len(offsets) if isinstance(offsets, (list, tuple)) and offsets else 1
+        one = int(sizes.get(rid, int(row.nbytes) // copies))  # a slab per sequence (n > 1)
         out.ops += 1
         meas_oom = pred_oom = False
         if row.op == "admit":
             try:
-                tensors[rid] = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            except oom_error:
+                tensors[rid] = [
+                    torch.empty(one, dtype=torch.uint8, device="cuda") for _ in range(copies)
+                ]
+            except oom_error:  # all or none: the slabs taken so far go back
                 meas_oom = True
                 ooms[1] += 1
             if model is not None:
-                ptr = model.raw_malloc(nbytes)
-                pred_oom = ptr is None
-                ooms[0] += pred_oom
-                if ptr is not None:
-                    addr[rid] = ptr
+                ptrs = []
+                for _ in range(copies):
+                    ptr = model.raw_malloc(one)
+                    if ptr is None:
+                        pred_oom = True
+                        ooms[0] += 1
+                        for p in ptrs:
+                            model.raw_free(p)
+                        break
+                    ptrs.append(ptr)
+                else:
+                    addr[rid] = ptrs
         else:
             tensors.pop(rid, None)
-            if model is not None and rid in addr:
-                model.raw_free(addr.pop(rid))
+            if model is not None:
+                for ptr in addr.pop(rid, ()):
+                    model.raw_free(ptr)
         stats = torch.cuda.memory_stats()
         rec: dict[str, Any] = {"seq": seq, "t": float(row.t), "op": row.op, "rid": rid,
-                               "nbytes": nbytes, "live": len(tensors)}
+                               "nbytes": one * copies, "live": len(tensors)}
         pred = model.stats() if model is not None else {}
         for name, key in KEYS.items():
             rec[f"pred_{name}"] = pred.get(key, math.nan)

@@ -166,7 +166,6 @@ class Allocator(ABC):
     """
 
     kind: ClassVar[str]
-    loggable: ClassVar[bool] = True  # its operations fit the engine's allocation log
     # Compaction totals; only allocators that move live data (contiguous) change them.
     compactions: int = 0
     bytes_moved: int = 0
@@ -284,6 +283,22 @@ class Allocator(ABC):
 
     def block_table(self, rid: int) -> tuple[int, ...]:
         """Block ids of request `rid` in token order; slab allocators have none."""
+        self._get(rid)
+        return ()
+
+    def block_tables(self, rid: int) -> list[tuple[int, ...]]:
+        """One block table per sequence of request `rid`; slab allocators have none."""
+        self._get(rid)
+        return []
+
+    def slab_offsets(self, rid: int) -> tuple[int, ...]:
+        """Byte offset of each sequence's slab (slab allocators: one per sample); else ()."""
+        self._get(rid)
+        return ()
+
+    def prefix_keys(self, rid: int) -> tuple[int, ...]:
+        """Prefix caching: one digest per full prompt block the request's hash chain names;
+        blocks with equal digests hold the same tokens. Others: ()."""
         self._get(rid)
         return ()
 
@@ -439,6 +454,18 @@ class Allocator(ABC):
 
     def take_moves(self) -> list[tuple[int, int, int, int]]:
         """(rid, old offset, new offset, bytes) of slabs moved since last asked."""
+        return []
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """(rid, source block, destination block) of copies on write since last asked."""
+        return []
+
+    def take_evictions(self) -> list[int]:
+        """Prefix caching: ids of idle cached blocks evicted since last asked."""
+        return []
+
+    def take_renamed(self) -> list[int]:
+        """Requests whose block ids changed since last asked without a call for them."""
         return []
 
     def account(self, probe: Request | None = None) -> Accounting:

@@ -23,6 +23,13 @@ q + floor((r + K)/bs), so each sum is kept as sum(coef*q) plus signed counts per
 (`FloorSum`): O(block_size) per query, however many requests run.
 Block ids are handed out lazily (at admission, `grow`, and `block_table`), from a LIFO free
 stack; the free-block count is always exact, and ids are fungible until someone asks for them.
+When they are named, a group's ids follow its sequences from the tokens of its last naming
+(`block_tables`: one table per sequence): the prompt is prefilled through one table; at the
+fork sequences 1..n-1 take a block each that is a copy of the partial prompt block (the
+(src, dst) pairs wait in `take_copies`, as vLLM's block manager returns copy-on-write pairs
+for its copy_blocks kernel); beams pruned at a boundary keep beam 0's blocks as the trunk and
+give the others' back. Ids pruning gave back while nobody asked are taken back when the stack
+runs short (`take_renamed` says whose tables changed so).
 """
 
 from __future__ import annotations
@@ -157,6 +164,9 @@ class PagedAllocator(Allocator):
         self._saved = FloorSum(block_size)  # decoders' saved blocks that move (beams)
         self._dec_internal = 0  # internal bytes of decoders already in their last block
         self._pending = SortedList()  # (clock at which a decoder reaches its last block, rid)
+        self._groups: dict[int, tuple[int, list[list[int]]]] = {}  # rid -> (tokens, tables)
+        self._copies: dict[int, list[tuple[int, int]]] = {}  # rid -> (src, dst) not yet taken
+        self._renamed: dict[int, None] = {}  # beams named again to take back pruned ids
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
@@ -178,8 +188,29 @@ class PagedAllocator(Allocator):
     def block_table(self, rid: int) -> tuple[int, ...]:
         """The request's block ids (a group's shared ones first), handing out any not yet named."""
         live = self._get(rid)
-        self._materialize(live, self.blocks_of(rid))
+        self._materialize(live, self.blocks_of(rid), self.tokens(rid))
         return tuple(live.table or ())
+
+    def block_tables(self, rid: int) -> list[tuple[int, ...]]:
+        """One block table per sequence, in token order (one while a group's prompt is
+        prefilled); blocks shared by several sequences appear in each of their tables."""
+        table = self.block_table(rid)
+        group = self._groups.get(rid)
+        return [table] if group is None else [tuple(t) for t in group[1]]
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """(rid, source block, destination block) of the copies on write since last asked:
+        the destination must receive the source's bytes before the sequences write on."""
+        copies = [(rid, src, dst) for rid, pairs in self._copies.items() for src, dst in pairs]
+        self._copies.clear()
+        return copies
+
+    def take_renamed(self) -> list[int]:
+        """Requests whose block tables were named again since last asked, not by a call for
+        them: beams pruned while nobody asked, whose freed ids another request needed."""
+        renamed = list(self._renamed)
+        self._renamed.clear()
+        return renamed
 
     def steps_until_full(self) -> int | None:
         return self._blocks.steps_within(self._clock, self.free_blocks())
@@ -251,20 +282,97 @@ class PagedAllocator(Allocator):
             return 0
         return self._sequences(live.req, tokens) * (held - live.final) * self.bytes_per_token
 
-    def _materialize(self, live: Live, blocks: int) -> tuple[int, ...]:
+    def _materialize(self, live: Live, blocks: int, tokens: int) -> tuple[int, ...]:
+        """Name the `blocks` blocks a request storing `tokens` tokens holds; returns new ids."""
+        if live.req.n > 1:
+            return self._materialize_group(live, blocks, tokens)
         table = live.table if live.table is not None else []
         live.table = table
         need = blocks - len(table)
-        if need < 0:  # beams pruned back to one trunk: the extra blocks go back
-            self._stack.extend(reversed(table[need:]))
-            del table[need:]
-            return ()
+        if need < 0:
+            raise AssertionError(f"request {live.req.rid}: its named blocks outnumber its count")
         if need == 0:
             return ()
+        if need > len(self._stack):
+            self._reclaim(need, live.req.rid)
         new = self._stack[-need:][::-1]
         del self._stack[-need:]
         table.extend(new)
         return tuple(new)
+
+    def _materialize_group(self, live: Live, blocks: int, tokens: int) -> tuple[int, ...]:
+        """Bring a group's block tables from the tokens of its last naming to `tokens`, as the
+        sequences would have: the prompt is prefilled as one sequence; at the fork every
+        sequence shares the full prompt blocks and sequences 1..n-1 copy the partial one
+        (copy on write, recorded for `take_copies`); samples then grow their own blocks, while
+        beams keep one trunk (beam 0's blocks, which survive each pruning) and a private
+        partial block each. Blocks dropped by pruning go back before new ones are taken."""
+        req, bs, rid = live.req, self.block_size, live.req.rid
+        was, old = self._groups.get(rid, (0, [[]]))
+        if tokens == was and live.table is not None:
+            return ()
+        seqs = [list(t) for t in old]
+        fresh: list[int] = []  # placeholders -1, -2, ... for blocks to take, in order
+
+        def take() -> int:
+            fresh.append(-1 - len(fresh))
+            return fresh[-1]
+
+        copies = []
+        at = was
+        if at <= req.prompt:  # one sequence: prefill, then fork at the prompt's end
+            first = seqs[0]
+            at = min(tokens, req.prompt)
+            first.extend(take() for _ in range(-(-at // bs) - len(first)))
+            if tokens > req.prompt:
+                shared, partial = divmod(req.prompt, bs)
+                # Beams that fill the partial prompt block within this call are pruned back
+                # to beam 0's copy of it: their own copies would be dropped at once.
+                copy = partial and (not req.beam or tokens // bs == shared)
+                seqs = [first]
+                for _ in range(req.n - 1):
+                    seqs.append(first[:shared])
+                    if copy:
+                        copies.append((first[shared], take()))
+                        seqs[-1].append(copies[-1][1])
+        if tokens > at:  # every sequence advances from `at` to `tokens`
+            need = -(-tokens // bs)
+            if req.beam and tokens // bs > at // bs:  # pruned to beam 0's trunk
+                trunk = seqs[0][: tokens // bs]
+                trunk.extend(take() for _ in range(tokens // bs - len(trunk)))
+                seqs = [list(trunk) for _ in range(req.n)]
+            for t in seqs:
+                t.extend(take() for _ in range(need - len(t)))
+        named = dict.fromkeys(b for t in seqs for b in t)
+        if len(named) != blocks:
+            raise AssertionError(
+                f"request {rid}: {len(named)} blocks named for {tokens} tokens, {blocks} counted"
+            )
+        dropped = [b for b in (live.table or ()) if b not in named]
+        self._stack.extend(reversed(dropped))
+        if len(fresh) > len(self._stack):
+            self._reclaim(len(fresh), rid)
+        ids = {ph: self._stack.pop() for ph in fresh}
+        seqs = [[ids.get(b, b) for b in t] for t in seqs]
+        live.table = [ids.get(b, b) for b in named]
+        self._groups[rid] = (tokens, seqs)
+        if copies:
+            pairs = ((ids.get(src, src), ids[dst]) for src, dst in copies)
+            self._copies.setdefault(rid, []).extend(pairs)
+        return tuple(ids.values())
+
+    def _reclaim(self, need: int, asking: int) -> None:
+        """Beams pruned since their blocks were last named still hold the ids pruning gave
+        back: name them now, until the free stack holds `need` ids."""
+        for rid in list(self._groups):
+            if len(self._stack) >= need:
+                return
+            live = self._live[rid]
+            if rid != asking and live.req.beam and len(live.table) > self.blocks_of(rid):
+                self._materialize_group(live, self.blocks_of(rid), self.tokens(rid))
+                self._renamed[rid] = None
+        if len(self._stack) < need:
+            raise AssertionError(f"request {asking}: no free block id left to name")
 
     def _refusal(self, rid: int, blocks: int, detail: str = "") -> Refusal:
         return Refusal(
@@ -286,7 +394,7 @@ class PagedAllocator(Allocator):
         need = self._blocks_at(live, tokens)
         if need > self.free_blocks():
             return self._refusal(rid, need)
-        ids = self._materialize(live, need)
+        ids = self._materialize(live, need, tokens)
         self._fixed_blocks += need
         self._fixed_internal += self._tail_waste(live, tokens)
         self._fixed_saved += self._saved_at(live, tokens)
@@ -296,7 +404,7 @@ class PagedAllocator(Allocator):
         have, want = self._blocks_at(live, old), self._blocks_at(live, new)
         if want - have > self.free_blocks():
             return self._refusal(live.req.rid, want - have)
-        ids = self._materialize(live, want)
+        ids = self._materialize(live, want, new)
         self._fixed_blocks += want - have
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
         self._fixed_saved += self._saved_at(live, new) - self._saved_at(live, old)
@@ -310,6 +418,9 @@ class PagedAllocator(Allocator):
         if live.table:
             self._stack.extend(reversed(live.table))
         live.table = None
+        self._groups.pop(live.req.rid, None)
+        self._copies.pop(live.req.rid, None)
+        self._renamed.pop(live.req.rid, None)
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         bs, rid, n = self.block_size, live.req.rid, live.req.n

@@ -15,6 +15,13 @@ Accounting: a cached block in use is allocated once, holds bs tokens once, howev
 requests use it (`saved_by_sharing` counts the copies it spares); idle cached blocks are free.
 A request's own blocks past its cached ones are counted as in the paged allocator. Requests
 with n > 1 samples are not combined with prefix caching here.
+
+Block ids: a cached block keeps the id of the block that first held its tokens (the request's
+own block joins the cache when it fills; a request that fills a block someone cached since
+gives its own back and shares the cached one). Idle cached blocks keep their id and bytes until
+evicted, when the id goes back to the free stack. `block_table` lists a request's cached blocks
+first, then its own; `prefix_keys` gives one digest per full prompt block its hash chain names,
+so that a replay can write (and check) the same bytes for the same tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ class PrefixCachingAllocator(PagedAllocator):
     """Paged blocks plus a cache of full prompt blocks keyed by their token hash chain."""
 
     kind = "prefix-caching"
-    loggable = False  # cached blocks change hands between requests: not in the log format
 
     def __init__(
         self, capacity: int, bytes_per_token: int, max_model_len: int, block_size: int = 16
@@ -41,6 +47,8 @@ class PrefixCachingAllocator(PagedAllocator):
         self._idle: OrderedDict[Key, None] = OrderedDict()  # unused cached blocks, LRU first
         self._held: dict[int, list[Key]] = {}  # rid -> keys of its cached prompt blocks
         self._keys_of: dict[int, list[Key]] = {}  # rid -> keys of all its full prompt blocks
+        self._id_of: dict[Key, int] = {}  # block id of every cached block, in use or idle
+        self._evicted: dict[int, None] = {}  # ids of idle blocks evicted since last asked
         self.lookups = 0  # full prompt blocks looked up at admissions
         self.hits = 0  # of them found cached
         self.evictions = 0
@@ -74,6 +82,22 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def cached_prefix_tokens(self, req: Request) -> int:
         return self._hit_blocks(self.block_keys(req), req) * self.block_size
+
+    def block_table(self, rid: int) -> tuple[int, ...]:
+        """The request's cached prompt blocks (shared with whoever else holds them), then its
+        own blocks."""
+        own = super().block_table(rid)
+        return tuple(self._id_of[key] for key in self._held.get(rid, ())) + own
+
+    def take_evictions(self) -> list[int]:
+        """Ids of the idle cached blocks evicted since last asked (their bytes dropped)."""
+        evicted = list(self._evicted)
+        self._evicted.clear()
+        return evicted
+
+    def prefix_keys(self, rid: int) -> tuple[int, ...]:
+        self._get(rid)
+        return tuple(hash(key) for key in self._keys_of.get(rid, ()))
 
     def summary_stats(self) -> dict[str, float | int]:
         return {
@@ -122,26 +146,47 @@ class PrefixCachingAllocator(PagedAllocator):
         return allocated + len(self._refs) * self.block_bytes * weight, internal
 
     # ------------------------------------------------------------ operations
-    def _register(self, live: Live, tokens: int) -> int:
-        """Put the request's newly full prompt blocks in the cache; returns blocks it needs
-        anew for them (0 for a block someone cached already, which it shares instead)."""
+    def _register(self, live: Live, tokens: int) -> list[tuple[Key, bool]]:
+        """Put the request's newly full prompt blocks in the cache; returns their keys, each
+        with whether it was cached already (then the request shares that block)."""
         bs, rid = self.block_size, live.req.rid
         keys = self._held.setdefault(rid, [])
         full = min(len(self._keys_of[rid]), tokens // bs, live.req.prompt // bs)
-        fresh = 0
+        new = []
         for key in self._keys_of[rid][len(keys) : full]:
+            new.append((key, key in self._refs or key in self._idle))
             if key in self._refs:
                 self._refs[key] += 1
-            elif key in self._idle:
-                del self._idle[key]
-                self._refs[key] = 1
-                fresh += 1  # an idle block counted as free is taken back
             else:
+                self._idle.pop(key, None)  # an idle block counted as free is taken back
                 self._refs[key] = 1
-                fresh += 1
             keys.append(key)
         live.shared = len(keys) * bs
-        return fresh
+        return new
+
+    def _name(self, live: Live, new: list[tuple[Key, bool]], private: int, tokens: int):
+        """Block ids after `_register` and `_evict`: a newly full block of the request's own
+        becomes the cached one (same id, same bytes), or goes back when the same tokens were
+        cached already; the request's other blocks are named as the paged allocator does."""
+        table = live.table if live.table is not None else []
+        live.table = table
+        own = table[: len(new)]  # its blocks for the rows that just joined the cache
+        del table[: len(own)]
+        taken = []
+        for i, (key, cached) in enumerate(new):
+            if cached:
+                if i < len(own):
+                    self._stack.append(own[i])
+            elif i < len(own):
+                self._id_of[key] = own[i]
+            else:
+                taken.append(key)
+        if len(taken) > len(self._stack):
+            raise AssertionError(f"request {live.req.rid}: no free block id left to name")
+        for key in taken:
+            self._id_of[key] = self._stack.pop()
+        fresh = tuple(self._id_of[key] for key in taken)
+        return fresh + self._materialize(live, private, tokens)
 
     def _need(self, live: Live, tokens: int) -> int:
         """Blocks admitting or growing to `tokens` takes from the free pool (no change made)."""
@@ -170,12 +215,12 @@ class PrefixCachingAllocator(PagedAllocator):
         full = min(len(self._keys_of[req.rid]), req.prompt // bs)
         self.lookups += full
         self.hits += min(self._hit_blocks(self._keys_of[req.rid], req), tokens // bs)
-        self._register(live, tokens)
+        new = self._register(live, tokens)
         private = self._blocks_at(live, tokens)
-        ids = self._materialize(live, private)
         self._fixed_blocks += private
         self._fixed_internal += self._tail_waste(live, tokens)
-        self._evict()
+        self._evict()  # before naming: evicted blocks give their ids back
+        ids = self._name(live, new, private, tokens)
         return Grant(req.rid, need * self.block_bytes, live.cap, blocks=ids)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
@@ -183,12 +228,12 @@ class PrefixCachingAllocator(PagedAllocator):
         if need > self.free_blocks():
             return self._refusal(live.req.rid, need)
         before = self._blocks_at(live, old)
-        self._register(live, new)
+        joined = self._register(live, new)
         after = self._blocks_at(live, new)
-        ids = self._materialize(live, after)
         self._fixed_blocks += after - before
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
         self._evict()
+        ids = self._name(live, joined, after, new)
         return Grant(live.req.rid, need * self.block_bytes, live.cap, blocks=ids)
 
     def _release(self, live: Live) -> None:
@@ -216,5 +261,8 @@ class PrefixCachingAllocator(PagedAllocator):
         """Drop least recently used idle blocks until the ones in use fit."""
         over = self._blocks_total() + len(self._idle) - self.num_blocks
         for _ in range(max(0, over)):
-            self._idle.popitem(last=False)
+            key, _ = self._idle.popitem(last=False)
+            block = self._id_of.pop(key)
+            self._stack.append(block)  # its bytes are dropped
+            self._evicted[block] = None
             self.evictions += 1

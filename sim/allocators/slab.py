@@ -125,6 +125,10 @@ class SlabAllocator(Allocator):
     def allocated_bytes(self, rid: int) -> int:
         return self._get(rid).nbytes
 
+    def slab_offsets(self, rid: int) -> tuple[int, ...]:
+        live = self._get(rid)
+        return (live.offset, *(live.extra or ()))
+
     def slabs(self) -> list[tuple[int, int, int]]:
         """(offset, bytes, rid) of every live slab (one per sample), by offset."""
         return sorted(

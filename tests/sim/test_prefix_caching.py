@@ -109,6 +109,17 @@ def test_identity_refcounts_and_no_leaks(bs, ops):
         assert private + len(a._refs) + len(a._idle) <= a.num_blocks
         held = {k for r in live for k in a._held.get(r, ())}
         assert held == set(a._refs)
+        # Block ids: a cached block has one id, in every table holding it; the others are
+        # private; named, idle-cached and free ids never overlap and cover the pool.
+        for r in live:
+            table = a.block_table(r)
+            keys = a._held.get(r, [])
+            assert list(table[: len(keys)]) == [a._id_of[k] for k in keys]
+            assert len(table) == -(-a.tokens(r) // bs) == len(set(table))
+        assert set(a._id_of) == set(a._refs) | set(a._idle)
+        private = [b for r in live for b in a.block_table(r)[len(a._held.get(r, [])) :]]
+        ids = private + list(a._id_of.values()) + a._stack
+        assert sorted(ids) == list(range(a.num_blocks))
     for r in list(live):
         a.free(r)
     assert a.free_blocks() == a.num_blocks and not a._refs

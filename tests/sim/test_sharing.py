@@ -187,3 +187,147 @@ def test_beam_search_saves_more_than_parallel_sampling():
 
     for width in (2, 4, 6):
         assert saved("beam_width", width) > saved("n", width) > 0
+
+
+def check_tables(a, rid: int, req: Request, before: list[tuple[int, ...]] | None) -> list:
+    """A group's block tables follow its sequences: shared blocks once, the rest private."""
+    bs, tokens = a.block_size, a.tokens(rid)
+    tables = a.block_tables(rid)
+    assert len(tables) == (req.n if tokens > req.prompt else 1)
+    assert all(len(t) == -(-tokens // bs) for t in tables)
+    ids = {b for t in tables for b in t}
+    assert len(ids) == a.blocks_of(rid) == len(a.block_table(rid))
+    assert set(a.block_table(rid)) == ids
+    kept_rows = kept(req.beam, req.prompt, tokens, bs) if len(tables) > 1 else 0
+    for t in tables[1:]:
+        assert t[:kept_rows] == tables[0][:kept_rows]  # shared by reference
+    for row in range(kept_rows, -(-tokens // bs)):
+        assert len({t[row] for t in tables}) == len(tables)  # one private block each
+    if before is not None:
+        # Beam 0 (and every sample) only ever appends: its blocks keep their tokens.
+        olds = before if not req.beam else before[:1]
+        for old, new in zip(olds, tables, strict=False):
+            assert new[: len(old)] == old
+    return tables
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    beam=st.booleans(),
+    bs=st.sampled_from([1, 4, 16]),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "grow", "step", "name", "free"]),
+            st.integers(1, 4), st.integers(1, 60), st.integers(0, 30),
+        ),
+        max_size=30,
+    ),
+)
+def test_block_tables_follow_the_sequences(beam, bs, ops):
+    a = paged(120, bs)
+    live: dict[int, Request] = {}
+    tables: dict[int, list] = {}  # rid -> its tables when last named
+    named: dict[int, int] = {}  # rid -> its tokens then
+
+    def copies_at_the_fork_only(rid: int | None = None) -> None:
+        for rid, pairs in _by_rid(a.take_copies()).items():
+            req = live[rid]
+            # Only at the fork, for every sequence past the first, when the prompt ends
+            # inside a block: the partial prompt block is the source.
+            assert named[rid] <= req.prompt < a.tokens(rid) and req.prompt % bs
+            assert len(pairs) == req.n - 1
+            now = a.block_tables(rid)
+            row = req.prompt // bs
+            assert {src for src, _ in pairs} == {now[0][row]}
+            assert [dst for _, dst in pairs] == [t[row] for t in now[1:]]
+
+    def name(rid: int) -> None:
+        tables[rid] = check_tables(a, rid, live[rid], tables.get(rid))
+        copies_at_the_fork_only()
+        named[rid] = a.tokens(rid)
+
+    for i, (op, n, size, k) in enumerate(ops):
+        if op == "admit":
+            req = Request(i, size, 1 + k, n=n, beam=beam)
+            tokens = min(req.final, 1 + k * size // 30 + k % 2)
+            # A group decodes only once its prompt is stored (the engine's order).
+            if a.admit(req, tokens, decoding=tokens > req.prompt):
+                live[i], named[i] = req, 0
+                copies_at_the_fork_only()
+                name(i)
+        elif op == "grow" and live:
+            rid = sorted(live)[k % len(live)]
+            left = a.final_tokens(rid) - a.tokens(rid)
+            if left and a.grow(rid, min(left, size)):
+                copies_at_the_fork_only()
+                name(rid)
+        elif op == "step":
+            done, full = a.steps_until_done(), a.steps_until_full()
+            k = min(x for x in (k + 1, done, full) if x is not None)
+            if k:
+                assert a.step(k)
+        elif op == "name" and live:
+            name(sorted(live)[k % len(live)])
+        elif op == "free" and live:
+            rid = sorted(live)[k % len(live)]
+            a.free(rid)
+            del live[rid], tables[rid], named[rid]
+        assert not a.take_copies()
+        a.account().check()
+    seen: set[int] = set()
+    for rid in live:
+        name(rid)
+        ids = set(a.block_table(rid))
+        assert seen.isdisjoint(ids), "a block in two requests"
+        assert all(0 <= b < a.num_blocks for b in ids)
+        seen |= ids
+    for rid in list(live):
+        a.free(rid)
+    assert sorted(a._stack) == list(range(a.num_blocks))
+
+
+def _by_rid(copies):
+    out: dict[int, list[tuple[int, int]]] = {}
+    for rid, src, dst in copies:
+        out.setdefault(rid, []).append((src, dst))
+    return out
+
+
+def test_samples_copy_the_partial_prompt_block_at_the_fork():
+    a = paged(100)
+    a.admit(Request(0, prompt=40, output=30, n=3), 30, decoding=False)  # chunked prefill
+    assert a.block_tables(0) == [(0, 1)] and not a.take_copies()
+    a.grow(0, 11)  # the prompt's last 10 tokens and the first output token's slot
+    tables = a.block_tables(0)
+    assert tables == [(0, 1, 2), (0, 1, 3), (0, 1, 4)]
+    assert a.take_copies() == [(0, 2, 3), (0, 2, 4)]
+    a.set_decoding(0, True)
+    a.step(8)  # 49 tokens: each sample takes its own fourth block
+    assert [t[3] for t in a.block_tables(0)] == [5, 6, 7] and not a.take_copies()
+
+
+def test_beams_prune_back_to_beam_zero():
+    a = paged(100)
+    a.admit(Request(0, prompt=40, output=30, n=3, beam=True), 41)
+    assert a.block_tables(0) == [(0, 1, 2), (0, 1, 3), (0, 1, 4)]
+    assert a.take_copies() == [(0, 2, 3), (0, 2, 4)]
+    a.step(7)  # 48 tokens: beam 0's block 2 joins the trunk, the other copies go back
+    assert a.block_tables(0) == [(0, 1, 2)] * 3
+    a.step(1)  # 49: a fresh private block each, nothing to copy
+    assert a.block_tables(0) == [(0, 1, 2, 3), (0, 1, 2, 4), (0, 1, 2, 5)]
+    assert not a.take_copies()
+    a.step(20)  # 69: two boundaries crossed between namings
+    tables = a.block_tables(0)
+    assert tables[0][:4] == (0, 1, 2, 3) and len({t[4] for t in tables}) == 3
+    assert all(t[:4] == tables[0][:4] for t in tables)
+    assert len(set(a.block_table(0))) == a.blocks_of(0) == 4 + 3
+
+
+def test_blocks_pruned_while_unnamed_are_named_again_when_needed():
+    a = paged(9)
+    a.admit(Request(0, prompt=40, output=30, n=4, beam=True), 41)  # 2 + 4 blocks named
+    a.step(7)  # 48 tokens: pruned to 3 blocks, the pruned ids not named back yet
+    assert a.free_blocks() == 6
+    assert a.admit(Request(1, prompt=95, output=1), 96)  # takes all 6 free blocks
+    ids = set(a.block_table(0)) | set(a.block_table(1))
+    assert len(ids) == 9 == a.num_blocks - a.free_blocks()

@@ -22,9 +22,10 @@ MML = 256
 ROOT_TINY = Path(__file__).resolve().parents[2] / "scenarios" / "validate-tiny.yaml"
 
 
-def workload(n: int = 45, seed: int = 3) -> pd.DataFrame:
+def workload(n: int = 45, seed: int = 3, group: dict | None = None) -> pd.DataFrame:
+    """Requests; `group` adds a column of sequences per request, e.g. {"n": 3}."""
     rng = np.random.default_rng(seed)
-    return pd.DataFrame(
+    df = pd.DataFrame(
         {
             "request_id": np.arange(n),
             "arrival_s": np.sort(rng.uniform(0, 2.0, n)),
@@ -32,13 +33,16 @@ def workload(n: int = 45, seed: int = 3) -> pd.DataFrame:
             "output_tokens": rng.integers(1, 100, n),
         }
     )
+    for column, value in (group or {}).items():
+        df[column] = value
+    return df
 
 
-def simulate(kind: str, engine: dict | None = None, **options):
+def simulate(kind: str, engine: dict | None = None, group: dict | None = None, **options):
     alloc = make_allocator(kind, capacity=BUDGET, bytes_per_token=B, max_model_len=MML, **options)
     cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, log_allocations=True)
     cfg = dataclasses.replace(cfg, **(engine or {}))
-    return run(workload(), alloc, cfg)
+    return run(workload(group=group), alloc, cfg)
 
 
 def replay(log, kind: str, block_size: int | None = None, checkpoints=None) -> Outcome:
@@ -190,3 +194,182 @@ def test_plan_and_requested_sizes():
         result, _, requested = suite._simulate(job, loaded.base_dir, {})
         admits = result.log[result.log["op"] == "admit"]
         assert all(requested[r.rid] == r.nbytes for r in admits.itertuples())
+
+
+# ------------------------------------------------------------------ groups (n > 1)
+CHUNKED = {"chunked_prefill": True, "max_num_batched_tokens": 64}
+GROUPS = [
+    ("paged", {}, {"n": 3}, {"block_size": 16}),
+    ("paged", CHUNKED, {"n": 2}, {"block_size": 8}),
+    ("paged", {}, {"beam_width": 3}, {"block_size": 16}),
+    ("paged", CHUNKED, {"beam_width": 3}, {"block_size": 8}),
+    ("contiguous", {}, {"n": 2}, {"reserve": "oracle", "placement": "first-fit"}),
+    ("contiguous", {}, {"n": 2}, {"reserve": "oracle", "compaction": True}),
+    ("buddy", CHUNKED, {"n": 3}, {"reserve": "pow2"}),
+]
+
+
+@pytest.mark.parametrize(("kind", "engine", "group", "options"), GROUPS)
+def test_groups_replay_exactly(kind, engine, group, options):
+    result = simulate(kind, engine, group, **options)
+    log = result.log
+    assert result.summary["completed"] == 45
+    out = replay(log, kind, options.get("block_size"))
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0
+    assert out.checks == int((log["op"] == "check").sum()) > 10
+    admits = log[log["op"] == "admit"]
+    width = next(iter(group.values()))
+    if kind == "paged":
+        # At each fork (one table -> n), the prompt's partial block is copied on write for
+        # every sequence past the first (beams: unless they have filled it already).
+        prompt = dict(zip(admits["rid"], admits["prompt"], strict=False))
+        bs, beam = options["block_size"], "beam_width" in group
+        forks, forked = 0, set()
+        for row in log[log["op"].isin(["admit", "grow", "free"])].itertuples():
+            p = prompt[row.rid]
+            if row.op == "free":
+                forked.discard(row.rid)
+            elif len(row.tables) == width and row.rid not in forked:
+                forked.add(row.rid)
+                forks += p % bs > 0 and (not beam or row.tokens // bs == p // bs)
+            else:
+                assert len(row.tables) in (1, width)
+        assert (log["op"] == "copy").sum() == (width - 1) * forks > 0
+    else:
+        assert (admits["offsets"].map(len) == width).all()
+        assert (log["op"] == "copy").sum() == 0
+
+
+def test_beams_are_pruned_and_preempted_in_the_replay():
+    result = simulate("paged", CHUNKED, {"beam_width": 3}, block_size=8)
+    log = result.log
+    assert result.summary["preemptions"] > 0
+    grows = log[log["op"] == "grow"]
+    distinct = grows["tables"].map(lambda t: len({b for table in t for b in table}))
+    assert (distinct.diff() < 0).any(), "no grow gave pruned blocks back"
+    out = replay(log, "paged", 8)
+    assert out.status == "pass", out.first_fail
+
+
+@pytest.mark.parametrize("how", ["skip", "wrong source"])
+def test_a_bad_copy_on_write_is_caught(how):
+    result = simulate("paged", {}, {"n": 3}, block_size=16)
+    log = result.log.copy()
+    copies = log.index[log["op"] == "copy"]
+    if how == "skip":
+        log = log.drop(copies[:2]).reset_index(drop=True)
+    else:  # copy the first prompt block instead of the partial last one
+        for i in copies:
+            rid = log.at[i, "rid"]
+            first = log[(log["rid"] == rid) & (log["op"] == "admit") & (log.index > i)].iloc[0]
+            log.at[i, "blocks"] = [first["tables"][0][0], log.at[i, "blocks"][1]]
+    out = replay(log, "paged", 16)
+    assert out.status == "fail"
+    assert out.corrupt >= 1  # the copies' prompt bytes: HELD, or the wrong tokens
+
+
+def test_slab_copies_are_checked_by_value():
+    result = simulate("contiguous", {}, {"n": 2}, reserve="oracle")
+    log = result.log.copy()
+    i = log.index[log["op"] == "admit"][4]
+    first, _ = log.at[i, "offsets"]
+    log.at[i, "offsets"] = [first, first]  # both samples written over one slab
+    out = replay(log, "contiguous")
+    assert out.status == "fail" and out.corrupt >= 1
+
+
+# ------------------------------------------------------------------ prefix caching
+def shared_prompts(bs: int = 8, count: int = 60, seed: int = 3) -> pd.DataFrame:
+    """Requests behind one of three 40-token system prompts (hash chains per 8 tokens)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(40, 150, count)
+    system, chunk = 40, 8
+    group = rng.integers(0, 3, count)
+    hashes, own = [], 10_000
+    for g, p in zip(group.tolist(), prompt.tolist(), strict=True):
+        mine = -(-p // chunk) - system // chunk
+        hashes.append([100 * g + c for c in range(system // chunk)] + list(range(own, own + mine)))
+        own += mine
+    df = pd.DataFrame(
+        {
+            "request_id": np.arange(count),
+            "arrival_s": np.sort(rng.uniform(0, 2.0, count)),
+            "prompt_tokens": prompt,
+            "output_tokens": rng.integers(1, 60, count),
+            "hash_ids": hashes,
+        }
+    )
+    df.attrs["hash_block_tokens"] = chunk
+    return df
+
+
+def simulate_cached(bs: int, engine: dict | None = None):
+    alloc = make_allocator(
+        "prefix-caching", capacity=BUDGET, bytes_per_token=B, max_model_len=MML, block_size=bs
+    )
+    cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, log_allocations=True)
+    return run(shared_prompts(), alloc, dataclasses.replace(cfg, **(engine or {})))
+
+
+@pytest.mark.parametrize(("bs", "engine"), [(16, {}), (8, CHUNKED), (4, {})])
+def test_prefix_caching_replays_exactly(bs, engine):
+    result = simulate_cached(bs, engine)
+    s, log = result.summary, result.log
+    assert s["completed"] == 60 and s["prefix_hit_blocks"] > 0 and s["prefix_evictions"] > 0
+    assert (log["op"] == "evict").sum() > 0
+    admits = log[log["op"] == "admit"]
+    assert (admits["keys"].map(len) > 0).all()
+    # Requests behind the same system prompt name the same block for its first tokens.
+    first_block = admits["tables"].map(lambda tables: tables[0][0])
+    system = admits["keys"].map(lambda keys: keys[0])
+    assert first_block.groupby(system).apply(lambda ids: ids.duplicated().any()).all()
+    out = replay(log, "prefix-caching", bs)
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0 and out.checks > 10
+
+
+def test_a_corrupted_cached_block_is_caught(monkeypatch):
+    from validate import replay as replay_mod
+
+    result = simulate_cached(16)
+    real_free = replay_mod.MemoryReplay.free
+
+    def free_then_scribble(self, rid, nbytes, offset, blocks):
+        idle = set(self.idle)
+        got = real_free(self, rid, nbytes, offset, blocks)
+        for b in set(self.idle) - idle:  # a block just gone idle: one byte overwritten
+            self.pool[b, 3, 0] = 1 + self.pool[b, 3, 0] % 250
+        return got
+
+    monkeypatch.setattr(replay_mod.MemoryReplay, "free", free_then_scribble)
+    out = replay(result.log, "prefix-caching", 16)
+    assert out.status == "fail" and out.corrupt >= 1
+    assert "idle cached" in out.first_fail or "found at its admit" in out.first_fail
+
+
+def test_shipped_sharing_scenarios_pass_cut_down():
+    """validate-sharing.yaml (samples, beams) and validate-prefix-caching.yaml, on fewer
+    requests: every replay passes exactly."""
+    from kvfrag.config import load_scenario
+    from validate import suite
+
+    root = ROOT_TINY.parent
+    outcomes = []
+    loaded = load_scenario(root / "validate-sharing.yaml", ["kv_budget=4MiB"])
+    sweep = loaded.scenario.sweep
+    fewer = [{**w, "transforms": {**w["transforms"], "first_n": 15}} for w in sweep["workload"]]
+    assert [(w.get("n"), w.get("beam_width")) for w in fewer] == [(2, None), (4, None), (None, 3)]
+    scenario = loaded.scenario.model_copy(update={"sweep": {"workload": fewer}})
+    jobs, skipped = suite.plan(scenario, "auto", "cpu")
+    assert len(jobs) == 9 and not skipped
+    outcomes += suite.run_jobs(jobs, loaded.base_dir, "cpu", checkpoints=5)
+    loaded = load_scenario(
+        root / "validate-prefix-caching.yaml", ["workload.synthetic.count=25", "kv_budget=2MiB"]
+    )
+    jobs, _ = suite.plan(loaded.scenario, "auto", "cpu")
+    assert [(j.spec.kind, j.mode) for j in jobs] == [("prefix-caching", "paged")] * 2 + [
+        ("paged", "paged")
+    ]
+    outcomes += suite.run_jobs(jobs, loaded.base_dir, "cpu", checkpoints=5)
+    assert [o.status for o in outcomes] == ["pass"] * 12, [o.first_fail for o in outcomes]

@@ -140,6 +140,25 @@ def test_divergence_is_reported_at_the_first_differing_op(monkeypatch):
     assert "predicted" in out.first_fail
 
 
+@needs_model
+def test_samples_take_one_tensor_per_slab(monkeypatch):
+    from validate.torch_mode import replay_torch
+
+    log = LOG.copy()
+    # Request 0 has two samples: its admit row lists two slabs and covers both in nbytes.
+    log["offsets"] = [[0, 1 << 30] if rid == 0 else [] for rid in log["rid"]]
+    log.loc[log["rid"] == 0, "nbytes"] *= 2
+    single = run_fake(monkeypatch, fake_torch(), False).series.iloc[0]
+    monkeypatch.setitem(sys.modules, "torch", fake_torch())
+    out = replay_torch(log, Outcome("x", "contiguous", "torch", "cuda", 128 * MiB), False)
+    assert out.status == "pass", out.first_fail
+    first = out.series.iloc[0]
+    assert first["nbytes"] == 2 * single["nbytes"] == 2 * int(13.5 * MiB)
+    # two tensors of one slab each, not one of twice the size
+    assert first["meas_allocated"] == 2 * single["meas_allocated"]
+    assert first["meas_segments"] == 2 * single["meas_segments"]
+
+
 def test_cap_fraction_is_exact():
     from validate.torch_mode import cap_fraction
 
