@@ -344,6 +344,8 @@ class Allocator(ABC):
         tokens = req.prompt if tokens is None else tokens
         if not 1 <= tokens <= live.final:
             raise ValueError(f"request {req.rid}: cannot store {tokens} of {live.final} tokens")
+        if decoding:
+            self._check_can_decode(live, tokens)  # before anything is allocated
         result = self._admit(live, tokens)
         if result:
             live.base = tokens
@@ -380,6 +382,7 @@ class Allocator(ABC):
             return
         if decoding:
             tokens = live.base
+            self._check_can_decode(live, tokens)
             live.base = tokens - self._clock
             live.decoding = True
             self._fixed_tokens -= self._stored(live, tokens)
@@ -400,6 +403,18 @@ class Allocator(ABC):
             self._fixed_tokens += self._stored(live, live.base)
             self._fixed_seq += live.weight * live.base
         self._cohort_changed(live, decoding)
+
+    @staticmethod
+    def _check_can_decode(live: Live, tokens: int) -> None:
+        """A group's sequences fork at its first output token, and the decode cohort's closed
+        forms count n sequences: a group joins once that token's slot is taken."""
+        req = live.req
+        if req.n > 1 and tokens <= req.prompt:
+            raise ValueError(
+                f"request {req.rid}: a group of {req.n} sequences decodes once it stores more "
+                f"than its {req.prompt} prompt tokens (it stores {tokens}); admit it with "
+                "prompt + 1 tokens"
+            )
 
     def step(self, n: int = 1) -> Grant | Refusal:
         """Every decoding request gains `n` tokens; all or nothing."""

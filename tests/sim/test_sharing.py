@@ -331,3 +331,22 @@ def test_blocks_pruned_while_unnamed_are_named_again_when_needed():
     assert a.admit(Request(1, prompt=95, output=1), 96)  # takes all 6 free blocks
     ids = set(a.block_table(0)) | set(a.block_table(1))
     assert len(ids) == 9 == a.num_blocks - a.free_blocks()
+
+
+@pytest.mark.parametrize("beam", [False, True])
+def test_a_group_decodes_only_after_its_fork(beam):
+    """Counting n sequences in the decode cohort is right only once the group has forked:
+    decoding from the bare prompt is refused, before anything is allocated."""
+    a = paged(100, bs=4)
+    req = Request(0, prompt=6, output=3, n=2, beam=beam)
+    with pytest.raises(ValueError, match="admit it with prompt \\+ 1 tokens"):
+        a.admit(req)  # default: the prompt's 6 tokens, decoding
+    assert a.live == 0 and a.free_blocks() == 100
+    a.admit(req, 6, decoding=False)  # prefilled, not decoding yet: one sequence
+    assert a.total_tokens() == 6
+    with pytest.raises(ValueError, match="decodes once it stores more than"):
+        a.set_decoding(0, True)
+    a.grow(0, 1)
+    a.set_decoding(0, True)
+    a.account().check()
+    assert a.total_tokens() == 4 + 2 * 3  # one shared prompt block, then 3 tokens each
