@@ -23,8 +23,9 @@ Iteration semantics (the reference the tests hold the fast path to):
 4. At its end, prefilled requests start decoding; a request that stored its final token is
    done and frees its memory (static batching: the batch frees together when all are done).
 
-Requests that can never run (prompt over max_model_len, or too large for an empty
-allocator) are rejected with the allocator's reason, and counted.
+Requests that can never run (prompt over max_model_len, too large for an empty allocator,
+or more sequences than max_num_seqs) are rejected with the reason, and counted. A static batch
+ends when its last running member finishes or is preempted; its finished members free then.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import simpy
 from sim.allocators.base import PARTS, Allocator, Reason, Request
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
+#: Why the engine rejects a request whose n sequences exceed max_num_seqs (it never fits a batch).
+TOO_MANY_SEQUENCES = "too_many_sequences"
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,8 @@ class Engine:
         self.seqs -= r.req.n
         if r in self.prefilling:
             self.prefilling.remove(r)
+        if self.cfg.batching == "static" and not self.running:
+            self._release_batch()  # its last running member left: the batch is over
         r.recomputed += stored
         r.preemptions += 1
         self.recomputed += stored
@@ -344,6 +349,10 @@ class Engine:
         i = 0
         while i < len(self.queue) and self.seqs < cfg.max_num_seqs and used < budget:
             r = self.queue[i]
+            if r.req.n > cfg.max_num_seqs:  # more sequences than a batch may ever hold
+                del self.queue[i]
+                self._reject(r, TOO_MANY_SEQUENCES)
+                continue
             if self.seqs + r.req.n > cfg.max_num_seqs:
                 break  # its samples do not fit in the batch
             hit = self.alloc.cached_prefix_tokens(r.req)  # prefix caching: not computed again
@@ -356,7 +365,7 @@ class Engine:
                 continue
             if reason in _NEVER:
                 del self.queue[i]
-                self._reject(r, reason)
+                self._reject(r, reason.value)
                 continue
             if i == 0:
                 self.head_reason = reason  # None: waiting for token budget, not memory
@@ -426,9 +435,9 @@ class Engine:
         (self.prefilled if whole else self.prefilling).append(r)
         return None
 
-    def _reject(self, r: _Req, reason: Reason) -> None:
+    def _reject(self, r: _Req, reason: str) -> None:
         r.status = "rejected"
-        r.reason = reason.value
+        r.reason = reason
         r.finished = self.env.now
         if r.user >= 0:
             self._next_of(r, self.env.now)
@@ -480,14 +489,19 @@ class Engine:
         self.prefilled.clear()
         while alloc.n_decoding and alloc.steps_until_done() == 0:
             self._complete(self.by_rid[alloc.first_done()])
-        if self.cfg.batching == "static" and self.batch_done and not self.running:
-            for r in self.batch_done:
-                r.peak = max(r.peak, alloc.allocated_bytes(r.req.rid))
-                r.released = self.env.now
-                self._log_free(r)
-                alloc.free(r.req.rid)
-            self.batch_done.clear()
-            self.held_done_tokens = 0
+        if self.cfg.batching == "static" and not self.running:
+            self._release_batch()
+
+    def _release_batch(self) -> None:
+        """Static batching: the finished members of a batch free their memory together."""
+        alloc = self.alloc
+        for r in self.batch_done:
+            r.peak = max(r.peak, alloc.allocated_bytes(r.req.rid))
+            r.released = self.env.now
+            self._log_free(r)
+            alloc.free(r.req.rid)
+        self.batch_done.clear()
+        self.held_done_tokens = 0
 
     def _complete(self, r: _Req) -> None:
         alloc, rid, now = self.alloc, r.req.rid, self.env.now

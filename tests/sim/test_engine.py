@@ -128,6 +128,10 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
         i = 0
         while i < len(queue) and seqs() < cfg.max_num_seqs and used < budget:
             r = queue[i]
+            if r["req"].n > cfg.max_num_seqs:
+                del queue[i]
+                r["status"], r["finished"] = "rejected", t
+                continue
             if seqs() + r["req"].n > cfg.max_num_seqs:
                 break
             hit = alloc.cached_prefix_tokens(r["req"])
@@ -244,9 +248,10 @@ ALLOCATORS = [
     linear=st.booleans(),
     samples=st.sampled_from([1, 1, 3]),
     beams=st.booleans(),
+    max_seqs=st.sampled_from([8, 8, 2]),  # 2: groups of 3 never fit a batch
 )
 def test_fast_engine_matches_per_iteration_reference(
-    seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams
+    seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams, max_seqs
 ):
     kind, opts = ALLOCATORS[which]
     if kind == "prefix-caching":
@@ -257,7 +262,7 @@ def test_fast_engine_matches_per_iteration_reference(
         seed, n, 100, 80, rate=2.0, samples=samples, column="beam_width" if beams else "n"
     )
     cfg = EngineConfig(
-        max_num_seqs=8,
+        max_num_seqs=max_seqs,
         max_num_batched_tokens=40 if chunked else 160,
         chunked_prefill=chunked,
         admission="skip" if skip else "fcfs",
@@ -447,6 +452,40 @@ def test_static_batching_frees_together():
     # The third request waits for the whole first batch, including the long member.
     assert req.loc[2, "admitted_s"] >= req.loc[1, "finished_s"]
     assert req.loc[0, "finished_s"] < req.loc[1, "finished_s"]
+
+
+def test_static_batch_ends_when_its_last_runner_is_preempted():
+    """A static batch whose only running member is preempted is over: its finished members
+    free their memory, and the preempted one starts the next batch (no stall)."""
+    alloc = make_allocator(
+        "paged", capacity=30 * 8, bytes_per_token=8, max_model_len=64, block_size=1
+    )
+    wl = pd.DataFrame(
+        {
+            "request_id": [0, 1],
+            "arrival_s": [0.0, 0.0],
+            "prompt_tokens": [10, 10],
+            "output_tokens": [2, 15],  # 12 and 25 tokens: together more than 30 blocks
+        }
+    )
+    cfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, batching="static")
+    result = run(wl, alloc, cfg)
+    req = result.requests.set_index("request_id")
+    assert (req["status"] == "completed").all()
+    assert req.loc[1, "preemptions"] == 1 and req.loc[1, "recomputed_tokens"] == 18
+    # The short request held its memory until its batch ended, at the preemption.
+    assert req.loc[0, "finished_s"] < req.loc[0, "released_s"] < req.loc[1, "finished_s"]
+
+
+def test_groups_wider_than_a_batch_are_rejected():
+    alloc = make_allocator("paged", capacity=1000 * 8, bytes_per_token=8, max_model_len=256)
+    wl = at_once(3, 10, 5)
+    wl["n"] = [1, 4, 2]
+    result = run(wl, alloc, EngineConfig(max_num_seqs=3, max_num_batched_tokens=256))
+    req = result.requests.set_index("request_id")
+    assert list(req["status"]) == ["completed", "rejected", "completed"]
+    assert req.loc[1, "reason"] == "too_many_sequences"
+    assert result.summary["rejected"] == 1
 
 
 def test_closed_loop_users_wait_for_their_previous_request():
