@@ -153,9 +153,7 @@ class PagedAllocator(Allocator):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
-        self.block_bytes = block_size * bytes_per_token
-        self.num_blocks = capacity // self.block_bytes
-        self._stack = list(range(self.num_blocks - 1, -1, -1))  # free ids; pop() gives 0 first
+        self._set_pool(block_size * bytes_per_token)
         self._fixed_blocks = 0  # blocks of non-decoding requests, and decoders' constants
         self._fixed_internal = 0  # internal fragmentation of non-decoding requests, bytes
         self._fixed_saved = 0  # blocks sharing saves that do not move with the clock
@@ -167,6 +165,12 @@ class PagedAllocator(Allocator):
         self._groups: dict[int, tuple[int, list[list[int]]]] = {}  # rid -> (tokens, tables)
         self._copies: dict[int, list[tuple[int, int]]] = {}  # rid -> (src, dst) not yet taken
         self._renamed: dict[int, None] = {}  # beams named again to take back pruned ids
+
+    def _set_pool(self, block_bytes: int) -> None:
+        """Cut the budget into blocks of `block_bytes`, all free."""
+        self.block_bytes = block_bytes
+        self.num_blocks = self.capacity // block_bytes
+        self._stack = list(range(self.num_blocks - 1, -1, -1))  # free ids; pop() gives 0 first
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
@@ -430,7 +434,7 @@ class PagedAllocator(Allocator):
         # Move the request between the fixed counts and the clocked ones.
         self._fixed_blocks -= sign * self._blocks_at(live, tokens)
         self._fixed_internal -= sign * self._tail_waste(live, tokens)
-        self._blocks.add(phase + bs - 1, sign * n)  # n * ceil((c + K)/bs)
+        self._add_block_terms(phase, sign * n)
         if n > 1:
             self._fixed_saved -= sign * self._saved_at(live, tokens)
             if live.req.beam:
@@ -441,7 +445,7 @@ class PagedAllocator(Allocator):
                 shared = live.shared // bs
                 self._fixed_blocks -= sign * (n - 1) * shared
                 self._fixed_saved += sign * (n - 1) * shared
-        reach = bs * (-(-live.final // bs) - 1) + 1 - phase  # clock of entering the last block
+        reach = self._last_block_at(live.final) - phase  # clock of entering the last block
         if decoding:
             if reach <= self._clock:
                 self._dec_internal += self._waste(live)
@@ -451,6 +455,15 @@ class PagedAllocator(Allocator):
             self._pending.remove((reach, rid))
         else:
             self._dec_internal -= self._waste(live)
+
+    def _add_block_terms(self, phase: int, coef: int) -> None:
+        """Add coef x the blocks one sequence of phase c holds at clock K: ceil((c + K)/bs)."""
+        self._blocks.add(phase + self.block_size - 1, coef)
+
+    def _last_block_at(self, final: int) -> int:
+        """Fewest tokens at which a sequence of `final` tokens holds all its blocks."""
+        bs = self.block_size
+        return bs * (-(-final // bs) - 1) + 1
 
     def _stepped(self) -> None:
         pending = self._pending
