@@ -22,6 +22,12 @@ from sim.allocators import (
     Reserve,
     make_allocator,
 )
+from sim.geometry import KVGeometry
+
+# vattention: per-buffer rows of t bytes in pages of P bytes (b = 2 x layers x t).
+T3 = KVGeometry("t3", layers=1, kv_heads=1, head_dim=3, dtype_bytes=1)  # t = 3, b = 6
+T4 = KVGeometry("t4", layers=2, kv_heads=2, head_dim=1, dtype_bytes=2)  # t = 4, b = 16
+PAGED = ("paged", "vattention")  # kinds whose memory is a pool of blocks
 
 CONFIGS: list[tuple[str, dict]] = (
     [("contiguous", {"reserve": r.value, "placement": p.value}) for r in Reserve for p in Placement]
@@ -29,8 +35,17 @@ CONFIGS: list[tuple[str, dict]] = (
     + [("paged", {"block_size": bs}) for bs in (1, 16, 7, 3)]
     + [("contiguous", {"reserve": r, "placement": p, "compaction": True})
        for r in ("oracle", "max_tokens") for p in ("first-fit", "next-fit")]
+    # Rows straddling pages (3 pages per 4 tokens; 2 per 3), and whole rows per page.
+    + [("vattention", {"page_size": page, "geometry": geo}) for page, geo in
+       ((4, T3), (6, T4), (6, T3))]
 )
-CONFIG_IDS = [f"{kind}-{'-'.join(str(v) for v in opts.values())}" for kind, opts in CONFIGS]
+
+
+def config_id(kind: str, opts: dict) -> str:
+    return f"{kind}-{'-'.join(str(getattr(v, 'name', v)) for v in opts.values())}"
+
+
+CONFIG_IDS = [config_id(kind, opts) for kind, opts in CONFIGS]
 by_config = pytest.mark.parametrize(("kind", "opts"), CONFIGS, ids=CONFIG_IDS)
 
 SETTINGS = settings(
@@ -54,7 +69,14 @@ class Model:
     def __init__(self, kind: str, opts: dict, capacity: int, b: int, mml: int) -> None:
         self.kind, self.opts = kind, opts
         self.capacity, self.b, self.mml = capacity, b, mml
-        self.bs = opts.get("block_size")
+        self.paged = kind in PAGED
+        if kind == "vattention":  # a request of L tokens maps ceil(L*t/P) pages per buffer
+            geo = opts["geometry"]
+            self.row, self.page = geo.bytes_per_buffer_token, opts["page_size"]
+            self.block_bytes = 2 * geo.layers * self.page
+        else:  # paged: ceil(L/bs) blocks
+            self.row, self.page = 1, opts.get("block_size")
+            self.block_bytes = (self.page or 0) * b
         self.reqs: dict[int, Request] = {}
         self.tokens: dict[int, int] = {}
         self.decoding: dict[int, bool] = {}
@@ -64,7 +86,7 @@ class Model:
     # -- policy definitions
     def reservation(self, req: Request) -> int:
         policy = self.opts.get("reserve", "max_model_len")
-        if self.kind == "paged" or policy == "max_model_len":
+        if self.paged or policy == "max_model_len":
             tokens = self.mml
         elif policy == "pow2":
             tokens = next_pow2(req.final)
@@ -83,11 +105,15 @@ class Model:
         return next_pow2(tokens) * self.b
 
     def blocks(self, tokens: int) -> int:
-        return -(-tokens // self.bs)
+        return -(-tokens * self.row // self.page)
+
+    def tokens_in(self, blocks: int) -> int:
+        """Most tokens a sequence stores in `blocks` blocks."""
+        return blocks * self.page // self.row
 
     def held(self, rid: int) -> int:
-        if self.kind == "paged":
-            return self.blocks(self.tokens[rid]) * self.bs * self.b
+        if self.paged:
+            return self.blocks(self.tokens[rid]) * self.block_bytes
         return self.slab_bytes(self.reservation(self.reqs[rid]))
 
     # -- the free structure at rest
@@ -214,7 +240,7 @@ def check_invariants(a: Allocator, m: Model, probe: Request | None, tables: bool
 
 
 def usable_free(a: Allocator, m: Model, probe: Request | None) -> int:
-    if m.kind == "paged":
+    if m.paged:
         return a.free_blocks() * a.block_bytes
     if m.kind == "contiguous":
         unit = m.b if probe is None else m.slab_bytes(m.reservation(probe))
@@ -224,7 +250,7 @@ def usable_free(a: Allocator, m: Model, probe: Request | None) -> int:
 
 
 def largest_hole(a: Allocator, m: Model) -> int:
-    if m.kind == "paged":
+    if m.paged:
         return a.free_blocks() * a.block_bytes
     if m.kind == "contiguous":
         return max((size for _, size in a.holes()), default=0)
@@ -281,9 +307,9 @@ def check_integrate(a: Allocator, m: Model, x: int, w0: float, w1: float, probe)
     )
 
 
-def check_steps_until_full(a: Allocator) -> None:
+def check_steps_until_full(a: Allocator, m: Model) -> None:
     full, done = a.steps_until_full(), a.steps_until_done()
-    if a.kind != "paged":
+    if not m.paged:
         assert full is None
         return
     if done is None:
@@ -308,7 +334,10 @@ def check_steps_until_full(a: Allocator) -> None:
         assert c.step(1)
     assert not c.step(1)
     # Why: the decoders whose last block is full each need a new one, and too few are free.
-    crossing = [r for r in c.rids() if c._get(r).decoding and c.tokens(r) % c.block_size == 0]
+    crossing = [
+        r for r in c.rids()
+        if c._get(r).decoding and m.blocks(c.tokens(r) + 1) > m.blocks(c.tokens(r))
+    ]
     assert len(crossing) > c.free_blocks()
 
 
@@ -374,6 +403,8 @@ def make_request(rid: int, mml: int, x: int, y: int, z: int) -> Request:
 
 def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
     b, mml, times, extra, tail = geometry
+    if kind == "vattention":
+        b = opts["geometry"].bytes_per_token
     capacity = (mml * times + extra) * b + tail % b
     a = build(kind, opts, capacity, b, mml)
     m = Model(kind, opts, capacity, b, mml)
@@ -395,13 +426,13 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
                 None
                 if too_long
                 else (
-                    m.blocks(tokens or p) * m.bs * b
-                    if kind == "paged"
+                    m.blocks(tokens or p) * m.block_bytes
+                    if m.paged
                     else m.slab_bytes(m.reservation(req))
                 )
             )
             where = None
-            if nbytes is not None and kind != "paged":
+            if nbytes is not None and not m.paged:
                 where = expected_offset(a, m, nbytes)
                 if where is None and m.opts.get("compaction") and nbytes <= a.free_bytes():
                     where = a.capacity - a.free_bytes()  # slabs packed below, then placed
@@ -409,7 +440,7 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
             if result:
                 assert result.rid == rid and result.nbytes == nbytes
                 assert result.capacity_tokens == m.reservation(req)
-                if kind == "paged":
+                if m.paged:
                     assert len(result.blocks) == m.blocks(tokens or p)
                 else:
                     assert result.offset == where
@@ -423,7 +454,7 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
                 free = a.free_bytes()
                 if too_long:
                     assert result.reason is Reason.PROMPT_TOO_LONG
-                elif kind == "paged":
+                elif m.paged:
                     if m.blocks(final) > a.num_blocks:
                         assert result.reason is Reason.TOO_LARGE
                     else:
@@ -451,9 +482,9 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
             rid = growable[x % len(growable)]
             n = pick(y, 1, m.final(m.reqs[rid]) - m.tokens[rid])
             before = snapshot(a, probe)
-            free_blocks = a.free_blocks() if kind == "paged" else None
+            free_blocks = a.free_blocks() if m.paged else None
             result = a.grow(rid, n)
-            if kind == "paged":
+            if m.paged:
                 need = m.blocks(m.tokens[rid] + n) - m.blocks(m.tokens[rid])
                 if need > free_blocks:
                     assert not result and result.reason is Reason.OUT_OF_MEMORY
@@ -494,7 +525,7 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
         elif op == "integrate":
             check_integrate(a, m, x, w0, w1, probe)
         elif op == "full":
-            check_steps_until_full(a)
+            check_steps_until_full(a, m)
         elif op == "probe":
             req = make_request(-1, mml, x, y, z)
             probe = (
@@ -522,15 +553,16 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
     else:
         assert a.free_blocks() == a.num_blocks
         assert empty.usable_free == a.num_blocks * a.block_bytes
-        # Every block id is back: requests filling the pool get each id exactly once.
+        # Every block id is back: requests filling the pool get each id exactly once (unless
+        # no request of two tokens fits the pool: one page, rows straddling pages).
         ids: list[int] = []
         rid = 10**6
-        while a.free_blocks():
-            tokens = min(mml, a.free_blocks() * m.bs)
+        while a.free_blocks() and m.blocks(2) <= a.num_blocks:
+            tokens = min(mml, m.tokens_in(a.free_blocks()))
             assert a.admit(Request(rid, 1, max(tokens - 1, 1)), tokens=tokens, decoding=False)
             ids.extend(a.block_table(rid))
             rid += 1
-        assert sorted(ids) == list(range(a.num_blocks))
+        assert sorted(ids) == list(range(a.num_blocks - a.free_blocks()))
 
 
 @by_config
@@ -541,7 +573,13 @@ def test_random_operations(kind, opts, geometry, tables, ops):
 
 
 # --------------------------------------------- integrate on states built to be interesting
-@pytest.mark.parametrize("block_size", [1, 2, 3, 7, 16])
+POOLS = [("paged", {"block_size": bs}) for bs in (1, 2, 3, 7, 16)] + [
+    ("vattention", {"page_size": page, "geometry": geo})
+    for page, geo in ((4, T3), (6, T4), (8, T3))
+]
+
+
+@pytest.mark.parametrize(("kind", "opts"), POOLS, ids=[config_id(k, o) for k, o in POOLS])
 @settings(max_examples=150, deadline=None)
 @given(
     phases=st.lists(
@@ -553,14 +591,17 @@ def test_random_operations(kind, opts, geometry, tables, ops):
     w1=st.floats(-2, 2),
     data=st.data(),
 )
-def test_paged_integrate_and_full(block_size, phases, clock, extra_blocks, w0, w1, data):
-    """Paged with many decoders at mixed residues, after the clock has moved."""
-    b, mml = 2, 200
+def test_paged_integrate_and_full(kind, opts, phases, clock, extra_blocks, w0, w1, data):
+    """Block pools with many decoders at mixed residues, after the clock has moved."""
+    b = opts["geometry"].bytes_per_token if kind == "vattention" else 2
+    mml = 200
+    m = Model(kind, opts, 0, b, mml)
     # Enough blocks for everyone's prompt, plus a random margin, so the pool may run out.
-    need = sum(-(-p // block_size) for p, _, _ in phases)
+    need = sum(m.blocks(p) for p, _, _ in phases)
     longest = max([clock + 2] + [p + o for p, o, _ in phases])  # no request is TOO_LARGE
-    blocks = max(need + extra_blocks, -(-longest // block_size))
-    a = build("paged", {"block_size": block_size}, blocks * block_size * b + 1, b, mml)
+    blocks = max(need + extra_blocks, m.blocks(longest))
+    m.capacity = blocks * m.block_bytes + 1
+    a = build(kind, opts, m.capacity, b, mml)
     # Move the clock with a throwaway decoder first, so phases are not aligned to 0.
     if clock:
         assert a.admit(Request(-5, 1, clock + 1))
@@ -569,7 +610,7 @@ def test_paged_integrate_and_full(block_size, phases, clock, extra_blocks, w0, w
     for rid, (prompt, output, decoding) in enumerate(phases):
         assert a.admit(Request(rid, prompt, output), decoding=decoding)
     a.account().check()
-    check_steps_until_full(a)
+    check_steps_until_full(a, m)
     limits = [x for x in (a.steps_until_done(), a.steps_until_full()) if x is not None]
     n = data.draw(st.integers(0, min([60, *limits])))
     probe = Request(99, 3, 4)
