@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from sim.allocators import make_allocator, options_of
+from sim.allocators import Allocator, make_allocator, options_of
 from sim.engine import EngineConfig, RunResult, StepTime
 from sim.engine import run as run_engine
 from sim.geometry import PRESETS, KVGeometry, preset
@@ -361,11 +361,10 @@ def run(
     return ScenarioResult(scenario, workloads, runs)
 
 
-def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> RunResult:
-    """One allocator at one sweep point, on its workload's request table (the unit of work
-    of `run` and of `sim.sweep`'s executors)."""
+def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
+    """A fresh allocator of `spec` for one sweep point (its budget, model and max_model_len)."""
     geo = point.geometry
-    allocator = make_allocator(
+    return make_allocator(
         spec.kind,
         capacity=point.budget_bytes,
         bytes_per_token=geo.bytes_per_token,
@@ -373,7 +372,12 @@ def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> R
         geometry=geo,
         **spec.options,
     )
-    return run_engine(requests, allocator, point.engine_config())
+
+
+def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> RunResult:
+    """One allocator at one sweep point, on its workload's request table (the unit of work
+    of `run` and of `sim.sweep`'s executors)."""
+    return run_engine(requests, build_allocator(point, spec), point.engine_config())
 
 
 def count_runs(scenario: Scenario) -> int:

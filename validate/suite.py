@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.allocators import make_allocator
 from sim.engine import run as run_engine
-from sim.scenario import AllocatorSpec, Scenario, iter_runs
+from sim.scenario import AllocatorSpec, Scenario, build_allocator, iter_runs
 from sim.units import format_size
 from validate.outcome import Outcome
 from workloads import build_workload
@@ -94,10 +93,12 @@ def plan(scenario: Scenario, mode: str, device: str) -> tuple[list[Job], list[Ou
         else:
             modes = [mode] if spec.kind in SUPPORTS[mode] else []
         for m in modes:
-            if m == "torch" and device != "cuda":
+            why = "torch mode needs CUDA" if m == "torch" and device != "cuda" else None
+            if m == "paged" and spec.kind == "vattention":
+                why = _straddling(point, spec)
+            if why:
                 skipped.append(
-                    Outcome(spec.label, spec.kind, m, device, point.budget_bytes, i, "skip",
-                            "torch mode needs CUDA")
+                    Outcome(spec.label, spec.kind, m, device, point.budget_bytes, i, "skip", why)
                 )
             else:
                 jobs.append(Job(i, sweep, point, spec, m))
@@ -108,6 +109,18 @@ def plan(scenario: Scenario, mode: str, device: str) -> tuple[list[Job], list[Ou
             f"{kinds}"
         )
     return jobs, skipped
+
+
+def _straddling(point: Scenario, spec: AllocatorSpec) -> str | None:
+    """Why vAttention pages cannot replay as token-aligned paged blocks, if they cannot."""
+    allocator = build_allocator(point, spec)
+    if allocator.pages_per_block == 1:
+        return None
+    return (
+        f"{allocator.geometry.name}'s {allocator.row}-byte token rows straddle "
+        f"{format_size(allocator.page_size)} pages: pages are not token-aligned blocks, which "
+        "paged mode replays"
+    )
 
 
 def device_bytes(job: Job, device: str) -> int:
@@ -165,14 +178,7 @@ def _simulate(job: Job, base_dir: Path, cache: dict[str, Any]):
     key = point.workload.model_dump_json() + f"|{point.max_model_len}"
     if key not in cache:
         cache[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
-    allocator = make_allocator(
-        spec.kind,
-        capacity=point.budget_bytes,
-        bytes_per_token=point.geometry.bytes_per_token,
-        max_model_len=point.max_model_len,
-        geometry=point.geometry,
-        **spec.options,
-    )
+    allocator = build_allocator(point, spec)
     config = dataclasses.replace(point.engine_config(), log_allocations=True)
     result = run_engine(cache[key].requests, allocator, config)
     return result, allocator, _requested_sizes(allocator, cache[key].requests)

@@ -196,6 +196,33 @@ def test_plan_and_requested_sizes():
         assert all(requested[r.rid] == r.nbytes for r in admits.itertuples())
 
 
+def test_plan_skips_vattention_pages_that_rows_straddle():
+    """Paged mode replays token-aligned blocks: vAttention pages are replayed only when the
+    page size is a multiple of the model's buffer row."""
+    from kvfrag.config import load_scenario
+    from sim.scenario import Scenario
+    from validate import suite
+
+    tiny = load_scenario(ROOT_TINY, ["kv_budget=64MiB", "model=llama-3-8b"]).scenario
+    va = {"label": "va", "kind": "vattention", "page_size": "64KiB"}
+    sweep = {"model": ["llama-3-8b", "opt-13b"]}
+    scenario = Scenario.model_validate(
+        {**tiny.model_dump(exclude_unset=True), "allocators": [va], "sweep": sweep}
+    )
+    for mode in ("auto", "paged", "all"):
+        jobs, skipped = suite.plan(scenario, mode, "cpu")
+        assert [(j.spec.kind, j.mode, j.scenario.model) for j in jobs] == [
+            ("vattention", "paged", "llama-3-8b")
+        ]
+        assert [(o.kind, o.mode, o.point, o.status) for o in skipped] == [
+            ("vattention", "paged", 1, "skip")
+        ]
+        assert skipped[0].note == (
+            "opt-13b's 10240-byte token rows straddle 64.0 KiB pages: pages are not token-aligned "
+            "blocks, which paged mode replays"
+        )
+
+
 # ------------------------------------------------------------------ groups (n > 1)
 CHUNKED = {"chunked_prefill": True, "max_num_batched_tokens": 64}
 GROUPS = [
