@@ -1,8 +1,9 @@
 """Result writers: one folder per scenario, written whole or not at all.
 
 Everything goes into a temporary sibling folder first; only when every file (and figure) is
-written is it renamed into place, replacing any earlier results. A failed run leaves nothing
-half-written behind.
+written is it renamed into place, replacing any earlier results (a `validate/` report that
+`kvfrag validate` wrote there is carried over). A failed run leaves nothing half-written
+behind.
 
 While a sweep runs, each finished point is staged as it completes, in a hidden sibling
 folder (`PointStore`, `results/.<name>.points/`), so that an interrupted sweep can be
@@ -26,6 +27,10 @@ import yaml
 
 from sim.engine import RunResult
 from sim.scenario import ScenarioResult
+
+#: `kvfrag validate`'s report folder inside a scenario's results. A new run keeps it: the
+#: report describes its own simulation (with its resolved scenario), not the run's.
+VALIDATE_DIR = "validate"
 
 
 def write_results(
@@ -58,6 +63,9 @@ def write_results(
             failures.to_csv(tmp / "failures.csv", index=False)
         if plot is not None:
             plot(tmp)
+        kept = out_dir / VALIDATE_DIR
+        if kept.is_dir():  # copied, not moved: a failed swap must leave the old folder whole
+            shutil.copytree(kept, tmp / VALIDATE_DIR)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

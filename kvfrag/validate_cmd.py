@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kvfrag.config import add_set_argument, load_scenario
+from kvfrag.results import VALIDATE_DIR
 from sim.units import format_size, parse_size
 
 
@@ -66,7 +67,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     suite.check_cap(jobs, args.device, cap)
     if args.checkpoints < 0:
         raise ValueError("--checkpoints must be >= 0")
-    out = args.output or Path("results") / scenario.name / "validate"
+    out = args.output or Path("results") / scenario.name / VALIDATE_DIR
     if not args.quiet:
         print(
             f"{scenario.name}: {len(jobs)} replay(s) on {args.device}, KV budget "

@@ -138,3 +138,17 @@ def test_failure_while_writing_leaves_no_half_folder(tmp_path, monkeypatch):
               "--set", "workload.transforms.first_n=50"])
     # No half-written results folder; the finished points stay staged for --resume.
     assert [p.name for p in (tmp_path / "results").iterdir()] == [".quickstart.points"]
+
+
+def test_a_new_run_keeps_the_validation_report(tmp_path):
+    out = tmp_path / "results" / "quickstart"
+    args = ["run", str(ROOT / "scenarios" / "quickstart.yaml"), "-o", str(out), "-q",
+            "--no-plots", "--set", "workload.transforms.first_n=30"]
+    assert main(args) == 0
+    report = out / "validate" / "validate.csv"
+    report.parent.mkdir()
+    report.write_text("label,status\npaged-16,pass\n")
+    (out / "summary.csv").write_text("stale")
+    assert main(args) == 0
+    assert report.read_text() == "label,status\npaged-16,pass\n"  # carried over
+    assert (out / "summary.csv").read_text() != "stale"  # the run's own files are new
