@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
@@ -400,3 +402,83 @@ def test_shipped_sharing_scenarios_pass_cut_down():
     ]
     outcomes += suite.run_jobs(jobs, loaded.base_dir, "cpu", checkpoints=5)
     assert [o.status for o in outcomes] == ["pass"] * 12, [o.first_fail for o in outcomes]
+
+
+def random_run(seed: int, kind: str, opts: dict, group: tuple[str, int] | None, engine: dict):
+    """A small random workload (closed-loop users, prefix hashes for prefix caching) run with
+    its allocation log."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 40))
+    prompt = rng.integers(1, 120, n)
+    df = pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": np.sort(rng.uniform(0, float(rng.choice([0.01, 1.0, 5.0])), n)),
+            "prompt_tokens": prompt,
+            "output_tokens": rng.integers(1, 100, n),
+        }
+    )
+    if group is not None:
+        df[group[0]] = rng.integers(1, group[1] + 1, n)
+    if kind == "prefix-caching":  # three shared system prompts of 0-5 chunks, then own chunks
+        hashes, own = [], 10**6
+        for p in prompt.tolist():
+            chunks, system = -(-p // 8), int(rng.integers(0, 6))
+            mine = max(0, chunks - system)
+            shared = [1000 * int(rng.integers(0, 3)) + c for c in range(min(system, chunks))]
+            hashes.append(shared + list(range(own, own + mine)))
+            own += mine
+        df["hash_ids"] = hashes
+        df.attrs["hash_block_tokens"] = 8
+    if rng.random() < 0.3:  # closed loop: each user's next request follows its previous one
+        df["user_id"] = rng.integers(0, 4, n)
+        df["think_s"] = rng.uniform(0, 1, n)
+        df.loc[df.duplicated("user_id"), "arrival_s"] = np.nan
+    budget = int(rng.integers(300, 2000)) * B
+    alloc = make_allocator(kind, capacity=budget, bytes_per_token=B, max_model_len=MML, **opts)
+    cfg = EngineConfig(max_num_batched_tokens=512, log_allocations=True)
+    return run(df, alloc, dataclasses.replace(cfg, **engine)), budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(["paged", "prefix-caching", "contiguous", "buddy"]),
+    bs=st.sampled_from([1, 4, 16]),
+    reserve=st.sampled_from(["oracle", "pow2", "max_model_len"]),
+    compaction=st.booleans(),
+    group=st.one_of(st.none(), st.tuples(st.sampled_from(["n", "beam_width"]), st.integers(2, 4))),
+    engine=st.fixed_dictionaries(
+        {
+            "max_num_seqs": st.sampled_from([2, 3, 8, 40]),
+            "batching": st.sampled_from(["continuous", "continuous", "static"]),
+            "admission": st.sampled_from(["fcfs", "skip"]),
+            "lookahead": st.integers(1, 4),
+            "watermark": st.sampled_from([0.0, 0.0, 0.1, 0.3]),
+            "max_time_s": st.sampled_from([None, None, 0.5, 2.0]),
+        }
+    ),
+    chunk=st.sampled_from([None, 40, 150]),
+)
+def test_random_runs_replay_exactly(seed, kind, bs, reserve, compaction, group, engine, chunk):
+    """Whatever the allocator, sharing and engine options, the log replays to the byte."""
+    paged = kind in ("paged", "prefix-caching")
+    if paged:
+        opts = {"block_size": bs}
+    else:
+        opts = {"reserve": reserve}
+        if kind == "contiguous":
+            opts["compaction"] = compaction
+    if kind == "prefix-caching":
+        group = None  # prefix caching does not model sample groups
+    if chunk is not None:
+        engine = {**engine, "chunked_prefill": True, "max_num_batched_tokens": chunk}
+    result, budget = random_run(seed, kind, opts, group, engine)
+    out = replay_log(
+        result.log, Outcome("x", kind, "paged" if paged else "arena", "cpu", budget), B, "cpu",
+        bs if paged else None,
+    )
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0
+    s = result.summary
+    assert s["completed"] + s["rejected"] + s["unfinished"] == s["requests"]
