@@ -152,6 +152,7 @@ class Live:
     table: list[int] | None = None  # paged: materialised block ids
     extra: list[int] | None = None  # slab allocators: offsets of the other samples' copies
     shared: int = 0  # paged: prompt tokens in full blocks, kept once for all samples
+    cached: int = 0  # prefix caching: tokens of its prompt blocks held by reference in the cache
 
     @property
     def weight(self) -> int:
@@ -170,6 +171,7 @@ class Allocator(ABC):
     compactions: int = 0
     bytes_moved: int = 0
     stall_s: float = 0.0
+    evictions: int = 0  # prefix caching: idle cached blocks evicted so far
 
     def __init__(self, capacity: int, bytes_per_token: int, max_model_len: int) -> None:
         for name, value in (
@@ -308,6 +310,10 @@ class Allocator(ABC):
 
     def steps_until_shrink(self) -> int | None:
         """Steps until a step gives memory back without a free (None: steps never do)."""
+        return None
+
+    def steps_until_evict(self) -> int | None:
+        """Prefix caching: steps until a step evicts an idle cached block (None: none will)."""
         return None
 
     @abstractmethod

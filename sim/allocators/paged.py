@@ -29,7 +29,9 @@ fork sequences 1..n-1 take a block each that is a copy of the partial prompt blo
 (src, dst) pairs wait in `take_copies`, as vLLM's block manager returns copy-on-write pairs
 for its copy_blocks kernel); beams pruned at a boundary keep beam 0's blocks as the trunk and
 give the others' back. Ids pruning gave back while nobody asked are taken back when the stack
-runs short (`take_renamed` says whose tables changed so).
+runs short (`take_renamed` says whose tables changed so). A subclass may hold a group's leading
+rows by reference (`_head`: prefix caching's cached blocks): every table starts with them, and
+they are not among the group's counted blocks.
 """
 
 from __future__ import annotations
@@ -315,7 +317,10 @@ class PagedAllocator(Allocator):
         was, old = self._groups.get(rid, (0, [[]]))
         if tokens == was and live.table is not None:
             return ()
+        head = self._head(live)  # leading rows held by reference (prefix caching), not counted
         seqs = [list(t) for t in old]
+        for t in seqs:  # rows that joined the cache since: the cached block's id
+            t[: len(head)] = head
         fresh: list[int] = []  # placeholders -1, -2, ... for blocks to take, in order
 
         def take() -> int:
@@ -348,6 +353,8 @@ class PagedAllocator(Allocator):
             for t in seqs:
                 t.extend(take() for _ in range(need - len(t)))
         named = dict.fromkeys(b for t in seqs for b in t)
+        for b in head:
+            del named[b]
         if len(named) != blocks:
             raise AssertionError(
                 f"request {rid}: {len(named)} blocks named for {tokens} tokens, {blocks} counted"
@@ -364,6 +371,11 @@ class PagedAllocator(Allocator):
             pairs = ((ids.get(src, src), ids[dst]) for src, dst in copies)
             self._copies.setdefault(rid, []).extend(pairs)
         return tuple(ids.values())
+
+    def _head(self, live: Live) -> list[int]:
+        """Ids of the leading rows of every table of a group that the request holds by
+        reference and does not count among its blocks (prefix caching's cached blocks)."""
+        return []
 
     def _reclaim(self, need: int, asking: int) -> None:
         """Beams pruned since their blocks were last named still hold the ids pruning gave
@@ -387,9 +399,7 @@ class PagedAllocator(Allocator):
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         rid, bs = live.req.rid, self.block_size
         live.shared = live.req.prompt // bs * bs  # full prompt blocks, kept once
-        most = max(self._blocks_at(live, t) for t in (tokens, live.final))
-        if live.req.beam:  # beams peak just after their last block boundary
-            most = max(most, self._blocks_at(live, max(tokens, (live.final - 1) // bs * bs + 1)))
+        most = self._peak_blocks(live, tokens)
         if most > self.num_blocks:
             need = most * self.block_bytes
             return Refusal(
@@ -403,6 +413,14 @@ class PagedAllocator(Allocator):
         self._fixed_internal += self._tail_waste(live, tokens)
         self._fixed_saved += self._saved_at(live, tokens)
         return Grant(rid, need * self.block_bytes, live.cap, blocks=ids)
+
+    def _peak_blocks(self, live: Live, tokens: int) -> int:
+        """Most blocks the request holds at once from `tokens` tokens to its final length."""
+        bs, kept = self.block_size, live.shared // self.block_size
+        at = [tokens, live.final]
+        if live.req.beam:  # beams peak just after their last block boundary
+            at.append(max(tokens, (live.final - 1) // bs * bs + 1))
+        return max(self._count_blocks(live.req, t, kept) for t in at)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         have, want = self._blocks_at(live, old), self._blocks_at(live, new)

@@ -12,16 +12,38 @@ cached but idle: it counts as usable free memory, and is evicted least recently 
 when free blocks run out (a request's tail blocks before its head).
 
 Accounting: a cached block in use is allocated once, holds bs tokens once, however many
-requests use it (`saved_by_sharing` counts the copies it spares); idle cached blocks are free.
-A request's own blocks past its cached ones are counted as in the paged allocator. Requests
-with n > 1 samples are not combined with prefix caching here.
+requests use it; idle cached blocks are free. A request's own blocks past its cached ones are
+counted as in the paged allocator.
+
+Sample groups and beams (n sequences): the cache knows the prompt's full blocks only. A
+group looks them up and registers them exactly as a single request does (its sequences share
+them anyway), and counts once in their reference counts; past them its sequences fork as in
+the paged allocator, and their blocks (the partial prompt block copied on write, generated
+tokens, a beam trunk) are the group's own, never cached: generated tokens are not in the
+trace's hash chain. With S = P // bs the prompt's full blocks, C <= S of them cached
+(`live.cached` = C*bs; `live.shared` = S*bs, the paged allocator's blocks kept once) and L
+tokens a sequence, the request's own blocks are
+    ceil(L/bs) - C                                   while its prompt is prefilled (L <= P),
+    n*ceil(L/bs) - (n-1)*S - C                       samples past the prompt,
+    n*ceil(L/bs) - (n-1)*floor(L/bs) - C             beams past the prompt,
+the paged counts less the cached blocks; so the prompt's full blocks the hash chain does not
+name are still kept once for all sequences, by the request. Its distinct tokens are the paged
+ones less C*bs (the cache holds those). `saved_by_sharing` adds both savings, each once: the
+copies a group's sequences do not make ((n-1)*S samples, (n-1)*floor(L/bs) beams, as paged)
+and the copies the cache spares (users - 1 per cached block in use, a group one user).
 
 Block ids: a cached block keeps the id of the block that first held its tokens (the request's
 own block joins the cache when it fills; a request that fills a block someone cached since
 gives its own back and shares the cached one). Idle cached blocks keep their id and bytes until
 evicted, when the id goes back to the free stack. `block_table` lists a request's cached blocks
-first, then its own; `prefix_keys` gives one digest per full prompt block its hash chain names,
-so that a replay can write (and check) the same bytes for the same tokens.
+first, then its own; a group's `block_tables` (one per sequence, as paged) each start with its
+cached blocks, then name its own as the paged allocator does, copies on write included.
+`prefix_keys` gives one digest per full prompt block its hash chain names, so that a replay can
+write (and check) the same bytes for the same tokens.
+
+Evictions change what a waiting request would need without a free: a group past its prompt
+that finds fewer tokens cached is admitted with fewer, n blocks less per block of them, so
+`steps_until_evict` tells the engine when the next idle block goes.
 """
 
 from __future__ import annotations
@@ -52,6 +74,7 @@ class PrefixCachingAllocator(PagedAllocator):
         self.lookups = 0  # full prompt blocks looked up at admissions
         self.hits = 0  # of them found cached
         self.evictions = 0
+        self._stepped_at = 0  # the decode clock when steps last evicted
 
     # ------------------------------------------------------------------ keys
     def block_keys(self, req: Request) -> list[Key]:
@@ -109,27 +132,35 @@ class PrefixCachingAllocator(PagedAllocator):
         }
 
     # ------------------------------------------------------------ the counts
+    # The paged counts (a group's sequences sharing its prompt's full blocks) less the cached
+    # blocks, which the cache counts once for all their users.
     def _blocks_at(self, live: Live, tokens: int) -> int:
-        return -(-tokens // self.block_size) - live.shared // self.block_size
+        return super()._blocks_at(live, tokens) - live.cached // self.block_size
 
     def _stored(self, live: Live, tokens: int) -> int:
-        return tokens - live.shared
+        return super()._stored(live, tokens) - live.cached
 
     def _linear(self, live: Live, phase: int) -> int:
-        return phase - live.shared
-
-    def _saved_at(self, live: Live, tokens: int) -> int:
-        return 0
+        return super()._linear(live, phase) - live.cached
 
     def allocated_bytes(self, rid: int) -> int:
         """Bytes the request holds, its cached prompt blocks included (shared with others)."""
-        return -(-self.tokens(rid) // self.block_size) * self.block_bytes
+        live = self._get(rid)
+        return super()._blocks_at(live, self.tokens(rid)) * self.block_bytes
+
+    def _head(self, live: Live) -> list[int]:
+        return [self._id_of[key] for key in self._held.get(live.req.rid, ())]
+
+    def _cache_saved(self) -> int:
+        """Blocks the cache spares: one copy per further request using a cached block."""
+        return sum(users - 1 for users in self._refs.values())
 
     def saved_by_sharing(self) -> int:
-        return sum(users - 1 for users in self._refs.values()) * self.block_bytes
+        return super().saved_by_sharing() + self._cache_saved() * self.block_bytes
 
     def _integrate_saved(self, n: int, w0: float, w1: float, weight: float) -> float:
-        return self.saved_by_sharing() * weight
+        within = super()._integrate_saved(n, w0, w1, weight)
+        return within + self._cache_saved() * self.block_bytes * weight
 
     def _blocks_total(self) -> int:
         return super()._blocks_total() + len(self._refs)
@@ -161,7 +192,7 @@ class PrefixCachingAllocator(PagedAllocator):
                 self._idle.pop(key, None)  # an idle block counted as free is taken back
                 self._refs[key] = 1
             keys.append(key)
-        live.shared = len(keys) * bs
+        live.cached = len(keys) * bs
         return new
 
     def _name(self, live: Live, new: list[tuple[Key, bool]], private: int, tokens: int):
@@ -182,28 +213,28 @@ class PrefixCachingAllocator(PagedAllocator):
             else:
                 taken.append(key)
         if len(taken) > len(self._stack):
-            raise AssertionError(f"request {live.req.rid}: no free block id left to name")
+            self._reclaim(len(taken), live.req.rid)  # ids beams pruned while nobody asked
         for key in taken:
             self._id_of[key] = self._stack.pop()
         fresh = tuple(self._id_of[key] for key in taken)
         return fresh + self._materialize(live, private, tokens)
 
-    def _need(self, live: Live, tokens: int) -> int:
-        """Blocks admitting or growing to `tokens` takes from the free pool (no change made)."""
+    def _need(self, live: Live, tokens: int, old: int = 0) -> int:
+        """Blocks admitting (old = 0) or growing from `old` to `tokens` takes from the free
+        pool (no change made): its own blocks' change, and the blocks it caches anew."""
         keys = self._keys_of[live.req.rid]
         held = len(self._held.get(live.req.rid, ()))
         full = min(len(keys), tokens // self.block_size, live.req.prompt // self.block_size)
-        new = keys[held:full]
-        taken = sum(1 for key in new if key not in self._refs)
-        private = -(-tokens // self.block_size) - full
-        return private + taken
+        taken = sum(1 for key in keys[held:full] if key not in self._refs)
+        after = super()._blocks_at(live, tokens) - full
+        return after - (self._blocks_at(live, old) if old else 0) + taken
 
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         req, bs = live.req, self.block_size
-        if req.n > 1:
-            raise ValueError("prefix-caching does not model requests with n > 1 samples")
-        if -(-live.final // bs) > self.num_blocks:
-            need = -(-live.final // bs) * self.block_bytes
+        live.shared = req.prompt // bs * bs  # full prompt blocks, kept once by a group
+        most = self._peak_blocks(live, tokens)
+        if most > self.num_blocks:
+            need = most * self.block_bytes
             return Refusal(
                 req.rid, Reason.TOO_LARGE, need, self.free_bytes(), "needs more blocks than exist"
             )
@@ -219,12 +250,13 @@ class PrefixCachingAllocator(PagedAllocator):
         private = self._blocks_at(live, tokens)
         self._fixed_blocks += private
         self._fixed_internal += self._tail_waste(live, tokens)
+        self._fixed_saved += self._saved_at(live, tokens)
         self._evict()  # before naming: evicted blocks give their ids back
         ids = self._name(live, new, private, tokens)
         return Grant(req.rid, need * self.block_bytes, live.cap, blocks=ids)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
-        need = self._need(live, new)
+        need = self._need(live, new, old)
         if need > self.free_blocks():
             return self._refusal(live.req.rid, need)
         before = self._blocks_at(live, old)
@@ -232,9 +264,10 @@ class PrefixCachingAllocator(PagedAllocator):
         after = self._blocks_at(live, new)
         self._fixed_blocks += after - before
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
+        self._fixed_saved += self._saved_at(live, new) - self._saved_at(live, old)
         self._evict()
         ids = self._name(live, joined, after, new)
-        return Grant(live.req.rid, need * self.block_bytes, live.cap, blocks=ids)
+        return Grant(live.req.rid, max(0, need) * self.block_bytes, live.cap, blocks=ids)
 
     def _release(self, live: Live) -> None:
         super()._release(live)
@@ -250,16 +283,35 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
-        # The cohort counts ceil((c + K)/bs) blocks; the cached ones are not the request's.
-        self._fixed_blocks -= (1 if decoding else -1) * (live.shared // self.block_size)
+        # The cohort counts all of the group's blocks; the cached ones are not the request's.
+        self._fixed_blocks -= (1 if decoding else -1) * (live.cached // self.block_size)
+
+    def steps_until_evict(self) -> int | None:
+        if not self._idle:
+            return None
+        # Idle blocks count as free; one goes when the blocks in use outgrow the rest.
+        steps = self._blocks.steps_within(self._clock, self.free_blocks() - len(self._idle))
+        return None if steps is None else steps + 1
 
     def _stepped(self) -> None:
         super()._stepped()
+        start, self._stepped_at = self._stepped_at, self._clock
+        if self._blocks.negative:
+            # Beams give blocks back at block boundaries: the steps since `start` may have
+            # needed more blocks than the last, and idle blocks went at that peak.
+            total = self._blocks_total() - self._blocks.value(self._clock)
+            while self._idle:
+                room = self.num_blocks - len(self._idle) - total - self._blocks.value(start)
+                fits = self._blocks.steps_within(start, room)
+                if fits is None or start + fits >= self._clock:
+                    break
+                self._evict(1)
         self._evict()
 
-    def _evict(self) -> None:
-        """Drop least recently used idle blocks until the ones in use fit."""
-        over = self._blocks_total() + len(self._idle) - self.num_blocks
+    def _evict(self, over: int | None = None) -> None:
+        """Drop least recently used idle blocks until the ones in use fit (or `over` ones)."""
+        if over is None:
+            over = self._blocks_total() + len(self._idle) - self.num_blocks
         for _ in range(max(0, over)):
             key, _ = self._idle.popitem(last=False)
             block = self._id_of.pop(key)

@@ -27,8 +27,64 @@ def cache(blocks: int, bs: int = 16):
     )
 
 
-def req(rid: int, prompt: int, chain: tuple[int, ...], output: int = 10, chunk: int = 32):
-    return Request(rid, prompt, output, prefix=chain, prefix_tokens=chunk)
+def req(
+    rid: int, prompt: int, chain: tuple[int, ...], output: int = 10, chunk: int = 32,
+    n: int = 1, beam: bool = False,
+):
+    return Request(rid, prompt, output, n=n, beam=beam, prefix=chain, prefix_tokens=chunk)
+
+
+def kept(r: Request, tokens: int, bs: int) -> int:
+    """Blocks a group keeps once for its n sequences: the prompt's full blocks (samples), the
+    trunk of full blocks (beams); none while its prompt is prefilled (one sequence)."""
+    if r.n == 1 or tokens <= r.prompt:
+        return 0
+    return tokens // bs if r.beam else r.prompt // bs
+
+
+def own_blocks(a, r: Request, tokens: int) -> int:
+    """Closed form of the blocks a request holds besides its cached prompt blocks: its
+    sequences' blocks, the kept ones once, less the cached ones (counted by the cache)."""
+    bs = a.block_size
+    n = r.n if tokens > r.prompt else 1
+    return n * -(-tokens // bs) - (n - 1) * kept(r, tokens, bs) - len(a._held.get(r.rid, ()))
+
+
+def check_blocks(a, live: dict[int, Request]) -> None:
+    """The identity, reference counts, the closed-form block count, and block ids: each
+    sequence's table starts with its request's cached blocks and holds its tokens; a block of
+    a request's own is nobody else's; distinct ids are the counted blocks; named, cached and
+    free ids never overlap and cover the pool."""
+    a.account().check()
+    bs = a.block_size
+    assert all(users > 0 for users in a._refs.values())
+    assert not set(a._refs) & set(a._idle)
+    held = {k for r in live for k in a._held.get(r, ())}
+    assert held == set(a._refs)
+    for r in live:  # the refs count each request (group) once
+        assert len(set(a._held.get(r, ()))) == len(a._held.get(r, ()))
+    assert all(a._refs[k] == sum(k in a._held.get(r, ()) for r in live) for k in a._refs)
+    own = {r: own_blocks(a, q, a.tokens(r)) for r, q in live.items()}
+    assert a.num_blocks - a.free_blocks() == sum(own.values()) + len(a._refs)
+    assert sum(own.values()) + len(a._refs) + len(a._idle) <= a.num_blocks
+    saved = sum((q.n - 1) * kept(q, a.tokens(r), bs) for r, q in live.items())
+    saved += sum(users - 1 for users in a._refs.values())
+    assert a.saved_by_sharing() == saved * a.block_bytes
+    private = []
+    for r, q in live.items():
+        cached = [a._id_of[k] for k in a._held.get(r, ())]
+        tables = a.block_tables(r)
+        assert len(tables) == (q.n if a.tokens(r) > q.prompt else 1)
+        for t in tables:
+            assert list(t[: len(cached)]) == cached
+            assert len(t) == -(-a.tokens(r) // bs) == len(set(t))
+        mine = {b for t in tables for b in t} - set(cached)
+        assert len(mine) == own[r]
+        assert list(a.block_table(r)) == cached + sorted(mine, key=a.block_table(r).index)
+        private += mine
+    assert set(a._id_of) == set(a._refs) | set(a._idle)
+    ids = private + list(a._id_of.values()) + a._stack
+    assert sorted(ids) == list(range(a.num_blocks))
 
 
 def test_hits_on_a_hand_built_trace():
@@ -44,6 +100,94 @@ def test_hits_on_a_hand_built_trace():
     stats = a.summary_stats()
     assert stats["prefix_lookup_blocks"] == 6 + 5 and stats["prefix_hit_blocks"] == 4
     assert a.saved_by_sharing() == 4 * 16 * B
+
+
+@pytest.mark.parametrize("beam", [False, True])
+def test_groups_hit_as_single_requests_and_count_by_closed_form(beam):
+    a = cache(100)
+    live: dict[int, Request] = {}
+    # The trace of test_hits_on_a_hand_built_trace, each request a group of 3 sequences.
+    for r in (req(0, 100, (1, 2, 3, 4), output=40, n=3, beam=beam),
+              req(1, 90, (1, 2, 7), output=40, n=3, beam=beam)):
+        assert a.admit(r, r.prompt + 1)
+        live[r.rid] = r
+        check_blocks(a, live)
+    stats = a.summary_stats()
+    assert stats["prefix_lookup_blocks"] == 6 + 5 and stats["prefix_hit_blocks"] == 4
+    # Request 0 caches its 6 full prompt blocks, request 1 shares 4 of them and caches 1.
+    assert len(a._refs) == 7 and sorted(a._refs.values()) == [1] * 3 + [2] * 4
+    # Samples: 3 sequences past the prompt's 6 (5) full blocks; beams: the same at the fork.
+    assert a.free_blocks() == 100 - 7 - 3 - 3
+    tables = a.block_tables(0)
+    assert len({t[6] for t in tables}) == 3  # the partial prompt block, copied on write
+    copies = a.take_copies()
+    assert sorted(rid for rid, _, _ in copies) == [0, 0, 1, 1]
+    assert all(src == a.block_tables(rid)[0][live[rid].prompt // 16] for rid, src, _ in copies)
+    for _ in range(39):
+        assert a.step(1)
+        check_blocks(a, live)
+    # Request 0 stores 139 tokens a sequence: 8 full blocks and a partial one each.
+    expect = 3 * 9 - 2 * (8 if beam else 6) - 6
+    assert own_blocks(a, live[0], 139) == a.blocks_of(0) == expect
+    a.free(0)
+    live.pop(0)
+    check_blocks(a, live)
+    # Blocks 0-3 stay in use by request 1; request 0's own cached blocks 4, 5 are idle.
+    assert sorted(a._refs.values()) == [1] * 5 and len(a._idle) == 2
+    a.free(1)
+    assert not a._refs and len(a._idle) == 7 and a.free_blocks() == 100
+    assert a.account().token_states == 0 and a.saved_by_sharing() == 0
+
+
+@pytest.mark.parametrize("beam", [False, True])
+def test_a_prefilling_group_joins_blocks_cached_meanwhile(beam):
+    a = cache(40)
+    live = {0: req(0, 100, (1, 2, 3, 4), output=30, n=3, beam=beam)}
+    assert a.admit(live[0], 20, decoding=False)  # one sequence; block 0 cached
+    check_blocks(a, live)
+    mine = a.block_table(0)[1]  # its own partial block 1
+    live[1] = req(1, 100, (1, 2, 3, 4), output=5)
+    assert a.admit(live[1], 101)  # hits block 0, caches blocks 1-5 under its own ids
+    check_blocks(a, live)
+    assert a.block_table(1)[0] == a.block_table(0)[0] and mine not in a.block_table(1)
+    assert a.grow(0, 81)  # its blocks 1-5 are cached already: it gives its own block 1 back
+    assert a.tokens(0) == 101 and a.block_table(0)[1] == a.block_table(1)[1] != mine
+    assert list(a.block_table(0)[:6]) == list(a.block_table(1)[:6])
+    check_blocks(a, live)
+    assert sorted(a._refs.values()) == [2] * 6
+    a.set_decoding(0, True)
+    while a.tokens(1) < a.final_tokens(1):
+        assert a.step(1)
+        check_blocks(a, live)
+    a.free(1)
+    live.pop(1)
+    check_blocks(a, live)
+    assert sorted(a._refs.values()) == [1] * 6 and not a._idle  # all still request 0's
+    while a.tokens(0) < a.final_tokens(0):
+        assert a.step(1)
+        check_blocks(a, live)
+    a.free(0)
+    assert len(a._idle) == 6 and a.free_blocks() == 40
+
+
+@pytest.mark.parametrize("at_once", [False, True])
+def test_beams_evict_idle_blocks_at_their_peak(at_once):
+    a = cache(20, bs=4)
+    assert a.admit(req(0, 16, (1, 2), chunk=8), 17, decoding=False)
+    a.free(0)  # 4 idle cached blocks
+    assert a.admit(Request(1, 48, 10), 48, decoding=False)  # 12 blocks
+    beams = Request(2, 7, 20, n=3, beam=True)
+    assert a.admit(beams, 8)  # one trunk of 2 full blocks: 2 blocks
+    assert a.free_blocks() == 6 and len(a._idle) == 4 and a.steps_until_evict() == 1
+    # From 8 to 12 tokens the beams hold 5, 5, 5, then 3 blocks (pruned at the boundary):
+    # 3 more than the 2 blocks neither used nor idle, so one idle block goes, stepped at once
+    # or one step at a time.
+    if at_once:
+        assert a.step(4)
+    else:
+        assert all(a.step(1) for _ in range(4))
+    assert a.evictions == 1 and len(a._idle) == 3 and a.free_blocks() == 20 - 12 - 3
+    a.account().check()
 
 
 def test_shared_blocks_are_freed_by_their_last_user_and_then_evicted_lru():
@@ -63,7 +207,7 @@ def test_shared_blocks_are_freed_by_their_last_user_and_then_evicted_lru():
     a.account().check()
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     bs=st.sampled_from([4, 16, 32]),
     ops=st.lists(
@@ -72,58 +216,55 @@ def test_shared_blocks_are_freed_by_their_last_user_and_then_evicted_lru():
             st.integers(1, 120),
             st.lists(st.integers(0, 2), min_size=0, max_size=5),
             st.integers(0, 7),
+            st.sampled_from([(1, False), (1, False), (3, False), (2, True), (3, True)]),
         ),
         max_size=40,
     ),
 )
 def test_identity_refcounts_and_no_leaks(bs, ops):
-    a = cache(40, bs)
+    """Random operations on single requests, sample groups and beams: after each, the
+    identity, reference counts, closed-form block counts and block ids hold (`check_blocks`),
+    and a twin that takes every step one at a time has evicted the same idle blocks (beams
+    give blocks back at boundaries: a stretch of steps evicts at its peak)."""
+    a, twin = cache(40, bs), cache(40, bs)
     live: dict[int, Request] = {}
     rid = 0
-    for op, size, chain, pick in ops:
+    for op, size, chain, pick, (n, beam) in ops:
         if op == "admit":
-            r = req(rid, size, tuple(chain), output=20, chunk=8)
+            r = req(rid, size, tuple(chain), output=20, chunk=8, n=n, beam=beam)
             rid += 1
-            if a.admit(r, min(size, r.final), decoding=pick % 2 == 0):
+            decoding = pick % 2 == 0
+            # A group decodes once it forks (prompt + 1); else it may be mid-prefill.
+            tokens = size + 1 if decoding and n > 1 else min(size, r.final)
+            if pick % 4 == 1:
+                tokens = max(1, size // 2)
+            if a.admit(r, tokens, decoding=decoding):
                 live[r.rid] = r
+            assert bool(twin.admit(r, tokens, decoding=decoding)) == (r.rid in live)
         elif op == "grow" and live:
             target = sorted(live)[pick % len(live)]
             left = a.final_tokens(target) - a.tokens(target)
             if left:
-                a.grow(target, min(left, 1 + pick))
+                assert bool(a.grow(target, min(left, 1 + pick))) == bool(
+                    twin.grow(target, min(left, 1 + pick))
+                )
         elif op == "step":
             done, full = a.steps_until_done(), a.steps_until_full()
             k = min(x for x in (pick + 1, done, full) if x is not None)
             if k:
                 assert a.step(k)
+                assert all(twin.step(1) for _ in range(k))
         elif op == "free" and live:
-            a.free(live.pop(sorted(live)[pick % len(live)]).rid)
-        acc = a.account()
-        acc.check()
-        assert all(users > 0 for users in a._refs.values())
-        assert not set(a._refs) & set(a._idle)
-        private = sum(
-            -(-a.tokens(r) // bs) - len(a._held.get(r, ())) for r in live
-        )
-        assert a.num_blocks - a.free_blocks() == private + len(a._refs)
-        assert private + len(a._refs) + len(a._idle) <= a.num_blocks
-        held = {k for r in live for k in a._held.get(r, ())}
-        assert held == set(a._refs)
-        # Block ids: a cached block has one id, in every table holding it; the others are
-        # private; named, idle-cached and free ids never overlap and cover the pool.
-        for r in live:
-            table = a.block_table(r)
-            keys = a._held.get(r, [])
-            assert list(table[: len(keys)]) == [a._id_of[k] for k in keys]
-            assert len(table) == -(-a.tokens(r) // bs) == len(set(table))
-        assert set(a._id_of) == set(a._refs) | set(a._idle)
-        private = [b for r in live for b in a.block_table(r)[len(a._held.get(r, [])) :]]
-        ids = private + list(a._id_of.values()) + a._stack
-        assert sorted(ids) == list(range(a.num_blocks))
+            gone = live.pop(sorted(live)[pick % len(live)]).rid
+            a.free(gone)
+            twin.free(gone)
+        check_blocks(a, live)
+        assert list(a._idle) == list(twin._idle) and a.evictions == twin.evictions
+        assert a.parts() == twin.parts() and a._refs == twin._refs
     for r in list(live):
         a.free(r)
     assert a.free_blocks() == a.num_blocks and not a._refs
-    assert a.account().token_states == 0
+    assert a.account().token_states == 0 and a.saved_by_sharing() == 0
 
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
