@@ -4,7 +4,8 @@ A thin SimPy layer. One process runs the serving loop; SimPy keeps the clock. Ea
 the loop is one *segment*: either a single iteration in which something other than decoding
 happens (admissions, prefill chunks), or a stretch of decode-only iterations that ends at the
 next event: a completion, an arrival that could be admitted (not one queueing behind a
-waiting FCFS head), or the moment a decoder needs a block and none is free.
+waiting FCFS head), or the moment a decoder needs a block and none is free (prefix caching
+with sample groups waiting: also the next eviction of an idle cached block, see `_released`).
 Inside a stretch every running request gains one token per iteration, so the allocator's
 `step(n)` and `integrate(n, ...)` advance token counts, block counts, step times and the
 accounting integrals in closed form: the cost grows with requests, never with tokens.
@@ -224,7 +225,9 @@ class Engine:
         self.recomputed = 0
         self.frag_blocked_s = 0.0
         self.head_reason: Reason | None = None
-        self.blocked_head: tuple[int, int] | None = None  # (request, frees) of a memory refusal
+        # (request, frees, evictions) at a memory refusal of the FCFS head
+        self.blocked_head: tuple[int, int, int] | None = None
+        self.groups = any(r.req.n > 1 for r in self.reqs)
         self.stopped = False
         self.log: list[tuple] | None = [] if config.log_allocations else None
         # rid -> (tokens, blocks, bytes, ids) when last logged; ids: the block ids of a request
@@ -343,7 +346,7 @@ class Engine:
             return used  # a static batch admits nobody until it has finished
         queue = self.queue
         shrinks = self.alloc.steps_until_shrink() is not None
-        if queue and not shrinks and self.blocked_head == (queue[0].idx, self.alloc.frees):
+        if queue and not shrinks and self.blocked_head == (queue[0].idx, *self._released()):
             return used  # FCFS head refused for memory and nothing was freed since
         self.head_reason = None
         i = 0
@@ -370,11 +373,20 @@ class Engine:
             if i == 0:
                 self.head_reason = reason  # None: waiting for token budget, not memory
                 if reason is not None and cfg.admission == "fcfs":
-                    self.blocked_head = (r.idx, self.alloc.frees)
+                    self.blocked_head = (r.idx, *self._released())
             i += 1
             if cfg.admission == "fcfs" or i >= cfg.lookahead:
                 break
         return used
+
+    def _released(self) -> tuple[int, int]:
+        """What lets a request refused for memory in, short of a step that shrinks memory: a
+        free and, when the workload has sample groups, an eviction (prefix caching). A block
+        evicted from a waiting group's cached prefix shortens what it finds cached, so the same
+        token budget admits it with fewer tokens; past its prompt all n sequences hold each
+        block's worth of them, so it may need up to n blocks less while the decoders took one.
+        (A single request needs at most one block less: evictions alone never let it in.)"""
+        return self.alloc.frees, self.alloc.evictions if self.groups else 0
 
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
@@ -466,6 +478,9 @@ class Engine:
         shrink = alloc.steps_until_shrink() if self.queue else None
         if shrink is not None:  # memory comes back then: the queue head may fit
             n = min(n, shrink)
+        evict = alloc.steps_until_evict() if self.queue and self.groups else None
+        if evict is not None:  # a waiting group may fit then (see `_released`)
+            n = min(n, evict)
         horizon = self.arrivals[0][0] if self.arrivals else math.inf
         if self.queue and self.cfg.admission == "fcfs":
             # Behind a waiting head, strict FCFS admits nobody new before the head, and the
