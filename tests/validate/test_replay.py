@@ -333,12 +333,15 @@ def shared_prompts(bs: int = 8, count: int = 60, seed: int = 3) -> pd.DataFrame:
     return df
 
 
-def simulate_cached(bs: int, engine: dict | None = None):
+def simulate_cached(bs: int, engine: dict | None = None, group: tuple[str, int] | None = None):
     alloc = make_allocator(
         "prefix-caching", capacity=BUDGET, bytes_per_token=B, max_model_len=MML, block_size=bs
     )
     cfg = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, log_allocations=True)
-    return run(shared_prompts(), alloc, dataclasses.replace(cfg, **(engine or {})))
+    workload = shared_prompts()
+    if group is not None:  # every request a group: n samples or beams
+        workload[group[0]] = group[1]
+    return run(workload, alloc, dataclasses.replace(cfg, **(engine or {})))
 
 
 @pytest.mark.parametrize(("bs", "engine"), [(16, {}), (8, CHUNKED), (4, {})])
@@ -353,6 +356,32 @@ def test_prefix_caching_replays_exactly(bs, engine):
     first_block = admits["tables"].map(lambda tables: tables[0][0])
     system = admits["keys"].map(lambda keys: keys[0])
     assert first_block.groupby(system).apply(lambda ids: ids.duplicated().any()).all()
+    out = replay(log, "prefix-caching", bs)
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0 and out.checks > 10
+
+
+@pytest.mark.parametrize(
+    ("bs", "group", "engine"),
+    [(16, ("n", 3), {}), (4, ("n", 3), CHUNKED), (16, ("beam_width", 3), CHUNKED),
+     (8, ("beam_width", 2), {})],
+)
+def test_prefix_caching_groups_replay_exactly(bs, group, engine):
+    """Sample groups and beams with prefix caching: cached prompt blocks by key digest, the
+    partial prompt block copied on write, each sequence's own tokens, all to the byte."""
+    result = simulate_cached(bs, engine, group)
+    s, log = result.summary, result.log
+    assert s["completed"] == 60 and s["prefix_hit_blocks"] > 0 and s["preemptions"] > 0
+    assert (log["op"] == "copy").sum() > 0 and (log["op"] == "evict").sum() > 0
+    admits = log[log["op"] == "admit"]
+    forked = admits[admits["tokens"] > admits["prompt"]]
+    assert (forked["tables"].map(len) == group[1]).all() and len(forked) > 0
+    # Every sequence's table starts with the same cached blocks, found again across requests.
+    first_block = forked["tables"].map(lambda tables: {t[0] for t in tables})
+    assert (first_block.map(len) == 1).all()
+    system = forked["keys"].map(lambda keys: keys[0])
+    ids = first_block.map(min)
+    assert ids.groupby(system).apply(lambda x: x.duplicated().any()).all()
     out = replay(log, "prefix-caching", bs)
     assert out.status == "pass", out.first_fail
     assert out.corrupt == 0 and out.problems == 0 and out.checks > 10
@@ -378,8 +407,8 @@ def test_a_corrupted_cached_block_is_caught(monkeypatch):
 
 
 def test_shipped_sharing_scenarios_pass_cut_down():
-    """validate-sharing.yaml (samples, beams) and validate-prefix-caching.yaml, on fewer
-    requests: every replay passes exactly."""
+    """validate-sharing.yaml (samples, beams) and validate-prefix-caching.yaml (single
+    requests, then n = 2 samples), on fewer requests: every replay passes exactly."""
     from kvfrag.config import load_scenario
     from validate import suite
 
@@ -397,11 +426,10 @@ def test_shipped_sharing_scenarios_pass_cut_down():
         root / "validate-prefix-caching.yaml", ["workload.synthetic.count=25", "kv_budget=2MiB"]
     )
     jobs, _ = suite.plan(loaded.scenario, "auto", "cpu")
-    assert [(j.spec.kind, j.mode) for j in jobs] == [("prefix-caching", "paged")] * 2 + [
-        ("paged", "paged")
-    ]
+    kinds = [("prefix-caching", "paged")] * 2 + [("paged", "paged")]
+    assert [(j.spec.kind, j.mode) for j in jobs] == kinds * 2
     outcomes += suite.run_jobs(jobs, loaded.base_dir, "cpu", checkpoints=5)
-    assert [o.status for o in outcomes] == ["pass"] * 12, [o.first_fail for o in outcomes]
+    assert [o.status for o in outcomes] == ["pass"] * 15, [o.first_fail for o in outcomes]
 
 
 def random_run(seed: int, kind: str, opts: dict, group: tuple[str, int] | None, engine: dict):
@@ -469,8 +497,6 @@ def test_random_runs_replay_exactly(seed, kind, bs, reserve, compaction, group, 
         opts = {"reserve": reserve}
         if kind == "contiguous":
             opts["compaction"] = compaction
-    if kind == "prefix-caching":
-        group = None  # prefix caching does not model sample groups
     if chunk is not None:
         engine = {**engine, "chunked_prefill": True, "max_num_batched_tokens": chunk}
     result, budget = random_run(seed, kind, opts, group, engine)
