@@ -319,8 +319,11 @@ class TorchCachingAllocator(SlabAllocator):
             # Expandable segments can map the last page past the fraction's cap, and torch
             # grants the allocation. The model hands it straight back and refuses, so that
             # allocated memory never exceeds the budget it accounts (a known divergence).
+            # Like every refusal, it ends in an `oom` trace entry and counts in num_ooms.
             size = self._active[offset].size
             self._unplace(offset, size)
+            self._trace("oom", max(0, self.capacity - self.reserved_bytes), size)
+            self.num_ooms += 1
             return Refusal(rid, Reason.OUT_OF_MEMORY, size, free, "maps past the memory cap")
         if offset is None:
             rounded = self.round_size(nbytes)

@@ -635,8 +635,11 @@ def test_expandable_mapping_past_the_cap_is_refused_to_keep_the_identity():
     assert a.admit(Request(0, 1, 1), 2)
     assert a.admit(Request(1, 62914560, 1), 62914561)
     a.free(1)
+    ooms = a.num_ooms
     refusal = a.admit(Request(2, 67108352, 1), 67108353)
     assert not refusal and refusal.reason.value == "out_of_memory"
+    # Refused like any out-of-memory admission: an `oom` trace entry, counted.
+    assert a.events[-1][0] == "oom" and a.num_ooms == ooms + 1
     acc = a.account()
     acc.check()
     assert acc.allocated <= a.capacity
