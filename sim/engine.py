@@ -560,15 +560,15 @@ class Engine:
             else:
                 held = self.logged[rid][3]
                 whole = held is not None
+            table = alloc.block_table(rid)  # names its blocks; block_tables reuses them
             if whole:
                 tables = [list(t) for t in alloc.block_tables(rid)]
-                ids = alloc.block_table(rid)
+                ids = table
                 before = set(held)
                 blocks = [b for b in ids if b not in before]
             if req.n > 1:
                 offsets = list(alloc.slab_offsets(rid))
-            self.logged[rid] = (tokens, len(alloc.block_table(rid)), alloc.allocated_bytes(rid),
-                                ids)
+            self.logged[rid] = (tokens, len(table), alloc.allocated_bytes(rid), ids)
             self._log_evictions()
             copies = alloc.take_copies()  # made by this operation: they come first
             for other in alloc.take_renamed():  # it took back blocks beams had pruned: first

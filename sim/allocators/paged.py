@@ -44,17 +44,13 @@ from sortedcontainers import SortedList
 from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
 
 
-def _p1(y: int, bs: int) -> int:
-    """sum of floor(t/bs) for t in [0, y)."""
+def _prefix_sums(y: int, bs: int) -> tuple[int, int]:
+    """(sum of floor(t/bs), sum of t*floor(t/bs)) for t in [0, y): one divmod for both, as
+    `FloorSum.integrate` calls it once per residue at every decode stretch."""
     q, m = divmod(y, bs)
-    return bs * q * (q - 1) // 2 + m * q
-
-
-def _p2(y: int, bs: int) -> int:
-    """sum of t*floor(t/bs) for t in [0, y)."""
-    q, m = divmod(y, bs)
+    p1 = bs * q * (q - 1) // 2 + m * q
     full = bs * bs * (q - 1) * q * (2 * q - 1) // 6 + bs * (bs - 1) * q * (q - 1) // 4
-    return full + q * (m * q * bs + m * (m - 1) // 2)
+    return p1, full + q * (m * q * bs + m * (m - 1) // 2)
 
 
 class FloorSum:
@@ -98,15 +94,9 @@ class FloorSum:
         for r, count in enumerate(self.cnt):
             if count:
                 whole, m0 = divmod(r + k + 1, bs)
-                # _p1 and _p2 vanish below bs, so u1 = _p1(m0 + n) and u2 = _p2(m0 + n) - m0*u1.
-                # Inlined: this loop runs at every decode stretch.
-                q, m = divmod(m0 + n, bs)
-                u1 = bs * q * (q - 1) // 2 + m * q
-                p2 = (
-                    bs * bs * (q - 1) * q * (2 * q - 1) // 6
-                    + bs * (bs - 1) * q * (q - 1) // 4
-                    + q * (m * q * bs + m * (m - 1) // 2)
-                )
+                # Both prefix sums vanish below bs (m0 < bs): the sums over [m0, m0 + n) are
+                # the ones over [0, m0 + n), the second shifted to count j - 1 from m0.
+                u1, p2 = _prefix_sums(m0 + n, bs)
                 total += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
         return total
 

@@ -14,7 +14,7 @@ from sim.allocators import (
     make_allocator,
     options_of,
 )
-from sim.allocators.paged import _p1, _p2
+from sim.allocators.paged import _prefix_sums
 from sim.allocators.slab import next_pow2
 from sim.geometry import KVGeometry
 
@@ -134,8 +134,10 @@ def test_next_pow2_and_buddy_order():
 @pytest.mark.parametrize("bs", [1, 2, 3, 7, 16])
 def test_paged_prefix_sums(bs):
     for y in range(0, 5 * bs + 3):
-        assert _p1(y, bs) == sum(t // bs for t in range(y))
-        assert _p2(y, bs) == sum(t * (t // bs) for t in range(y))
+        assert _prefix_sums(y, bs) == (
+            sum(t // bs for t in range(y)),
+            sum(t * (t // bs) for t in range(y)),
+        )
 
 
 def test_buddy_top_blocks_of_odd_budget():
