@@ -21,14 +21,20 @@ Files stream in chunks (CSV via pandas `chunksize`, Parquet by record batch, JSO
 into per-chunk column lists); each chunk is parsed into typed arrays and the raw chunk dropped,
 so only the final columns are held. Every bad value is reported with the file, the 1-based row
 (CSV: `row R (line L)`; Parquet: `row R`) or line (JSONL) and the column, or, with
-`drop_bad_rows`, dropped and counted in `Workload.dropped_rows`.
+`drop_bad_rows`, dropped and counted in `Workload.dropped_rows`. Damage to the file itself
+(text that is not UTF-8, truncated gzip or Parquet, duplicated column names) always stops the
+read with an error naming the file. Gzip is recognised by its magic bytes whatever the file is
+called, and a leading UTF-8 byte order mark is skipped.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import math
+import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,6 +58,7 @@ FIELDS: tuple[str, ...] = (
 )
 _CHUNK_ROWS = 100_000
 _MAX_EXAMPLES = 3
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True)
@@ -103,10 +110,63 @@ def resolve_path(path: str | Path, base_dir: Path | None = None) -> Path:
     return resolved
 
 
+def _is_gzip(path: Path) -> bool:
+    """By the magic bytes, not the suffix: a gzipped `trace.csv` is common and must not be
+    decoded as (invalid) text."""
+    with path.open("rb") as fh:
+        return fh.read(2) == _GZIP_MAGIC
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if _is_gzip(path) else path.open("rb")  # type: ignore[return-value]
+
+
 def _open_text(path: Path) -> IO[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return path.open(encoding="utf-8", newline="")
+    """CSV/JSONL text, gunzipped if needed; utf-8-sig so a leading BOM is not part of the data."""
+    if _is_gzip(path):
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return path.open(encoding="utf-8-sig", newline="")
+
+
+def _not_utf8(path: Path) -> str:
+    """Where the first byte that is not UTF-8 is. Decoding line by line is exact, since b"\\n"
+    never occurs inside a multi-byte character; offsets count uncompressed bytes."""
+    offset = 0
+    try:
+        with _open_binary(path) as fh:
+            for number, line in enumerate(fh, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return (f"{path}: line {number}: not UTF-8 text (byte 0x{line[exc.start]:02x} "
+                            f"at offset {offset + exc.start}); re-encode the file as UTF-8")
+                offset += len(line)
+    except (OSError, EOFError, zlib.error):
+        pass
+    return f"{path}: not UTF-8 text; re-encode the file as UTF-8"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _parquet_file(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise WorkloadError(f"{path}: not a valid Parquet file: {_one_line(exc)}") from None
+
+
+def _check_unique(path: Path, names: list[str], where: str) -> None:
+    """pandas renames a repeated CSV column (`a`, `a.1`) and Parquet readers pick one of them,
+    so a duplicated name would silently read the wrong data."""
+    repeated = [name for name, count in Counter(names).items() if count > 1 and name != ""]
+    if repeated:
+        raise WorkloadError(f"{path}: {where}, column {repeated[0]}: duplicated column name "
+                            f"(appears {names.count(repeated[0])} times)")
 
 
 def sniff_container(path: Path) -> str:
@@ -121,14 +181,25 @@ def sniff_container(path: Path) -> str:
     raise WorkloadError(f"{path}: empty trace (the file has no content)")
 
 
+def _raw_csv_header(path: Path) -> list[str]:
+    """The header's names as written (pandas' own names have duplicates renamed)."""
+    with _open_text(path) as fh:
+        for row in csv.reader(fh):
+            if row:
+                return row
+    return []
+
+
 def _header(path: Path, container: str) -> list[str]:
     if container == "parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.ParquetFile(path).schema_arrow.names)
+        names = list(_parquet_file(path).schema_arrow.names)
+        _check_unique(path, names, "schema")
+        return names
     if container == "csv":
+        _check_unique(path, _raw_csv_header(path), "line 1 (header)")
         try:
-            return [str(c) for c in pd.read_csv(path, nrows=0).columns]
+            return [str(c) for c in pd.read_csv(path, nrows=0, compression=_compression(path))
+                    .columns]
         except pd.errors.EmptyDataError:
             raise WorkloadError(f"{path}: empty trace (the file has no header)") from None
     with _open_text(path) as fh:
@@ -205,12 +276,18 @@ class _Chunk:
     locs: np.ndarray
 
 
+def _compression(path: Path) -> str | None:
+    return "gzip" if _is_gzip(path) else None
+
+
 def _csv_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
     # No usecols: with it pandas silently ignores rows with extra fields.
     dtypes = {col: str for f, col in fields.items() if f in ("arrival", "hash_ids")}
     start = 1
     try:
-        reader = pd.read_csv(path, dtype=dtypes, chunksize=_CHUNK_ROWS)
+        reader = pd.read_csv(
+            path, dtype=dtypes, chunksize=_CHUNK_ROWS, compression=_compression(path)
+        )
         for frame in reader:
             rows = np.arange(start, start + len(frame))
             start += len(frame)
@@ -222,11 +299,19 @@ def _csv_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
 
 
 def _parquet_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
-    import pyarrow.parquet as pq
+    import pyarrow as pa
 
     wanted = list(dict.fromkeys(fields.values()))
     start = 1
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=_CHUNK_ROWS, columns=wanted):
+    batches = _parquet_file(path).iter_batches(batch_size=_CHUNK_ROWS, columns=wanted)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise WorkloadError(f"{path}: not a valid Parquet file: corrupt data after row "
+                                f"{start - 1}: {_one_line(exc)}") from None
+        if batch is None:
+            return
         frame = batch.to_pandas()
         rows = np.arange(start, start + len(frame))
         start += len(frame)
@@ -283,7 +368,13 @@ def _missing(value: object) -> bool:
     return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
 
 
+def _plain(value: object) -> object:
+    """numpy scalars as Python ones, so messages say `inf`, not `np.float64(inf)`."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _length_problem(value: object) -> str:
+    value = _plain(value)
     if _missing(value):
         return "missing value (empty, null or NaN)"
     if isinstance(value, bool):
@@ -334,6 +425,7 @@ def _parse_times(raw: pd.Series, unit: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _time_problem(value: object, unit: str) -> str:
+    value = _plain(value)
     if _missing(value):
         return "missing arrival time (empty, null or NaN)"
     if unit == "datetime":
@@ -395,6 +487,27 @@ class _ChunkParser:
         return f"{self.path}: {self.where(int(chunk.locs[index]))}, column {self.fields[name]}: " \
                f"{problem}"
 
+    def check_hash_count(
+        self,
+        typed: dict[str, Any],
+        bad: dict[str, np.ndarray],
+        describe: dict[str, Callable[[int], str]],
+    ) -> None:
+        """A row may hash at most ceil(prompt_tokens / hash_block_tokens) blocks; more ids than
+        blocks means the lengths and hashes disagree (wrong block size or a corrupt row)."""
+        block = self.layout.hash_block_tokens
+        assert block is not None  # _choose_layout requires it with a hash_ids column
+        hashes, prompt = typed["hash_ids"], typed["prompt_tokens"]
+        counts = np.array([0 if h is None else len(h) for h in hashes], dtype=np.int64)
+        blocks = -(-prompt // block)
+        over = ~bad["hash_ids"] & ~bad["prompt_tokens"] & (counts > blocks)
+        bad["hash_ids"] = bad["hash_ids"] | over
+        previous = describe["hash_ids"]
+        describe["hash_ids"] = lambda i, p=previous: (
+            f"{counts[i]} block hashes for {prompt[i]} prompt tokens (at most {blocks[i]} "
+            f"blocks of {block} tokens)" if over[i] else p(i)
+        )
+
     def add(self, chunk: _Chunk) -> None:
         n = len(chunk.locs)
         typed: dict[str, Any] = {}
@@ -420,6 +533,8 @@ class _ChunkParser:
             describe["max_tokens"] = lambda i, p=previous: (
                 f"{limit[i]} is below output tokens {output[i]}" if over[i] else p(i)
             )
+        if "hash_ids" in typed:
+            self.check_hash_count(typed, bad, describe)
         value_bad = np.zeros(n, dtype=bool)
         for mask in bad.values():
             value_bad |= mask
@@ -484,6 +599,24 @@ def load_trace(
     resolved = resolve_path(path, base_dir)
     if not resolved.is_file():
         raise WorkloadError(f"{resolved}: no such trace file")
+    try:
+        return _read(resolved, format, columns, time_unit, drop_bad_rows, hash_block_tokens)
+    except UnicodeDecodeError:
+        raise WorkloadError(_not_utf8(resolved)) from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise WorkloadError(f"{resolved}: truncated or corrupt gzip data: {_one_line(exc)}") \
+            from None
+
+
+def _read(
+    resolved: Path,
+    format: Format,
+    columns: Mapping[str, str] | None,
+    time_unit: TimeUnit | None,
+    drop_bad_rows: bool,
+    hash_block_tokens: int | None,
+) -> Workload:
+    """`load_trace` after the argument checks; decoding errors are translated by the caller."""
     container = format if format in CONTAINERS else sniff_container(resolved)
     header = _header(resolved, container)
     layout = _choose_layout(resolved, format, header, columns, time_unit, hash_block_tokens)

@@ -32,7 +32,10 @@ Z99 = 2.3263478740408408
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Unknown keys are errors, and so are inf/NaN floats (`.inf`, `.nan` or "inf" in YAML):
+    bounds like `gt=0` let infinity through, and NaN would poison every sampled value."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ColumnMap(_Model):

@@ -14,8 +14,9 @@ pandas DataFrame with these columns, in this order:
 - optional `beam_width` int64 >= 1: beams per prompt (beam search); a request has at most one
   of `n` > 1 and `beam_width` > 1.
 - optional `hash_ids` (object): one Python `list[int]` of prefix block hashes per request; the
-  block size in tokens is `requests.attrs["hash_block_tokens"]` (512 for Mooncake). Equal ids at
-  the same leading positions mean a reusable prefix.
+  block size in tokens is `requests.attrs["hash_block_tokens"]` (512 for Mooncake), so a request
+  has at most ceil(prompt_tokens / hash_block_tokens) ids. Equal ids at the same leading
+  positions mean a reusable prefix.
 - closed loop only: `user_id` int64 and `think_s` float64. Request i belongs to user
   `user_id[i]`; a user's requests are issued in `request_id` order. `arrival_s` holds the
   arrival of each user's FIRST request (staggered, or 0) and is NaN for the user's later
@@ -186,5 +187,9 @@ def validate_requests(df: pd.DataFrame, source: str) -> pd.DataFrame:
             [not (isinstance(h, list) and all(type(x) is int for x in h)) for h in df["hash_ids"]]
         )
         check.fail("hash_ids", bad_hash, "is not a list of integers")
+        counts = np.array([len(h) for h in df["hash_ids"]], dtype=np.int64)
+        blocks = -(-df["prompt_tokens"].to_numpy() // block)
+        check.fail("hash_ids", counts > blocks,
+                   f"has more ids than the prompt has blocks of {block} tokens")
     return df
 

@@ -3,12 +3,19 @@ drop_bad_rows, the rows dropped and counted."""
 
 from __future__ import annotations
 
+import gzip
 import re
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import yaml
+from pydantic import ValidationError
 
-from workloads import load_trace
+from workloads import WorkloadSpec, load_trace, validate_requests
 from workloads.table import WorkloadError
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -123,6 +130,12 @@ MOONCAKE = '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids":
      "timestamp", "earlier than a previous arrival"),
     ('{"timestamp": 5, "input_length": 4, "output_length": 2, "hash_ids": ["a"]}',
      "hash_ids", "not a list of integers"),
+    ('{"timestamp": 5, "input_length": 600, "output_length": 2, "hash_ids": [1, 2, 3]}',
+     "hash_ids", r"3 block hashes for 600 prompt tokens \(at most 2 blocks of 512 tokens\)"),
+    ('{"timestamp": 5, "input_length": 1024, "output_length": 2, "hash_ids": [1, 2]}',
+     None, None),
+    ('{"timestamp": Infinity, "input_length": 4, "output_length": 2, "hash_ids": [1]}',
+     "timestamp", "inf is not a finite number of ms"),
 ])
 def test_bad_jsonl_value(tmp_path: Path, line: str, column: str | None,
                          problem: str | None) -> None:
@@ -187,3 +200,200 @@ def test_malformed_csv(tmp_path: Path) -> None:
     path.write_text("num_prefill_tokens,num_decode_tokens\n1,2\n3,4,5,6\n")
     with pytest.raises(WorkloadError, match=r"t\.csv: malformed CSV"):
         load_trace(path)
+
+
+# --- the file itself is damaged: always an error naming the file, even with drop_bad_rows ----
+
+
+def expect_file_error(path: Path, match: str, **kwargs: object) -> None:
+    for drop in (False, True):
+        with pytest.raises(WorkloadError, match=f"^{re.escape(str(path))}: {match}"):
+            load_trace(path, drop_bad_rows=drop, **kwargs)  # type: ignore[arg-type]
+
+
+def test_duplicate_csv_column(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,ContextTokens\n"
+                    "2023-11-16 18:15:46.6805900,374,44,375\n")
+    expect_file_error(path, r"line 1 \(header\), column ContextTokens: duplicated column name "
+                      r"\(appears 2 times\)")
+    expect_file_error(path, "line 1 .*ContextTokens: duplicated", format="azure")
+
+
+def test_duplicate_parquet_column(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    table = pa.Table.from_arrays([pa.array([5, 6]), pa.array([1, 2]), pa.array([7, 8])],
+                                 names=["prompt_tokens", "output_tokens", "prompt_tokens"])
+    pq.write_table(table, path)
+    expect_file_error(path, "schema, column prompt_tokens: duplicated column name")
+
+
+def test_hash_ids_longer_than_prompt_csv(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text('prompt_tokens,output_tokens,hash_ids\n8,1,"[1, 2]"\n5,1,"[1, 2, 3]"\n'
+                    '9,1,"[1, 2, 3]"\n')
+    with pytest.raises(WorkloadError, match=r"t\.csv: row 2 \(line 3\), column hash_ids: 3 block "
+                       r"hashes for 5 prompt tokens \(at most 2 blocks of 4 tokens\)"):
+        load_trace(path, hash_block_tokens=4)
+    workload = load_trace(path, hash_block_tokens=4, drop_bad_rows=True)
+    assert workload.dropped_rows == 1
+    assert workload.requests["hash_ids"].tolist() == [[1, 2], [1, 2, 3]]
+
+
+def test_validate_rejects_hash_ids_longer_than_prompt() -> None:
+    df = pd.DataFrame({
+        "request_id": np.arange(2, dtype=np.int64),
+        "arrival_s": np.zeros(2),
+        "prompt_tokens": np.array([16, 17], dtype=np.int64),
+        "output_tokens": np.ones(2, dtype=np.int64),
+        "hash_ids": pd.Series([[1], [1, 2, 3]], dtype=object),
+    })
+    df.attrs["hash_block_tokens"] = 16
+    with pytest.raises(WorkloadError, match=r"t: row 2, column hash_ids: .*more ids than the "
+                       "prompt has blocks of 16 tokens"):
+        validate_requests(df, "t")
+
+
+AZURE_BYTES = (AZURE_HEADER + "\n".join(GOOD) + "\n").encode()
+
+
+@pytest.mark.parametrize("name", ["trace.csv", "trace.jsonl"])
+def test_latin1_is_not_utf8(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    if name.endswith(".csv"):
+        data = AZURE_BYTES + "2023-11-16 18:15:52,caf\u00e9,1\n".encode("latin-1")
+        line, offset = 5, len(AZURE_BYTES) + len("2023-11-16 18:15:52,caf")
+    else:
+        first = (MOONCAKE + "\n").encode()
+        data = first + '{"timestamp": 5, "name": "caf\u00e9"}\n'.encode("latin-1")
+        line, offset = 2, len(first) + len('{"timestamp": 5, "name": "caf')
+    path.write_bytes(data)
+    expect_file_error(path, f"line {line}: not UTF-8 text \\(byte 0xe9 at offset {offset}\\)")
+
+
+def test_latin1_header(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes("d\u00e9but,prompt_tokens\n1,2\n".encode("latin-1"))
+    expect_file_error(path, r"line 1: not UTF-8 text \(byte 0xe9 at offset 1\)")
+
+
+@pytest.mark.parametrize("name", ["trace.csv", "trace.data", "trace.csv.gz"])
+def test_gzip_is_read_whatever_the_name(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(AZURE_BYTES))
+    assert load_trace(path).requests["prompt_tokens"].tolist() == [374, 396, 879]
+
+
+def test_gzip_jsonl_without_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(gzip.compress(f"{MOONCAKE}\n{MOONCAKE}\n".encode()))
+    assert len(load_trace(path).requests) == 2
+
+
+@pytest.mark.parametrize("name", ["trace.csv.gz", "trace.csv", "trace.jsonl.gz"])
+def test_truncated_gzip(tmp_path: Path, name: str) -> None:
+    rows = "".join(f"{i},{i + 1},{i + 2}\n" for i in range(20_000))
+    text = ("arrival_s,prompt_tokens,output_tokens\n" + rows) if ".csv" in name else "".join(
+        f'{{"arrival_s": {i}, "prompt_tokens": 5, "output_tokens": 5}}\n' for i in range(20_000))
+    data = gzip.compress(text.encode())
+    path = tmp_path / name
+    path.write_bytes(data[: len(data) // 2])
+    expect_file_error(path, "truncated or corrupt gzip data")
+
+
+def test_jsonl_and_csv_with_bom(tmp_path: Path) -> None:
+    jsonl = tmp_path / "trace.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + f"{MOONCAKE}\n{MOONCAKE}\n".encode())
+    assert load_trace(jsonl).requests["prompt_tokens"].tolist() == [10, 10]
+    csv = tmp_path / "trace.csv"
+    csv.write_bytes(b"\xef\xbb\xbf" + AZURE_BYTES)
+    assert len(load_trace(csv).requests) == 3
+    gz = tmp_path / "trace.csv.gz"
+    gz.write_bytes(gzip.compress(b"\xef\xbb\xbf" + AZURE_BYTES))
+    assert len(load_trace(gz).requests) == 3
+
+
+def parquet_bytes(tmp_path: Path) -> bytes:
+    path = tmp_path / "good.parquet"
+    n = 5000
+    pq.write_table(pa.table({"prompt_tokens": np.arange(1, n + 1),
+                             "output_tokens": np.arange(1, n + 1)}), path)
+    return path.read_bytes()
+
+
+def test_truncated_parquet(tmp_path: Path) -> None:
+    data = parquet_bytes(tmp_path)
+    path = tmp_path / "t.parquet"
+    path.write_bytes(data[: len(data) // 2])
+    expect_file_error(path, "not a valid Parquet file: .*magic bytes")
+
+
+def test_corrupt_parquet_pages(tmp_path: Path) -> None:
+    data = bytearray(parquet_bytes(tmp_path))
+    data[8: len(data) // 2] = b"\xff" * (len(data) // 2 - 8)  # the footer stays readable
+    path = tmp_path / "t.parquet"
+    path.write_bytes(bytes(data))
+    expect_file_error(path, "not a valid Parquet file: corrupt data after row 0")
+
+
+def test_csv_read_as_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_bytes(AZURE_BYTES)
+    columns = {"prompt_tokens": "ContextTokens", "output_tokens": "GeneratedTokens"}
+    expect_file_error(path, "not a valid Parquet file", format="parquet", columns=columns)
+
+
+# --- non-finite numbers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("inf", "'inf' is not a finite number of s"),
+    ("-inf", "'-inf' is not a finite number of s"),
+    ("1e999", "'1e999' is not a finite number of s"),
+    ("nan", "missing arrival time"),
+])
+def test_non_finite_arrival_csv(tmp_path: Path, value: str, problem: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(f"arrival_s,prompt_tokens,output_tokens\n0,5,5\n{value},5,5\n2,5,5\n3,5,5\n")
+    expect(path, "row 2 (line 3)", "arrival_s", re.escape(problem))
+
+
+def test_non_finite_token_count_csv(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("prompt_tokens,output_tokens\n5,5\ninf,5\n")
+    with pytest.raises(WorkloadError, match=r"t\.csv: row 2 \(line 3\), column prompt_tokens: "
+                       "inf is not a finite token count"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("text", [
+    "synthetic: {count: 5, prompt: {kind: fixed, value: 5}, output: {kind: fixed, value: 5},"
+    " arrival: {kind: poisson, rate: .inf}}",
+    "synthetic: {count: 5, prompt: {kind: fixed, value: 5}, output: {kind: fixed, value: 5},"
+    " arrival: {kind: poisson, rate: 'inf'}}",
+    "synthetic: {count: 5, prompt: {kind: fixed, value: 5}, output: {kind: fixed, value: 5},"
+    " arrival: {kind: gamma, rate: 2, cv: .nan}}",
+    "synthetic: {count: 5, prompt: {kind: fixed, value: 5}, output: {kind: fixed, value: 5},"
+    " arrival: {kind: closed_loop, users: 2, think_s: .inf}}",
+    "synthetic: {count: 5, prompt: {kind: fixed, value: 5}, output: {kind: fixed, value: 5},"
+    " arrival: {kind: closed_loop, users: 2, think_s: 1, stagger_s: 'nan'}}",
+    "synthetic: {count: 5, prompt: {kind: lognormal, mean: .inf, sigma: 1},"
+    " output: {kind: fixed, value: 5}}",
+    "synthetic: {count: 5, prompt: {kind: normal, mean: 100, std: .inf},"
+    " output: {kind: fixed, value: 5}}",
+    "synthetic: {count: 5, prompt: {kind: fixed, value: 5}, output: {kind: fixed, value: 5},"
+    " correlation: .nan}",
+    "trace: {path: t.csv}\ntransforms: {rate_scale: .inf}",
+    "trace: {path: t.csv}\ntransforms: {rate_scale: 'Infinity'}",
+    "trace: {path: t.csv}\ntransforms: {window: {start_s: 0, end_s: .inf}}",
+])
+def test_spec_rejects_non_finite(text: str) -> None:
+    with pytest.raises(ValidationError, match="finite number"):
+        WorkloadSpec.model_validate(yaml.safe_load(text))
+
+
+def test_spec_accepts_finite() -> None:
+    spec = WorkloadSpec.model_validate(yaml.safe_load(
+        "trace: {path: t.csv, arrival: {kind: gamma, rate: '2.5', cv: 3}}\n"
+        "transforms: {rate_scale: 1.5, window: {start_s: 0, end_s: 10.5}}"))
+    assert spec.transforms.rate_scale == 1.5
