@@ -25,8 +25,9 @@ Iteration semantics (the reference the tests hold the fast path to):
    done and frees its memory (static batching: the batch frees together when all are done).
 
 Requests that can never run (prompt over max_model_len, too large for an empty allocator,
-or more sequences than max_num_seqs) are rejected with the reason, and counted. A static batch
-ends when its last running member finishes or is preempted; its finished members free then.
+or more sequences than max_num_seqs) are rejected with the reason, and counted per reason
+(`REJECT_REASONS`). A static batch ends when its last running member finishes or is
+preempted; its finished members free then.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from sim.allocators.base import PARTS, Allocator, Reason, Request
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Why the engine rejects a request whose n sequences exceed max_num_seqs (it never fits a batch).
 TOO_MANY_SEQUENCES = "too_many_sequences"
+#: Every reason a request can be rejected for (its `reason` in the request records). The summary
+#: counts each as `rejected_<reason>`, always all of them (0 when none), in this order.
+REJECT_REASONS = (Reason.PROMPT_TOO_LONG.value, Reason.TOO_LARGE.value, TOO_MANY_SEQUENCES)
 
 
 @dataclass(frozen=True)
@@ -708,12 +712,23 @@ class Engine:
     def _summary(self, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
         cap = self.alloc.capacity
         total = float(ts["dt"].sum()) if len(ts) else 0.0
-        frac = {p: (self.integrals[p] / (cap * total) if total else 0.0) for p in PARTS}
+        # Figures of a run in which no time passed (every request rejected at its arrival at
+        # t = 0, no requests, max_time_s = 0): time averages are 0/0 there, so the parts and
+        # mean_running are the state at that instant (the allocator as it stands, empty: its
+        # parts still sum to 1). Ratios of something that never happened are NaN (kv_utilization
+        # with nothing ever allocated; queueing and latency with nothing completed); counts and
+        # rates of what was produced are 0 (throughput, prefix hits, memory saved by sharing).
+        if total:
+            frac = {p: self.integrals[p] / (cap * total) for p in PARTS}
+        else:
+            now = self.alloc.parts(self._probe())
+            frac = {p: v / cap for p, v in zip(PARTS, now, strict=True)}
         allocated = self.integrals["token_states"] + self.integrals["reserved"] + self.integrals[
             "internal"
         ]
         done = requests[requests["status"] == "completed"]
         rejected = requests[requests["status"] == "rejected"]
+        reasons = rejected["reason"].value_counts()
         generated = int(done["generated_tokens"].sum())
         start = float(requests["arrival_s"].min()) if len(requests) else 0.0
         span = (float(done["finished_s"].max()) - start) if len(done) else 0.0
@@ -729,7 +744,7 @@ class Engine:
             "sim_time_s": total,
             **frac,
             "free": frac["usable_free"],
-            "kv_utilization": self.integrals["token_states"] / allocated if allocated else 0.0,
+            "kv_utilization": self.integrals["token_states"] / allocated if allocated else math.nan,
             # Of the memory separate copies would have needed, the share sharing saved.
             "memory_saved_by_sharing": self.saved / (allocated + self.saved) if self.saved else 0.0,
             "prefill_tokens_skipped": self.prefix_hits,
@@ -737,11 +752,12 @@ class Engine:
                 self.prefix_hits / self.prompt_lookups if self.prompt_lookups else 0.0
             ),
             **self.alloc.summary_stats(),
-            "mean_running": self.busy_running / total if total else 0.0,
+            "mean_running": self.busy_running / total if total else float(len(self.running)),
             "max_running": self.max_running,
             "requests": len(requests),
             "completed": len(done),
             "rejected": len(rejected),
+            **{f"rejected_{why}": int(reasons.get(why, 0)) for why in REJECT_REASONS},
             "unfinished": int(len(requests) - len(done) - len(rejected)),
             "preemptions": self.preemptions,
             "recomputed_tokens": self.recomputed,

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.allocators import PARTS, Reason, Request, make_allocator
-from sim.engine import EngineConfig, StepTime, run
+from sim.engine import REJECT_REASONS, EngineConfig, StepTime, run
 from sim.geometry import KVGeometry, preset
 from sim.units import parse_size
 
@@ -190,11 +190,12 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
                 alloc.free(rid)
                 running.remove(r)
     cap = alloc.capacity
-    return {
-        "requests": by_rid,
-        "fractions": {p: integrals[p] / (cap * total) if total else 0.0 for p in PARTS},
-        "time": total,
-    }
+    if total:
+        fractions = {p: integrals[p] / (cap * total) for p in PARTS}
+    else:  # no time passed: the allocator's state at that instant
+        acc = alloc.account(ref)
+        fractions = {p: getattr(acc, p) / cap for p in PARTS}
+    return {"requests": by_rid, "fractions": fractions, "time": total}
 
 
 def random_workload(
@@ -303,8 +304,7 @@ def test_fast_engine_matches_per_iteration_reference(
     assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
     for p in PARTS:
         assert fast.summary[p] == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
-    if fast.summary["sim_time_s"]:
-        assert sum(fast.summary[p] for p in PARTS) == pytest.approx(1.0)
+    assert sum(fast.summary[p] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
 
 
 def at_once(n: int, prompt: int, output: int) -> pd.DataFrame:
@@ -544,6 +544,91 @@ def test_rejects_what_never_fits():
     result = run(wl, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=100))
     assert result.summary["rejected"] == 3
     assert set(result.requests["reason"]) == {"too_large"}
+
+
+def _parts(summary: dict) -> list[float]:
+    return [summary[p] for p in PARTS]
+
+
+@pytest.mark.parametrize(
+    ("kind", "opts", "budget_tokens", "n", "reason"),
+    [
+        # A tiny KV budget: no request fits even the empty allocator.
+        ("contiguous", {"reserve": "max_model_len"}, 50, 1, "too_large"),
+        ("paged", {"block_size": 16}, 32, 1, "too_large"),
+        ("buddy", {"reserve": "pow2"}, 16, 1, "too_large"),
+        # Room enough, but every request has more samples than a batch may hold.
+        ("contiguous", {"reserve": "oracle"}, 1000, 4, "too_many_sequences"),
+        ("paged", {"block_size": 16}, 1000, 4, "too_many_sequences"),
+    ],
+)
+def test_every_request_rejected_at_t0_reports_the_empty_allocator(
+    kind, opts, budget_tokens, n, reason
+):
+    """No time passes, so there is nothing to average over: the summary reports the empty
+    allocator's own account, whose parts sum to 1, and why every request was rejected."""
+    b, prompt, output = 8, 40, 20
+
+    def fresh():
+        return make_allocator(
+            kind, capacity=budget_tokens * b, bytes_per_token=b, max_model_len=128, **opts
+        )
+
+    wl = at_once(5, prompt, output)
+    wl["n"] = n
+    result = run(wl, fresh(), EngineConfig(max_num_seqs=2, max_num_batched_tokens=256))
+    s = result.summary
+    assert s["sim_time_s"] == 0.0 and s["events"] == 0 and len(result.timeseries) == 0
+    assert abs(sum(_parts(s)) - 1.0) <= 1e-12
+    empty = fresh().account(Request(-1, prompt, output))  # the probe: the median request
+    assert _parts(s) == [getattr(empty, p) / empty.capacity for p in PARTS]
+    assert s["free"] == s["usable_free"]
+    assert s["requests"] == s["rejected"] == 5 and s["completed"] == s["unfinished"] == 0
+    assert set(result.requests["reason"]) == {reason}
+    counts = {f"rejected_{why}": 5 if why == reason else 0 for why in REJECT_REASONS}
+    assert {k: s[k] for k in counts} == counts
+    # Nothing ran: no time-averaged occupancy to report, no share of allocated memory.
+    assert s["mean_running"] == 0.0 and s["max_running"] == 0
+    assert math.isnan(s["kv_utilization"])
+    assert s["throughput_tok_s"] == 0.0 and math.isnan(s["p99_latency_s"])
+
+
+def test_empty_workload_reports_the_empty_allocator():
+    alloc = make_allocator("paged", capacity=1024 * 8, bytes_per_token=8, max_model_len=256)
+    s = run(at_once(0, 1, 1), alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256))
+    assert _parts(s.summary) == [0.0, 0.0, 0.0, 0.0, 1.0]  # 64 whole blocks: all usable
+    assert s.summary["rejected"] == 0
+    assert all(s.summary[f"rejected_{why}"] == 0 for why in REJECT_REASONS)
+
+
+def test_some_requests_rejected_for_each_reason():
+    """A run that rejects some requests for each reason and serves the rest: the parts are
+    time averages that sum to 1, and the per-reason counts add up to `rejected`."""
+    alloc = make_allocator(
+        "contiguous", capacity=100 * 8, bytes_per_token=8, max_model_len=120, reserve="oracle"
+    )
+    wl = pd.DataFrame(
+        {
+            "request_id": np.arange(6),
+            "arrival_s": [0.0, 0.0, 0.5, 1.0, 1.5, 2.0],
+            "prompt_tokens": [20, 130, 30, 100, 10, 25],  # 130 > max_model_len
+            "output_tokens": [10, 5, 10, 60, 5, 10],  # 100 + 60, cut to 120 > 100
+            "n": [1, 1, 1, 1, 3, 1],  # 3 > max_num_seqs
+        }
+    )
+    result = run(wl, alloc, EngineConfig(max_num_seqs=2, max_num_batched_tokens=256))
+    s = result.summary
+    assert s["sim_time_s"] > 0
+    assert abs(sum(_parts(s)) - 1.0) <= 1e-12
+    assert s["completed"] == 3 and s["rejected"] == 3
+    assert (s["rejected_prompt_too_long"], s["rejected_too_large"],
+            s["rejected_too_many_sequences"]) == (1, 1, 1)
+    assert sum(s[f"rejected_{why}"] for why in REJECT_REASONS) == s["rejected"]
+    req = result.requests.set_index("request_id")
+    assert list(req.loc[[1, 3, 4], "reason"]) == [
+        "prompt_too_long", "too_large", "too_many_sequences"
+    ]
+    assert 0 < s["kv_utilization"] <= 1
 
 
 def test_config_errors_are_clear():
