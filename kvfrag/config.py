@@ -4,12 +4,15 @@ Every problem becomes one `ScenarioError` line naming the file, the line and the
 e.g. `scenarios/x.yaml:14: allocators[1].blok_size: unknown option; did you mean
 'block_size'?`. `--set key=value` overrides are applied to the raw data before validation,
 with the same dotted keys as a sweep (values are parsed as YAML: `--set kv_budget=40GB`,
-`--set engine.chunked_prefill=true`).
+`--set engine.chunked_prefill=true`); a problem in a value given by `--set` names that item
+instead of a line. Sweep points are all validated at load time, so a bad one is reported here,
+as `file:line: sweep.KEY: point N (KEY=VALUE): problem`.
 """
 
 from __future__ import annotations
 
 import difflib
+import stat
 import types
 import typing
 from dataclasses import dataclass
@@ -20,7 +23,20 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kvfrag import __version__
-from sim.scenario import Scenario, set_path
+from sim.scenario import (
+    FieldError,
+    Scenario,
+    SweepPointError,
+    check_name,
+    set_path,
+    show_values,
+)
+
+#: Largest scenario file read: scenarios are a page of YAML, so anything bigger (a trace given
+#: by mistake, /dev/zero behind a link) is refused before it is read.
+MAX_FILE_BYTES = 1_000_000
+#: Longest `--set KEY=VALUE` item, in characters.
+MAX_SET_CHARS = 64 * 1024
 
 
 def add_set_argument(parser: Any, example: str) -> None:
@@ -54,40 +70,141 @@ class LoadedScenario:
 
 def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> LoadedScenario:
     path = Path(path)
+    root, data = _parse(_read(path), path)
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: a scenario is a YAML mapping (name, model, kv_budget, ...)")
+    data.pop("kvfrag_version", None)  # written into resolved copies; informational only
+    origins: dict[str, str] = {}  # dotted key -> the --set item that wrote it
+    for item in sets:
+        if len(item) > MAX_SET_CHARS:
+            raise ScenarioError(
+                f"--set {item[:40]!r}...: {len(item)} characters; a --set item is at most "
+                f"{MAX_SET_CHARS // 1024} KiB"
+            )
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ScenarioError(f"--set {item!r}: write key=value, e.g. --set kv_budget=40GB")
+        try:
+            value = _load_yaml(raw)[1] if raw.strip() else ""
+            set_path(data, key.strip(), value)
+        except _DuplicateKey as exc:
+            raise ScenarioError(f"--set {item!r}: {exc.problem}") from None
+        except (yaml.YAMLError, ValueError) as exc:
+            raise ScenarioError(f"--set {item!r}: {_one_line(exc)}") from None
+        origins[key.strip()] = item
+    if "name" not in data:
+        try:
+            data["name"] = check_name(path.stem)
+        except ValueError:
+            raise ScenarioError(
+                f"{path}: the file name {path.stem!r} is not a valid scenario name (letters, "
+                "digits, '.', '_' and '-'); give the scenario a name: line"
+            ) from None
     try:
-        text = path.read_text(encoding="utf-8")
+        scenario = Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(_describe(exc, path, root, data, origins)) from None
+    try:
+        for _ in scenario.iter_points():  # every point now, so a run never fails half-way
+            pass
+    except SweepPointError as exc:
+        raise ScenarioError(_describe_point(exc, path, root, data, origins)) from None
+    base_dir = path.resolve().parent
+    _check_paths(data.get("workload"), ["workload"], base_dir, path, root)
+    return LoadedScenario(scenario, path, base_dir)
+
+
+def _read(path: Path) -> str:
+    """The file's text; what is not a small regular file is refused before it is read."""
+    try:
+        info = path.stat()
     except FileNotFoundError:
         raise ScenarioError(f"{path}: no such scenario file") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+        reason = getattr(exc, "strerror", None) or exc
+        raise ScenarioError(f"{path}: cannot read: {reason}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ScenarioError(f"{path}: not a regular file")
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+    size = max(info.st_size, len(raw))
+    if size > MAX_FILE_BYTES:
+        raise ScenarioError(
+            f"{path}: scenario file is {size / 1e6:.1f} MB; scenario files are at most "
+            f"{MAX_FILE_BYTES / 1e6:.0f} MB"
+        )
     try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _parse(text: str, path: Path) -> tuple[yaml.Node | None, Any]:
+    """(node tree, data) of the scenario text; YAML errors as one line with the file's line."""
+    try:
+        return _load_yaml(text)
+    except _DuplicateKey as exc:
+        raise ScenarioError(f"{path}:{exc.line}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ScenarioError(f"{where}: malformed YAML: {problem}") from None
-    if not isinstance(data, dict):
-        raise ScenarioError(f"{path}: a scenario is a YAML mapping (name, model, kv_budget, ...)")
-    data.pop("kvfrag_version", None)  # written into resolved copies; informational only
-    data.setdefault("name", path.stem)
-    for item in sets:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ScenarioError(f"--set {item!r}: write key=value, e.g. --set kv_budget=40GB")
+
+
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    def __init__(self, key: Any, first: yaml.Node, again: yaml.Node) -> None:
+        first_line = first.start_mark.line + 1
+        super().__init__(
+            None, None, f"duplicate key {key!r} (first at line {first_line})", again.start_mark
+        )
+        self.line = again.start_mark.line + 1
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that refuses a key given twice in one mapping (plain YAML keeps the last one
+    silently) and reports an integer too long to convert at its line."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:
+                continue  # unhashable: the base class says so
+            if first is not key_node:
+                raise _DuplicateKey(key, first, key_node)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-            set_path(data, key.strip(), value)
-        except (yaml.YAMLError, ValueError) as exc:
-            raise ScenarioError(f"--set {item!r}: {exc}") from None
+            return super().construct_yaml_int(node)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {len(node.value)} digits is too long", node.start_mark
+            ) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def _load_yaml(text: str) -> tuple[yaml.Node | None, Any]:
+    loader = _Loader(text)
     try:
-        scenario = Scenario.model_validate(data)
-    except ValidationError as exc:
-        raise ScenarioError(_describe(exc, path, root, data)) from None
-    base_dir = path.resolve().parent
-    _check_paths(data.get("workload"), ["workload"], base_dir, path, root)
-    return LoadedScenario(scenario, path, base_dir)
+        root = loader.get_single_node()
+        return root, (loader.construct_document(root) if root is not None else None)
+    finally:
+        loader.dispose()
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node | None) -> None:
@@ -112,15 +229,46 @@ def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node |
                 _check_paths(value, here, base, path, root)
 
 
-def _describe(exc: ValidationError, path: Path, root: yaml.Node | None, data: Any) -> str:
-    """The first validation error as `file:line: field.path: message`."""
+def _describe(
+    exc: ValidationError, path: Path, root: yaml.Node | None, data: Any, origins: dict[str, str]
+) -> str:
+    """The first validation error as `file:line: field.path: message` (or `--set ITEM: ...`)."""
+    loc, msg = _first_error(exc, data)
+    where = _where(loc, data, path, root, origins)
+    return f"{where}: {_field(loc) or 'scenario'}: {msg}"
+
+
+def _describe_point(
+    exc: SweepPointError, path: Path, root: yaml.Node | None, data: Any, origins: dict[str, str]
+) -> str:
+    """A sweep point that fails, at the line of the sweep key that made it fail."""
+    if isinstance(exc.exc, ValidationError):
+        loc, msg = _first_error(exc.exc, exc.data)
+    else:  # set_path: its message starts with the key
+        loc, msg = [], _one_line(exc.exc)
+    inner = _dotted(loc, exc.data)
+    keys = list(exc.values)
+    key = next((k for k in keys if msg.startswith(f"{k}: ")), None)
+    if key is not None:
+        msg = msg.removeprefix(f"{key}: ")
+    else:
+        key = next((k for k in keys if _overlaps(k.split("."), inner)), keys[0])
+    detail = msg if not loc or ".".join(inner) == key else f"{_field(loc)}: {msg}"
+    where = _where(["sweep", key], data, path, root, origins)
+    return f"{where}: sweep.{key}: point {exc.index} ({show_values(exc.values)}): {detail}"
+
+
+def _first_error(exc: ValidationError, data: Any) -> tuple[list, str]:
+    """(location in the data, message) of the error to report."""
     errors = exc.errors()
-    # A misspelt key also makes the real one "missing": report the misspelling.
-    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    loc = _data_loc(err["loc"], data)
-    field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    line = _line_of(root, loc)
-    where = f"{path}:{line}" if line else str(path)
+    # A misspelt key also makes the real one "missing": report the misspelling. Otherwise the
+    # error that reaches deepest into the data (a union's member the data was meant for).
+    extra = [e for e in errors if e["type"] == "extra_forbidden"]
+    err = extra[0] if extra else max(errors, key=lambda e: _depth(_data_loc(e, data), data))
+    loc = _data_loc(err, data)
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a model-level check that names the field
+        loc = [*loc, *cause.loc]
     if err["type"] == "extra_forbidden":
         valid = _valid_fields(loc[:-1], data)
         hint = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
@@ -130,14 +278,51 @@ def _describe(exc: ValidationError, path: Path, root: yaml.Node | None, data: An
     elif err["type"] == "missing":
         msg = "required field is missing"
     else:
-        msg = err["msg"].removeprefix("Value error, ")
-    return f"{where}: {field or 'scenario'}: {msg}"
+        msg = _one_line(Exception(err["msg"].removeprefix("Value error, ")))
+    return loc, msg
 
 
-def _data_loc(loc: tuple, data: Any) -> list:
-    """pydantic's error location with union tags dropped, so it walks the data."""
+def _field(loc: list) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _where(
+    loc: list, data: Any, path: Path, root: yaml.Node | None, origins: dict[str, str]
+) -> str:
+    """Where the value at `loc` came from: the `--set` item that wrote it, or its line."""
+    parts = _dotted(loc, data)
+    for key, item in reversed(origins.items()):
+        if _overlaps(key.split("."), parts):
+            return f"--set {item!r}" if len(item) <= 200 else f"--set {item[:200]!r}..."
+    line = _line_of(root, loc)
+    return f"{path}:{line}" if line else str(path)
+
+
+def _overlaps(key: list[str], parts: list[str]) -> bool:
+    """`key` (what a --set or sweep key wrote) holds `parts`, or is part of a non-root `parts`."""
+    n = min(len(key), len(parts))
+    return n > 0 and key[:n] == parts[:n]
+
+
+def _dotted(loc: list, data: Any) -> list[str]:
+    """A data location as set_path's key parts: list elements by their label."""
     out, node = [], data
     for part in loc:
+        if isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+            label = node.get("label") if isinstance(node, dict) else None
+            out.append(str(label) if label is not None else str(part))
+            continue
+        node = node.get(part) if isinstance(node, dict) else None
+        out.append(str(part))
+    return out
+
+
+def _data_loc(err: Any, data: Any) -> list:
+    """pydantic's error location with union tags dropped, so it walks the data."""
+    loc, kind = err["loc"], err["type"]
+    out, node = [], data
+    for i, part in enumerate(loc):
         in_dict = isinstance(node, dict) and part in node
         if in_dict or (isinstance(node, list) and isinstance(part, int) and part < len(node)):
             node = node[part]
@@ -145,10 +330,30 @@ def _data_loc(loc: tuple, data: Any) -> list:
             continue  # discriminated-union tag
         elif isinstance(part, str) and part.startswith(("function-", "union")):
             continue
+        elif isinstance(part, str) and node is not None and not isinstance(node, dict | list):
+            continue  # a union member's tag at a scalar (kv_budget.int)
+        elif (
+            isinstance(part, str)
+            and isinstance(node, dict)
+            and (i < len(loc) - 1 or kind not in ("missing", "extra_forbidden"))
+        ):
+            continue  # a union member's tag at a mapping (kv_budget.GpuBudget.utilization)
         else:
             node = None
         out.append(part)
     return out
+
+
+def _depth(loc: list, data: Any) -> int:
+    """How many leading parts of `loc` exist in the data."""
+    node = data
+    for depth, part in enumerate(loc):
+        in_list = isinstance(node, list) and isinstance(part, int) and part < len(node)
+        if in_list or (isinstance(node, dict) and part in node):
+            node = node[part]
+        else:
+            return depth
+    return len(loc)
 
 
 def _line_of(root: yaml.Node | None, loc: list) -> int | None:
@@ -158,7 +363,7 @@ def _line_of(root: yaml.Node | None, loc: list) -> int | None:
             found = [(k, v) for k, v in node.value if k.value == part]
             if not found:
                 break
-            key, node = found[0]
+            key, node = found[-1]  # the one that counts, after any merged (<<) ones
             line = key.start_mark.line + 1
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(
             node.value

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +37,56 @@ from sim.allocators import Allocator, make_allocator, options_of
 from sim.engine import EngineConfig, RunResult, StepTime
 from sim.engine import run as run_engine
 from sim.geometry import PRESETS, KVGeometry, preset
-from sim.units import format_size, parse_size
+from sim.units import check_size, format_size, parse_size
 from workloads import Workload, WorkloadSpec, build_workload
+
+#: Longest max_model_len modeled (tokens); a larger one is a typo.
+MAX_MODEL_LEN = 2**31
+#: A scenario name is one folder name of the results: no separators, not hidden (leading dots
+#: are the staging folders'), nothing a shell or a spreadsheet would read specially.
+NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+#: Allocator labels reach summary.csv and file names: no formula starts (=, +, -, @) there.
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]{0,63}$")
+
+
+class FieldError(ValueError):
+    """A model-level problem with one field inside: `loc` says which, for the error's line."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class SweepPointError(ValueError):
+    """A sweep point that does not validate: which (1-based), its values, and why."""
+
+    def __init__(self, index: int, values: dict[str, Any], data: dict[str, Any], exc: ValueError):
+        super().__init__(f"sweep point {index} ({show_values(values)}): {exc}")
+        self.index, self.values, self.data, self.exc = index, values, data, exc
+
+
+def show_values(values: dict[str, Any]) -> str:
+    """`key=value, ...` of a sweep point, each value cut to a readable length."""
+
+    def one(v: Any) -> str:
+        text = v if isinstance(v, str) else json.dumps(v, default=str)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    return ", ".join(f"{k}={one(v)}" for k, v in values.items())
+
+
+def check_name(value: str) -> str:
+    """A scenario name usable as one path component of the results folder."""
+    if not NAME_RE.match(value):
+        raise ValueError(
+            f"name {value[:120]!r} is not a valid scenario name: one folder name of letters, "
+            "digits, '.', '_' and '-', not starting with '.', at most 100 characters"
+        )
+    return value
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Frozen):
@@ -63,8 +109,8 @@ class GpuBudget(_Frozen):
 
     @field_validator("gpu_memory", "weights", "activations")
     @classmethod
-    def _size(cls, value: int | str) -> int:
-        return parse_size(value)
+    def _size(cls, value: int | str, info: ValidationInfo) -> int:
+        return check_size(parse_size(value), str(info.field_name))
 
     def bytes(self) -> int:
         budget = int(self.gpu_memory * self.utilization) - self.weights - self.activations
@@ -97,10 +143,20 @@ class EngineSpec(_Frozen):
 class AllocatorSpec(BaseModel):
     """One allocator to compare: a label, a registry kind, and that kind's options."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
     label: str
     kind: str
+
+    @field_validator("label")
+    @classmethod
+    def _label(cls, value: str) -> str:
+        if not LABEL_RE.match(value):
+            raise ValueError(
+                f"label {value[:80]!r}: use letters, digits, '.', '_', '+', '@' and '-', "
+                "starting with a letter or digit, at most 64 characters"
+            )
+        return value
 
     @property
     def options(self) -> dict[str, Any]:
@@ -131,6 +187,20 @@ class Scenario(_Frozen):
     allocators: list[AllocatorSpec] = Field(min_length=1)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_name(value)
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _max_len(cls, value: int) -> int:
+        if value > MAX_MODEL_LEN:
+            raise ValueError(
+                f"max_model_len {value} is larger than kvfrag models (at most 2**31 tokens)"
+            )
+        return value
+
     @field_validator("model")
     @classmethod
     def _preset(cls, value: str | ModelSpec) -> str | ModelSpec:
@@ -151,7 +221,7 @@ class Scenario(_Frozen):
         size = parse_size(value)
         if size <= 0:
             raise ValueError("kv_budget must be positive")
-        return size
+        return check_size(size, "kv_budget")
 
     @field_validator("allocators")
     @classmethod
@@ -167,7 +237,8 @@ class Scenario(_Frozen):
             geo = preset(model) if isinstance(model, str) else KVGeometry(
                 model.name, model.layers, model.kv_heads, model.head_dim, model.dtype_bytes
             )
-            for spec in value:  # build each once, so option values are checked now, not later
+            # Build each once, so option values are checked now, not later.
+            for i, spec in enumerate(value):
                 try:
                     make_allocator(
                         spec.kind,
@@ -177,8 +248,8 @@ class Scenario(_Frozen):
                         geometry=geo,
                         **spec.options,
                     )
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"allocator {spec.label!r}: {exc}") from None
+                except (TypeError, ValueError, OverflowError) as exc:
+                    raise FieldError((i,), f"allocator {spec.label!r}: {exc}") from None
         return value
 
     @model_validator(mode="after")
@@ -189,6 +260,16 @@ class Scenario(_Frozen):
                 f"engine.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) unless engine.chunked_prefill is true"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _finite(self) -> Scenario:
+        """No inf or nan anywhere (workload and allocator options included): they would run
+        and give NaN summaries."""
+        bad = _non_finite(self.model_dump(mode="python"), ())
+        if bad is not None:
+            loc, value = bad
+            raise FieldError(loc, f"must be a finite number, not {value}")
         return self
 
     @field_validator("sweep")
@@ -227,18 +308,27 @@ class Scenario(_Frozen):
         )
 
     def points(self) -> list[tuple[dict[str, Any], Scenario]]:
-        """Every sweep point: the swept values and the scenario they give (no sweep: one)."""
+        """Every sweep point: the swept values and the scenario they give (no sweep: one).
+        A point that does not validate raises `SweepPointError`."""
+        return list(self.iter_points())
+
+    def iter_points(self) -> Iterator[tuple[dict[str, Any], Scenario]]:
         if not self.sweep:
-            return [({}, self)]
+            yield {}, self
+            return
         keys = list(self.sweep)
         base = self.model_dump(mode="python", exclude={"sweep"}, exclude_unset=False)
-        out = []
-        for values in itertools.product(*(self.sweep[k] for k in keys)):
+        product = itertools.product(*(self.sweep[k] for k in keys))
+        for index, combo in enumerate(product, start=1):
             data = copy.deepcopy(base)
-            for key, value in zip(keys, values, strict=True):
-                set_path(data, key, value)
-            out.append((dict(zip(keys, values, strict=True)), Scenario.model_validate(data)))
-        return out
+            values = dict(zip(keys, combo, strict=True))
+            try:
+                for key, value in values.items():
+                    set_path(data, key, value)
+                point = Scenario.model_validate(data)
+            except ValueError as exc:  # ValidationError included
+                raise SweepPointError(index, values, data, exc) from None
+            yield values, point
 
 
 def set_path(data: dict[str, Any], key: str, value: Any) -> None:
@@ -271,6 +361,23 @@ def set_path(data: dict[str, Any], key: str, value: Any) -> None:
             node = node[part]
 
 
+def _non_finite(node: Any, loc: tuple[str | int, ...]) -> tuple[tuple, float] | None:
+    """(location, value) of the first inf or nan in dumped scenario data, if any."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return loc, node
+    if isinstance(node, dict):
+        items: Any = node.items()
+    elif isinstance(node, list | tuple):
+        items = enumerate(node)
+    else:
+        return None
+    for key, value in items:
+        found = _non_finite(value, (*loc, key))
+        if found is not None:
+            return found
+    return None
+
+
 def _nearest(name: str, valid: list[str]) -> str | None:
     import difflib
 
@@ -291,6 +398,10 @@ class PointRun:
     result: RunResult
 
 
+#: What building a workload can leave out (`workloads.Workload` counts), per summary row.
+WORKLOAD_COUNTS = ("dropped_rows", "clipped", "rejected_long")
+
+
 @dataclass
 class ScenarioResult:
     scenario: Scenario
@@ -298,10 +409,17 @@ class ScenarioResult:
     runs: list[PointRun]
 
     def summary(self) -> pd.DataFrame:
-        """One row per allocator x sweep point, with the sweep values as columns."""
+        """One row per allocator x sweep point, with the sweep values as columns, and what
+        building the point's workload dropped, clipped or rejected (kept on record, not only
+        printed)."""
         rows = []
         for r in self.runs:
             s = r.scenario
+            workload = self.workloads.get(r.point)
+            counts = {
+                f"workload_{name}": int(getattr(workload, name, 0) or 0)
+                for name in WORKLOAD_COUNTS
+            }
             rows.append(
                 {
                     "label": r.label,
@@ -312,6 +430,7 @@ class ScenarioResult:
                     "kv_budget_bytes": s.budget_bytes,
                     **r.result.summary,
                     "options": json.dumps(_allocator(s, r.label).options, sort_keys=True),
+                    **counts,
                 }
             )
         return pd.DataFrame(rows)

@@ -6,6 +6,7 @@ The distinction matters: 50 GB of KV at 128 KiB per token and 8,192-token slabs 
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -21,6 +22,9 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+#: Largest size kvfrag models (1 PiB): a larger one is a typo (TB for GB), and pools sized from
+#: it would only exhaust the host's memory.
+MAX_SIZE = 2**50
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -28,6 +32,8 @@ def parse_size(value: int | str) -> int:
     """Parse a byte size ("50GB", "12GiB", "800 KiB", 4096) into a whole number of bytes."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"size {value} is not a finite number")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"size {value} is negative")
@@ -50,14 +56,27 @@ def parse_size(value: int | str) -> int:
     return int(exact)
 
 
+def check_size(nbytes: int, what: str, limit: int = MAX_SIZE) -> int:
+    """`nbytes`, unless it is above `limit`: sizes are checked before anything is built from
+    them, so a unit typo is one clear error rather than a MemoryError."""
+    if nbytes > limit:
+        raise ValueError(
+            f"{what} {format_size(nbytes)} is larger than kvfrag models "
+            f"(at most {format_size(limit)})"
+        )
+    return nbytes
+
+
 def format_size(nbytes: float) -> str:
     """Render bytes for people, in binary units (the way memory is allocated)."""
+    if isinstance(nbytes, int) and abs(nbytes) >= 2**1000:  # beyond a float: its magnitude
+        return f"{'-' if nbytes < 0 else ''}about 2**{abs(nbytes).bit_length() - 1} B"
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if abs(value) < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{value:.1f} TiB"
+    return f"{value:.1f} EiB"
 
 
 _RATE_RE = re.compile(

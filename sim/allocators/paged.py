@@ -37,11 +37,17 @@ they are not among the group's counted blocks.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from sortedcontainers import SortedList
 
 from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
+
+#: Largest block (tokens) modeled: `FloorSum` keeps one count per residue of the block size,
+#: so a typo'd block size would exhaust memory. (vattention's 2 MiB pages of 1-byte token rows
+#: are 2**21-token blocks.)
+MAX_BLOCK_SIZE = 2**22
 
 
 def _prefix_sums(y: int, bs: int) -> tuple[int, int]:
@@ -133,6 +139,55 @@ class FloorSum:
         return None if best is None else best - 1
 
 
+class FreeIds:
+    """The free block ids as a LIFO stack whose memory does not grow with the pool: ids never
+    handed out are the range [fresh, size) under the ids given back (pop() gives 0 first), so a
+    pool of 2**46 blocks costs what one of 16 does; ids come out exactly as from
+    `list(range(size - 1, -1, -1))` with the same pushes and pops."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fresh = 0  # lowest id never handed out
+        self.back: list[int] = []  # ids given back, the top of the stack last
+
+    def __len__(self) -> int:
+        return self.size - self.fresh + len(self.back)
+
+    def __iter__(self) -> Iterator[int]:
+        """Bottom to top, as the list would hold them."""
+        yield from range(self.size - 1, self.fresh - 1, -1)
+        yield from self.back
+
+    def __radd__(self, other: list[int]) -> list[int]:
+        return other + list(self)
+
+    def pop(self) -> int:
+        if self.back:
+            return self.back.pop()
+        if self.fresh >= self.size:
+            raise IndexError("pop from an empty free list")
+        self.fresh += 1
+        return self.fresh - 1
+
+    def take(self, n: int) -> list[int]:
+        """The top `n` ids, in the order pop() would give them."""
+        if n > len(self):
+            raise IndexError(f"{n} ids asked of a free list of {len(self)}")
+        k = min(n, len(self.back))
+        out = self.back[len(self.back) - k :][::-1]
+        del self.back[len(self.back) - k :]
+        start = self.fresh
+        self.fresh += n - k
+        out.extend(range(start, self.fresh))
+        return out
+
+    def append(self, block: int) -> None:
+        self.back.append(block)
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        self.back.extend(blocks)
+
+
 class PagedAllocator(Allocator):
     """Fixed-size KV blocks taken on demand."""
 
@@ -144,6 +199,11 @@ class PagedAllocator(Allocator):
         super().__init__(capacity, bytes_per_token, max_model_len)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if block_size > MAX_BLOCK_SIZE:  # counts keep O(block_size) state per residue
+            raise ValueError(
+                f"blocks of {block_size} tokens are larger than kvfrag models "
+                f"(at most {MAX_BLOCK_SIZE} tokens a block)"
+            )
         self.block_size = block_size
         self._set_pool(block_size * bytes_per_token)
         self._fixed_blocks = 0  # blocks of non-decoding requests, and decoders' constants
@@ -162,7 +222,7 @@ class PagedAllocator(Allocator):
         """Cut the budget into blocks of `block_bytes`, all free."""
         self.block_bytes = block_bytes
         self.num_blocks = self.capacity // block_bytes
-        self._stack = list(range(self.num_blocks - 1, -1, -1))  # free ids; pop() gives 0 first
+        self._stack = FreeIds(self.num_blocks)  # free ids; pop() gives 0 first
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
@@ -291,8 +351,7 @@ class PagedAllocator(Allocator):
             return ()
         if need > len(self._stack):
             self._reclaim(need, live.req.rid)
-        new = self._stack[-need:][::-1]
-        del self._stack[-need:]
+        new = self._stack.take(need)
         table.extend(new)
         return tuple(new)
 

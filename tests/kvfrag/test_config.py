@@ -76,7 +76,7 @@ def test_budget_units_and_gpu_budget(tmp_path):
         (GOOD.replace("kind: paged,", "kind: pagd,"),
          r"allocators\[1\]: unknown allocator kind 'pagd' \(valid: buddy, contiguous, paged"),
         (GOOD.replace("reserve: max_model_len", "reserve: max"),
-         r"allocators: allocator 'orca-max': unknown reservation policy 'max'"),
+         r"s.yaml:11: allocators\[0\]: allocator 'orca-max': unknown reservation policy 'max'"),
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: 12 GiBs"), r"kv_budget: .*unknown unit"),
         (GOOD.replace("low: 10, high: 200}", "low: 10, hihg: 200}", 1),
          r"workload.synthetic.prompt.hihg: unknown key 'hihg'; did you mean 'high'"),
@@ -177,3 +177,259 @@ def test_set_path_walks_labels():
     with pytest.raises(ValueError, match="whole list element"):
         set_path(data, "allocators.a", 1)
     assert isinstance(Scenario.model_fields, dict)
+
+
+# --------------------------------------------------------------- hostile or mistaken input
+ENGINE = "engine:\n  max_time_s: 100\n  watermark: 0.01\n  step_time: {base_s: 0.02}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD + ENGINE.replace("base_s: 0.02", "base_s: .inf"),
+         r"^.*s\.yaml:16: engine\.step_time\.base_s: Input should be a finite number$"),
+        (GOOD + ENGINE.replace("base_s: 0.02", "base_s: .nan"),
+         r"s\.yaml:16: engine\.step_time\.base_s: Input should be a finite number$"),
+        (GOOD + ENGINE.replace("max_time_s: 100", "max_time_s: .inf"),
+         r"s\.yaml:14: engine\.max_time_s: Input should be a finite number$"),
+        (GOOD + ENGINE.replace("watermark: 0.01", "watermark: .nan"),
+         r"s\.yaml:15: engine\.watermark: Input should be a finite number$"),
+        (GOOD.replace("kv_budget: 12GiB", "kv_budget: .inf"),
+         r"s\.yaml:3: kv_budget: Input should be a finite number$"),
+        (GOOD.replace("kv_budget: 12GiB", "kv_budget: {gpu_memory: 80GB, utilization: .nan}"),
+         r"s\.yaml:3: kv_budget\.utilization: Input should be a finite number$"),
+        (GOOD.replace("output: {kind: uniform, low: 10, high: 200}",
+                      "output: {kind: normal, mean: 100, std: .inf}"),
+         r"s\.yaml:9: workload\.synthetic\.output\.std: .*finite number"),
+        (GOOD.replace("kind: buddy, reserve: max_model_len}", "kind: contiguous, bandwidth: .nan}"),
+         r"s\.yaml:11: allocators\[0\]: allocator 'orca-max': rate nan must be a positive, finite"),
+        (GOOD + "sweep:\n  engine.watermark: [0.1, .nan]\n",
+         r"s\.yaml:14: sweep\.engine\.watermark\[1\]: must be a finite number, not nan$"),
+    ],
+)
+def test_non_finite_numbers_are_refused(tmp_path, text, expected):
+    with pytest.raises(ScenarioError, match=expected) as info:
+        load_scenario(write(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+def test_non_finite_floats_are_refused_by_the_model_too():
+    """Programmatic use gets the check: any inf or nan in the validated data, by field."""
+    import yaml
+    from pydantic import ValidationError
+
+    data = yaml.safe_load(GOOD)
+    data["workload"]["synthetic"]["output"] = {"kind": "normal", "mean": 100.0, "std": 1.0}
+    data["sweep"] = {"workload.synthetic.output.std": [float("inf")]}
+    with pytest.raises(ValidationError, match=r"must be a finite number, not inf"):
+        Scenario.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    ("sweep", "expected"),
+    [
+        ("  engine.max_num_seqz: [1, 2]\n",
+         r"s\.yaml:14: sweep\.engine\.max_num_seqz: point 1 \(engine\.max_num_seqz=1\): "
+         r"unknown key 'max_num_seqz'; did you mean 'max_num_seqs'\?"),
+        ("  kv_budget: [20GB]\n  engine.max_num_seqs: [4, -1]\n",
+         r"s\.yaml:15: sweep\.engine\.max_num_seqs: point 2 "
+         r"\(kv_budget=20GB, engine\.max_num_seqs=-1\): Input should be greater than 0$"),
+        ("  allocators.paged-16.block_size: [16, 0]\n",
+         r"s\.yaml:14: sweep\.allocators\.paged-16\.block_size: point 2 .*: allocators\[1\]: "
+         r"allocator 'paged-16': block_size must be a positive integer, got 0$"),
+        ("  allocators.paged-61.block_size: [16]\n",
+         r"s\.yaml:14: sweep\.allocators\.paged-61\.block_size: point 1 .*: "
+         r"no allocator labelled 'paged-61'; did you mean 'paged-16'\?"),
+        ("  kv_budjet: [1GB]\n",
+         r"s\.yaml:14: sweep\.kv_budjet: point 1 \(kv_budjet=1GB\): unknown key 'kv_budjet'; "
+         r"did you mean 'kv_budget'\?"),
+    ],
+)
+def test_bad_sweep_points_are_one_line_at_the_sweep_key(tmp_path, sweep, expected):
+    with pytest.raises(ScenarioError, match=expected) as info:
+        load_scenario(write(tmp_path, GOOD + "sweep:\n" + sweep))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_sweep_from_set_names_the_set(tmp_path):
+    item = "sweep={engine.max_num_seqs: [4, -1]}"
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, GOOD), [item])
+    assert str(info.value) == (
+        f"--set {item!r}: sweep.engine.max_num_seqs: point 2 (engine.max_num_seqs=-1): "
+        "Input should be greater than 0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("item", "expected"),
+    [
+        ("engine.max_num_seqs=-3",
+         "--set 'engine.max_num_seqs=-3': engine.max_num_seqs: Input should be greater than 0"),
+        ("engine={max_num_seqs: -3}",
+         "--set 'engine={max_num_seqs: -3}': engine.max_num_seqs: Input should be greater than 0"),
+        ("allocators.paged-16.block_size=0",
+         "--set 'allocators.paged-16.block_size=0': allocators[1]: allocator 'paged-16': "
+         "block_size must be a positive integer, got 0"),
+    ],
+)
+def test_bad_set_values_are_blamed_on_the_set_not_a_line(tmp_path, item, expected):
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, GOOD), [item])
+    assert str(info.value) == expected
+
+
+def test_a_file_error_is_still_blamed_on_its_line_when_sets_are_given(tmp_path):
+    text = GOOD + "engine: {max_num_seqs: 0}\n"
+    with pytest.raises(ScenarioError, match=r"s\.yaml:13: engine\.max_num_seqs: Input should"):
+        load_scenario(write(tmp_path, text), ["kv_budget=20GB", "engine.watermark=0.1"])
+    bad = GOOD.replace("reserve: max_model_len", "reserve: max")
+    with pytest.raises(ScenarioError, match=r"^.*s\.yaml:11: allocators\[0\]: allocator 'orca"):
+        load_scenario(write(tmp_path, bad), ["allocators.paged-16.block_size=32"])
+
+
+def test_duplicate_keys_in_a_set_value(tmp_path):
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, GOOD), ["engine={lookahead: 1, lookahead: 2}"])
+    assert str(info.value) == (
+        "--set 'engine={lookahead: 1, lookahead: 2}': duplicate key 'lookahead' (first at line 1)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD + "kv_budget: 1GB\n", r"s\.yaml:13: duplicate key 'kv_budget' \(first at line 3\)$"),
+        (GOOD.replace("block_size: 16}", "block_size: 16, block_size: 8}"),
+         r"s\.yaml:12: duplicate key 'block_size' \(first at line 12\)$"),
+        (GOOD + "  - label: paged-8\n    kind: paged\n    block_size: 8\n    kind: buddy\n",
+         r"s\.yaml:16: duplicate key 'kind' \(first at line 14\)$"),
+        (GOOD.replace("    count: 20\n", "    count: 20\n    count: 30\n"),
+         r"s\.yaml:8: duplicate key 'count' \(first at line 7\)$"),
+    ],
+)
+def test_duplicate_keys_are_refused(tmp_path, text, expected):
+    with pytest.raises(ScenarioError, match=expected):
+        load_scenario(write(tmp_path, text))
+
+
+def test_merge_keys_may_override_without_being_duplicates(tmp_path):
+    text = GOOD.replace(
+        "    prompt: {kind: uniform, low: 10, high: 200}\n"
+        "    output: {kind: uniform, low: 10, high: 200}\n",
+        "    prompt: &len {kind: uniform, low: 10, high: 200}\n"
+        "    output:\n      <<: *len\n      high: 100\n",
+    )
+    s = load_scenario(write(tmp_path, text)).scenario
+    assert s.workload.synthetic.output.high == 100
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD.replace("kv_budget: 12GiB", "kv_budget: 100000000000000000000"),
+         r"s\.yaml:3: kv_budget: kv_budget 86\.7 EiB is larger than kvfrag models "
+         r"\(at most 1\.0 PiB\)$"),
+        (GOOD.replace("kv_budget: 12GiB", "kv_budget: 2000TB"),
+         r"s\.yaml:3: kv_budget: kv_budget 1\.8 PiB is larger than kvfrag models"),
+        (GOOD.replace("kv_budget: 12GiB", "kv_budget: {gpu_memory: 10000TB}"),
+         r"s\.yaml:3: kv_budget\.gpu_memory: gpu_memory 8\.9 PiB is larger than kvfrag models"),
+        (GOOD.replace("kv_budget: 12GiB", "kv_budget: " + "9" * 5000),
+         r"s\.yaml:3: malformed YAML: integer of 5000 digits is too long$"),
+        (GOOD.replace("max_model_len: 2048", "max_model_len: 10000000000"),
+         r"s\.yaml:4: max_model_len: max_model_len 10000000000 is larger than kvfrag models"),
+        (GOOD.replace("block_size: 16}", "block_size: 100000000000}"),
+         r"s\.yaml:12: allocators\[1\]: allocator 'paged-16': blocks of 100000000000 tokens are "
+         r"larger than kvfrag models"),
+    ],
+)
+def test_absurd_sizes_are_refused_before_anything_is_built(tmp_path, text, expected):
+    with pytest.raises(ScenarioError, match=expected):
+        load_scenario(write(tmp_path, text))
+
+
+def test_a_petabyte_budget_loads(tmp_path):
+    s = load_scenario(write(tmp_path, GOOD.replace("kv_budget: 12GiB", "kv_budget: 1000TB")))
+    assert s.scenario.budget_bytes == 10**15
+
+
+def test_huge_scenario_file_is_refused_unread(tmp_path):
+    path = tmp_path / "big.yaml"
+    with path.open("wb") as f:  # sparse: 100 MB without writing them
+        f.truncate(100 * 10**6)
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert str(info.value) == f"{path}: scenario file is 100.0 MB; scenario files are at most 1 MB"
+
+
+def test_what_is_not_a_regular_file_is_refused(tmp_path):
+    import os
+
+    (tmp_path / "d.yaml").mkdir()
+    os.mkfifo(tmp_path / "f.yaml")  # reading it would block forever
+    for path in (tmp_path / "d.yaml", tmp_path / "f.yaml", Path("/dev/zero")):
+        with pytest.raises(ScenarioError) as info:
+            load_scenario(path)
+        assert str(info.value) == f"{path}: not a regular file"
+    link = tmp_path / "zero.yaml"
+    link.symlink_to("/dev/zero")
+    with pytest.raises(ScenarioError, match=r"zero\.yaml: not a regular file$"):
+        load_scenario(link)
+
+
+def test_binary_file_is_one_line(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(ScenarioError, match=r"s\.yaml: not UTF-8 text"):
+        load_scenario(path)
+
+
+def test_huge_set_value_is_refused(tmp_path):
+    item = "description=" + "x" * 70_000
+    with pytest.raises(ScenarioError, match=r"70012 characters; a --set item is at most 64 KiB"):
+        load_scenario(write(tmp_path, GOOD), [item])
+
+
+@pytest.mark.parametrize(
+    "label",
+    ["=HYPERLINK(\"http://x\")", "+cmd", "-1+2", "@SUM(A1)", "paged 16", "a/b", "x" * 65, ""],
+)
+def test_unsafe_labels_are_refused(tmp_path, label):
+    text = GOOD.replace("{label: paged-16,", "{label: " + _yaml_str(label) + ",")
+    with pytest.raises(ScenarioError, match=r"s\.yaml:12: allocators\[1\]\.label: label .*use "
+                       r"letters, digits"):
+        load_scenario(write(tmp_path, text))
+
+
+def _yaml_str(value: str) -> str:
+    import json
+
+    return json.dumps(value)  # a JSON string is a YAML string
+
+
+def test_safe_labels_are_kept(tmp_path):
+    text = GOOD.replace("{label: paged-16,", "{label: Paged_16.v2+cow@h100,")
+    s = load_scenario(write(tmp_path, text)).scenario
+    assert s.allocators[1].label == "Paged_16.v2+cow@h100"
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../src", "a/b", ".hidden", "a b", "x" * 101])
+def test_names_that_are_not_one_folder_name_are_refused(tmp_path, name):
+    text = GOOD.replace("name: t\n", f"name: {_yaml_str(name)}\n")
+    with pytest.raises(ScenarioError, match=r"s\.yaml:1: name: name .* is not a valid scenario"):
+        load_scenario(write(tmp_path, text))
+    with pytest.raises(ScenarioError, match=r"^--set 'name=.*': name: name .* is not a valid"):
+        load_scenario(write(tmp_path, GOOD), [f"name={_yaml_str(name)}"])
+
+
+def test_good_names_and_the_file_stem_default(tmp_path):
+    text = GOOD.replace("name: t\n", "name: run-2.v1_a\n")
+    assert load_scenario(write(tmp_path, text)).scenario.name == "run-2.v1_a"
+    bare = GOOD.replace("name: t\n", "")
+    assert load_scenario(write(tmp_path, bare, "block-size.yaml")).scenario.name == "block-size"
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, bare, "my scenario.yaml"))
+    assert "file name 'my scenario' is not a valid scenario name" in str(info.value)
+    assert "give the scenario a name: line" in str(info.value)
+    named = load_scenario(write(tmp_path, bare, "my scenario.yaml"), ["name=mine"])
+    assert named.scenario.name == "mine"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.units import format_size, parse_size
+from sim.units import MAX_SIZE, check_size, format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -90,4 +90,29 @@ def test_unknown_unit_lists_valid_units():
     ],
 )
 def test_format_size(nbytes, text):
+    assert format_size(nbytes) == text
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_parse_size_refuses_non_finite_numbers(value):
+    with pytest.raises(ValueError, match=r"is not a finite number"):
+        parse_size(value)
+
+
+def test_check_size_names_the_size_and_the_limit():
+    assert check_size(MAX_SIZE, "kv_budget") == 2**50
+    with pytest.raises(
+        ValueError, match=r"^kv_budget 86\.7 EiB is larger than kvfrag models \(at most 1\.0 PiB\)$"
+    ):
+        check_size(10**20, "kv_budget")
+    with pytest.raises(ValueError, match=r"^weights about 2\*\*3321 B is larger"):
+        check_size(10**1000, "weights")
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(2**50, "1.0 PiB"), (3 * 2**60, "3.0 EiB"), (10**20, "86.7 EiB"),
+     (2**1000, "about 2**1000 B")],
+)
+def test_format_size_of_huge_sizes(nbytes, text):
     assert format_size(nbytes) == text
