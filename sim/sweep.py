@@ -15,12 +15,16 @@ here writes files: staging finished points on disk is the `kvfrag` package's job
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,7 +157,7 @@ class Executor(Protocol):
 
     `map` starts the work when it is called (worker processes are forked then, before the
     caller starts any thread) and returns an iterator of outcomes; closing that iterator
-    early cancels what has not started.
+    early (or an interrupt while it waits) stops the work: what has not finished is dropped.
     """
 
     name: str
@@ -190,15 +194,74 @@ class SerialExecutor:
 
 #: The workloads of a local worker process, set once when it starts.
 _WORKLOADS: Mapping[str, pd.DataFrame] = {}
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _init_worker(workloads: Mapping[str, pd.DataFrame]) -> None:
+class WorkersKilled(KeyboardInterrupt):
+    """`ProcessExecutor.terminate()` killed the workers: the sweep stops as for Ctrl-C (its
+    unfinished points did not fail, they were abandoned)."""
+
+
+def _init_worker(workloads: Mapping[str, pd.DataFrame], parent: int | None) -> None:
+    """Keep the workloads, and tie the worker's life to the sweep's: Ctrl-C in a terminal
+    reaches the whole process group, but only the parent decides what to do about it; a
+    parent that dies, however (SIGKILL included), takes its workers with it."""
     global _WORKLOADS
     _WORKLOADS = workloads
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked by the parent while it forked us
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _die_with_parent(parent)
+
+
+def _die_with_parent(parent: int | None) -> None:
+    """SIGKILL this worker when the process that forked it dies (Linux), and a thread that
+    exits once the sweep's process is gone (elsewhere, and a second line of defence).
+
+    `parent` is the sweep's pid when it forked this worker itself (fork, spawn): gone means
+    re-parented. Under forkserver (None) the server is the parent and outlives the sweep as
+    long as a worker lives, so the sweep is watched through multiprocessing's parent
+    sentinel, a pipe that reaches end of file when the sweep's process exits.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    sweep = multiprocessing.parent_process()
+
+    def gone() -> bool:
+        if parent is not None:
+            return os.getppid() != parent
+        return sweep is not None and not sweep.is_alive()
+
+    if gone():  # it died before prctl: no signal will come
+        os._exit(1)
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvfrag-parent-watch", daemon=True).start()
 
 
 def _work(task: Task) -> tuple[RunResult | None, str | None]:
     return _attempt(task, _WORKLOADS[task.workload])
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Hold back SIGINT while workers are forked: a child gets it only once it ignores it,
+    the parent (here) as soon as it is done forking."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _PoolCounts:
@@ -217,7 +280,13 @@ class _PoolCounts:
 
 
 class ProcessExecutor(_PoolCounts):
-    """Local worker processes. The workloads reach each worker once, when it starts."""
+    """Local worker processes. The workloads reach each worker once, when it starts.
+
+    Workers die with this process (see `_init_worker`). A sweep that completes shuts the
+    pool down cleanly; an interrupted one (Ctrl-C or SIGTERM raised while waiting, or its
+    outcomes closed early) kills the workers at once rather than letting their points run
+    to the end.
+    """
 
     name = "processes"
 
@@ -227,29 +296,68 @@ class ProcessExecutor(_PoolCounts):
             raise ValueError("--jobs must be >= 1")
         self._workers = self.jobs
         self._in_flight = 0
+        self._pool: ProcessPoolExecutor | None = None
+        self._killed = False
 
     def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
         if not tasks:
             return iter(())
         self._workers = min(self.jobs, len(tasks))
+        context = _mp_context()
+        parent = None if context.get_start_method() == "forkserver" else os.getpid()
         pool = ProcessPoolExecutor(
             max_workers=self._workers,
-            mp_context=_mp_context(),
+            mp_context=context,
             initializer=_init_worker,
-            initargs=(dict(workloads),),
+            initargs=(dict(workloads), parent),
         )
+        self._pool, self._killed = pool, False
         try:  # start the workers now, before the caller starts threads (a progress bar)
-            pending = {pool.submit(_work, task): task for task in tasks}
+            with _sigint_blocked():
+                pending = {pool.submit(_work, task): task for task in tasks}
         except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
+            self._stop(pool)
             raise
         self._in_flight = len(pending)
-        return self._collect(pool, pending)
+        return _Outcomes(self._collect(pool, pending), lambda: self._stop(pool))
+
+    def terminate(self) -> None:
+        """Kill the workers now; the outcomes' iterator then raises `WorkersKilled`.
+
+        For a SIGTERM handler: it only sends signals and closes a pipe (no lock, no wait),
+        and does nothing the second time or when no sweep runs. Reaping the workers is left
+        to the iterator's clean-up (or the pool's own thread).
+        """
+        pool = self._pool
+        if pool is None or self._killed:
+            return
+        self._killed = True
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.kill()
+        # A worker killed halfway through sending a result would leave the pool's thread
+        # waiting for the rest forever: this process holds the pipe's other writing end.
+        results = getattr(pool, "_result_queue", None)
+        if results is not None:
+            results._writer.close()
+
+    def _stop(self, pool: ProcessPoolExecutor) -> None:
+        """Kill the workers, then shut the pool down: quick, as nothing is left to wait for."""
+        if self._pool is not pool:  # finished, or stopped already
+            return
+        self.terminate()
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=True, cancel_futures=True)
+        for process in processes:  # reaped: no zombie left behind
+            process.join(timeout=1)
+        self._pool = None
 
     def _collect(self, pool: ProcessPoolExecutor, pending: dict[Future, Task]) -> Iterator[Outcome]:
+        finished = False
         try:
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                if self._killed:
+                    raise WorkersKilled("the sweep's workers were terminated")
                 for future in done:
                     task = pending.pop(future)
                     self._in_flight = len(pending)
@@ -259,9 +367,30 @@ class ProcessExecutor(_PoolCounts):
                     else:
                         result, error = future.result()
                         yield Outcome(task, result, error)
+            finished = True
         finally:
             self._in_flight = 0
-            pool.shutdown(wait=True, cancel_futures=True)
+            if finished:
+                pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+            else:
+                self._stop(pool)
+
+
+class _Outcomes(Iterator[Outcome]):
+    """`ProcessExecutor.map`'s outcomes. Closing them stops the workers even before the first
+    outcome was asked for (a generator that has not started runs no `finally` on close)."""
+
+    def __init__(self, outcomes: Iterator[Outcome], stop: Callable[[], None]) -> None:
+        self._outcomes = outcomes
+        self._stop = stop
+
+    def __next__(self) -> Outcome:
+        return next(self._outcomes)
+
+    def close(self) -> None:
+        self._outcomes.close()  # type: ignore[attr-defined]
+        self._stop()
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
