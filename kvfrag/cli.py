@@ -24,14 +24,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit statuses (also in the README).
+OK, FAILED, BAD_INPUT, CANNOT_WRITE, BUSY = 0, 1, 2, 3, 4
+
+
 def main(argv: list[str] | None = None) -> int:
+    """0 done; 1 some runs or replays failed; 2 bad input (scenario, option, trace, or an
+    output path kvfrag will not write to); 3 the output could not be written (read-only,
+    disk full, ...); 4 another kvfrag process is writing the same results folder;
+    130/143 interrupted by Ctrl-C/SIGTERM."""
+    from kvfrag.outdir import Busy, OutputError, interrupt_status
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvfrag: error: {exc}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
+    except OutputError as exc:
+        print(f"kvfrag: error: {exc}", file=sys.stderr)
+        return CANNOT_WRITE
+    except Busy as exc:
+        print(f"kvfrag: error: {exc}", file=sys.stderr)
+        return BUSY
+    except KeyboardInterrupt as exc:
+        print("\ninterrupted", file=sys.stderr)
+        return interrupt_status(exc)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ call from threads and from tests. One palette everywhere: token states are alway
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 import os
 import uuid
@@ -33,6 +35,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from sim.allocators.base import PARTS  # the five parts, bottom to top of every stack
+from sim.engine import REJECT_REASONS
 
 #: One colour per part of the budget, used by every figure. Green is always token states.
 PALETTE: dict[str, str] = {
@@ -92,6 +95,9 @@ _LINE_IN = 0.17  # inches per caption line kept at the bottom of every figure
 
 # Columns of summary.csv that are not sweep keys: run metadata and engine summary keys.
 _BASE_COLUMNS = {
+    "workload_dropped_rows",
+    "workload_clipped",
+    "workload_rejected_long",
     "label",
     "kind",
     "point",
@@ -115,6 +121,7 @@ _BASE_COLUMNS = {
     "requests",
     "completed",
     "rejected",
+    *(f"rejected_{why}" for why in REJECT_REASONS),
     "unfinished",
     "preemptions",
     "recomputed_tokens",
@@ -130,12 +137,29 @@ _BASE_COLUMNS = {
     "p50_latency_s",
     "p99_latency_s",
     "events",
+    "memory_saved_by_sharing",
+    "prefill_tokens_skipped",
+    "prefix_hit_rate_tokens",
+    "compactions",
+    "bytes_moved",
+    "stall_s",
     "seed",
     "wall_s",
     "options",
 }
 # Run settings that a sweep may change although they are not sweep-key columns themselves.
 _SETTING_COLUMNS = ("kv_budget_bytes", "max_model_len", "bytes_per_token")
+
+#: Columns of each results file that the figures cannot do without (in summary.csv, `free`
+#: may stand in for `usable_free`). A file without them was not written by `kvfrag run`.
+SUMMARY_COLUMNS = ("label", "point", *PARTS)
+TIMESERIES_COLUMNS = ("t", "dt")
+REQUESTS_COLUMNS = ("prompt_tokens", "output_tokens")
+
+
+class ResultsFileError(ValueError):
+    """A results file that is damaged or not as `kvfrag run` writes it. The message is one
+    line that names the file, so that the CLI can print it as it is."""
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -1120,18 +1144,108 @@ def lengths_figure(
     return fig
 
 
+# ------------------------------------------------------------------------ reading files
+def read_summary(path: Path | str) -> pd.DataFrame:
+    """`summary.csv`, checked before it is drawn: pandas reads a truncated or foreign file into
+    NaN-padded rows (or none) without a word, and the figures would then silently show
+    nothing, or the wrong thing. Raises `ResultsFileError` naming the file and the damage."""
+    path = Path(path)
+
+    def bad(what: str) -> ResultsFileError:
+        return ResultsFileError(f"{path}: {what}")
+
+    def foreign(why: str) -> ResultsFileError:
+        return bad(f"not a CSV written by kvfrag run ({why})")
+
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise foreign("not UTF-8 text") from None
+    except OSError as exc:
+        raise bad(f"cannot be read ({exc.strerror or exc})") from None
+    if "\0" in text:
+        raise foreign("binary data")
+    failed = (path.parent / "failures.csv").exists()
+    if failed and not text.strip(" ,\r\n"):  # what `kvfrag run` writes when no run finished
+        raise bad("no runs in it (every run failed: see failures.csv)")
+    if not text.strip():
+        raise bad("empty file")
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    header: list[str] | None = None
+    rows = 0
+    try:
+        for row in reader:
+            if not row:
+                continue  # a blank line
+            if header is None:
+                header = row
+            elif len(row) != len(header):
+                raise bad(
+                    f"line {reader.line_num} has {len(row)} fields, the header {len(header)} "
+                    "(truncated or damaged)"
+                )
+            else:
+                rows += 1
+    except csv.Error as exc:
+        raise bad(f"line {reader.line_num}: {exc} (truncated or damaged)") from None
+    if header is None:
+        raise bad("empty file")
+    if not text.endswith(("\n", "\r")):
+        raise bad("truncated (its last line does not end)")
+    present = set(header) | ({"usable_free"} if "free" in header else set())
+    missing = [c for c in SUMMARY_COLUMNS if c not in present]
+    if len(missing) == len(SUMMARY_COLUMNS):
+        raise foreign(f"no {', '.join(SUMMARY_COLUMNS)} columns")
+    if missing:
+        raise bad(f"missing columns {', '.join(missing)}")
+    if not rows:
+        raise bad("no rows, only a header")
+    summary = pd.read_csv(io.StringIO(text))
+    for col in ("point", *PARTS):
+        if col not in summary.columns:
+            continue  # `usable_free`, when `free` stands in for it
+        values = pd.to_numeric(summary[col], errors="coerce")
+        if col == "point" and not values.isna().any() and (values % 1 != 0).any():
+            raise bad("column point holds values that are not whole numbers")
+        if values.isna().any():
+            raise bad(f"column {col} holds values that are not numbers")
+    if summary["label"].isna().any():
+        raise bad("column label has empty values")
+    return summary
+
+
+def read_frame(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
+    """A Parquet file of a results folder, with the `columns` the figures need; a damaged
+    one raises `ResultsFileError` naming it (pyarrow's own errors do not always)."""
+    from pyarrow import ArrowException
+
+    path = Path(path)
+    try:
+        frame = pd.read_parquet(path)
+    except (OSError, ValueError, ArrowException) as exc:
+        lines = str(exc).strip().splitlines()
+        why = lines[0] if lines else ""
+        if str(path) in why:  # "Could not open Parquet input source '<path>': <why>"
+            why = why.split(str(path))[-1].lstrip("'\": ")
+        why = why or type(exc).__name__
+        raise ResultsFileError(f"{path}: not a readable Parquet file, damaged? ({why})") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ResultsFileError(f"{path}: missing columns {', '.join(missing)}")
+    return frame
+
+
 # ------------------------------------------------------------------------ entry points
 def plot_results(results_dir: Path | str, meta: Mapping | None = None) -> list[Path]:
     """Draw every figure for a results folder into `results_dir/plots/` (PNG and SVG); a
-    figure whose input file is missing or has no data is skipped. Returns the paths."""
+    figure whose Parquet file is missing or has no rows is skipped. Returns the paths. A
+    damaged file raises `ResultsFileError` (a ValueError) before anything is drawn."""
     results_dir = Path(results_dir)
     out = results_dir / "plots"
-    summary = pd.read_csv(results_dir / "summary.csv")
-    if summary.empty:
-        return []
+    summary = read_summary(results_dir / "summary.csv")
     ts_path, req_path = results_dir / "timeseries.parquet", results_dir / "requests.parquet"
-    timeseries = pd.read_parquet(ts_path) if ts_path.exists() else None
-    requests = pd.read_parquet(req_path) if req_path.exists() else None
+    timeseries = read_frame(ts_path, TIMESERIES_COLUMNS) if ts_path.exists() else None
+    requests = read_frame(req_path, REQUESTS_COLUMNS) if req_path.exists() else None
     has_ts = timeseries is not None and len(timeseries) > 0
     has_req = requests is not None and len(requests) > 0
     # Built one at a time, so that only one figure is in memory at once.
@@ -1197,6 +1311,7 @@ __all__ = [
     "PALETTE",
     "PARTS",
     "PART_NAMES",
+    "ResultsFileError",
     "address_map_figure",
     "breakdown_figure",
     "capacity_figure",
@@ -1206,6 +1321,8 @@ __all__ = [
     "lengths_figure",
     "load_meta",
     "plot_results",
+    "read_frame",
+    "read_summary",
     "redraw",
     "resample",
     "save_figure",

@@ -1,32 +1,38 @@
 """Result writers: one folder per scenario, written whole or not at all.
 
 Everything goes into a temporary sibling folder first; only when every file (and figure) is
-written is it renamed into place, replacing any earlier results (a `validate/` report that
+written, with the manifest that marks the folder as kvfrag's (`kvfrag.outdir`), is it
+renamed into place, replacing earlier results of kvfrag's (a `validate/` report that
 `kvfrag validate` wrote there is carried over). A failed run leaves nothing half-written
-behind.
+behind, and never replaces a folder kvfrag did not write.
 
 While a sweep runs, each finished point is staged as it completes, in a hidden sibling
 folder (`PointStore`, `results/.<name>.points/`), so that an interrupted sweep can be
 resumed; the final folder is assembled from it, and it is removed once that is written with
-no point failed.
+no point failed. A staged point records the digests of the input files it read, so a point
+whose trace changed since is computed again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 
+from kvfrag import outdir
+from kvfrag.outdir import replace_dir, temp_dir, writing
 from sim.engine import RunResult
 from sim.scenario import ScenarioResult
+
+__all__ = ["VALIDATE_DIR", "PointStore", "format_table", "replace_dir", "write_results"]
 
 #: `kvfrag validate`'s report folder inside a scenario's results. A new run keeps it: the
 #: report describes its own simulation (with its resolved scenario), not the run's.
@@ -43,29 +49,29 @@ def write_results(
     """Write summary, records and the resolved scenario to `out_dir`, atomically; with
     `failures` (one row per failed run: its parameters and error), `failures.csv` too."""
     out_dir = Path(out_dir)
-    parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+    outdir.make_dirs(out_dir.parent)
+    tmp = temp_dir(out_dir)
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; results are for reading
-        (tmp / "scenario.resolved.yaml").write_text(
-            yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
-        )
-        summary = result.summary()
-        summary.to_csv(tmp / "summary.csv", index=False)
-        records = [
-            {k: json_value(v) for k, v in row.items()} for row in summary.to_dict("records")
-        ]
-        (tmp / "summary.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
-        result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
-        result.frames("requests").to_parquet(tmp / "requests.parquet", index=False)
-        if failures is not None and len(failures):
-            failures.to_csv(tmp / "failures.csv", index=False)
-        if plot is not None:
-            plot(tmp)
-        kept = out_dir / VALIDATE_DIR
-        if kept.is_dir():  # copied, not moved: a failed swap must leave the old folder whole
-            shutil.copytree(kept, tmp / VALIDATE_DIR)
+        with writing(tmp):
+            (tmp / "scenario.resolved.yaml").write_text(
+                yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
+            )
+            summary = result.summary()
+            summary.to_csv(tmp / "summary.csv", index=False)
+            records = [
+                {k: json_value(v) for k, v in row.items()} for row in summary.to_dict("records")
+            ]
+            (tmp / "summary.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
+            result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
+            result.frames("requests").to_parquet(tmp / "requests.parquet", index=False)
+            if failures is not None and len(failures):
+                failures.to_csv(tmp / "failures.csv", index=False)
+            if plot is not None:
+                plot(tmp)
+            kept = out_dir / VALIDATE_DIR
+            if kept.is_dir():  # copied, not moved: a failed swap must leave the old folder whole
+                shutil.copytree(kept, tmp / VALIDATE_DIR)
+            outdir.write_manifest(tmp, "kvfrag run")
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,25 +88,17 @@ def json_value(value: Any) -> Any:
     return value
 
 
-def replace_dir(new: Path, target: Path) -> None:
-    """Rename `new` to `target`, replacing it; the old folder goes only once the new is in."""
-    old = None
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.rmdir(old)
-        target.rename(old)
-    try:
-        new.rename(target)
-    except BaseException:
-        if old is not None:
-            old.rename(target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 class StagedScenarioMismatch(ValueError):
     """`--resume` found staged points of a different scenario."""
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class PointStore:
@@ -111,34 +109,59 @@ class PointStore:
         results/.<name>.points/
             scenario.resolved.yaml     the scenario these points belong to
             code.txt                   and a fingerprint of the simulator code that ran them
-            <key>/summary.json         one finished point: its summary and where it belongs,
+            inputs.json                size, mtime and SHA-256 of every input file read
+            <key>/summary.json         one finished point: its summary, where it belongs
+                                       and the digests of the input files it read,
             <key>/timeseries.parquet   its accounting over time
             <key>/requests.parquet     and its per-request records
 
     A point's folder is written under a temporary name and renamed when complete, so a
-    killed sweep leaves only whole points (and temporary folders, which are ignored).
+    killed sweep leaves only whole points (and temporary folders, removed on the next open).
+    The caller holds the results folder's lock (`kvfrag.outdir.locked`) throughout.
     """
 
     SCENARIO = "scenario.resolved.yaml"
     CODE = "code.txt"
+    INPUTS = "inputs.json"
 
     def __init__(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
         self.dir = out_dir.parent / f".{out_dir.name}.points"
+        self.digests: dict[str, str] = {}
+        self.rerun: dict[str, list[str]] = {}  # staged keys dropped: inputs that changed
 
-    def open(self, resolved: dict[str, Any], resume: bool, code: str = "") -> set[str]:
+    def open(
+        self,
+        resolved: dict[str, Any],
+        resume: bool,
+        code: str = "",
+        inputs: Iterable[Path] = (),
+    ) -> set[str]:
         """Start staging for `resolved`; the keys already finished (only with `resume`).
 
         Without `resume`, anything staged before is discarded. With it, the staged points
         must belong to the same resolved scenario and have been computed by the same code
-        (`code`, a fingerprint), else `StagedScenarioMismatch`.
+        (`code`, a fingerprint), else `StagedScenarioMismatch`; a staged point whose input
+        files (of `inputs`, every file the run reads) changed since is dropped, to be
+        computed again (`rerun` says which and why).
         """
+        with writing(self.dir):
+            return self._open(resolved, resume, code, list(inputs))
+
+    def _open(
+        self, resolved: dict[str, Any], resume: bool, code: str, inputs: list[Path]
+    ) -> set[str]:
         scenario_file = self.dir / self.SCENARIO
-        if self.dir.exists() and (not resume or not scenario_file.exists()):
-            shutil.rmtree(self.dir)  # (no scenario file: killed before any point was staged)
+        if self.dir.exists():
+            self._check_ours()
+            if not resume or not scenario_file.exists():
+                shutil.rmtree(self.dir)  # (no scenario file: killed before any point was staged)
+        cache = self._read_inputs() if self.dir.exists() else {}
+        self.digests = self._digests(inputs, cache)
         if not self.dir.exists():
             self.dir.mkdir(parents=True)
             _write_atomic(self.dir / self.CODE, code + "\n")
+            self._write_inputs(inputs)
             _write_atomic(scenario_file, yaml.safe_dump(resolved, sort_keys=False))
             return set()
         staged = yaml.safe_load(scenario_file.read_text(encoding="utf-8"))
@@ -156,19 +179,87 @@ class PointStore:
                 f"--resume: the points in {self.dir} were computed by other simulator code "
                 "(it changed since); run without --resume to start over"
             )
+        self._write_inputs(inputs)
         for stale in self.dir.glob(".*.tmp-*"):  # points being written when it was killed
             shutil.rmtree(stale, ignore_errors=True)
-        return {
-            p.name
-            for p in self.dir.iterdir()
-            if not p.name.startswith(".") and (p / "summary.json").is_file()
-        }
+        keys = set()
+        for p in sorted(self.dir.iterdir()):
+            if p.name.startswith(".") or not (p / "summary.json").is_file():
+                continue
+            changed = self._changed_inputs(p)
+            if changed:
+                self.rerun[p.name] = changed
+                shutil.rmtree(p)
+            else:
+                keys.add(p.name)
+        return keys
 
-    def put(self, key: str, meta: dict[str, Any], result: RunResult) -> None:
-        """Stage one finished point, atomically."""
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=self.dir))
+    def _check_ours(self) -> None:
+        """Refuse to remove a folder of that name that kvfrag did not stage."""
+        names = {p.name for p in self.dir.iterdir()}
+        if names and not names & {self.SCENARIO, self.CODE}:
+            raise outdir.UnsafeOutput(
+                f"{self.dir}: not a folder of points staged by kvfrag; move it away"
+            )
+
+    def _read_inputs(self) -> dict[str, dict[str, Any]]:
         try:
-            record = {**meta, "key": key, "summary": result.summary}
+            data = json.loads((self.dir / self.INPUTS).read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _digests(inputs: list[Path], cache: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """Digest of each input; a file whose size and mtime are as cached is not re-read."""
+        out = {}
+        for path in inputs:
+            key = str(path)
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # its points fail to build their workload, and say so
+                continue
+            known = cache.get(key, {})
+            if known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns:
+                out[key] = known["sha256"]
+            else:
+                out[key] = file_digest(path)
+        return out
+
+    def _write_inputs(self, inputs: list[Path]) -> None:
+        data = {}
+        for path in inputs:
+            if str(path) not in self.digests:
+                continue
+            st = path.stat()
+            data[str(path)] = {
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "sha256": self.digests[str(path)],
+            }
+        _write_atomic(self.dir / self.INPUTS, json.dumps(data, indent=1))
+
+    def _changed_inputs(self, folder: Path) -> list[str]:
+        try:
+            record = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+            read = record["inputs"]
+        except (OSError, ValueError, KeyError):
+            return ["(inputs not recorded)"]
+        return sorted(p for p, d in read.items() if self.digests.get(p) != d)
+
+    def put(
+        self, key: str, meta: dict[str, Any], result: RunResult, inputs: Iterable[Path] = ()
+    ) -> None:
+        """Stage one finished point, atomically, with the digests of the files it read."""
+        with writing(self.dir):
+            self._put(key, meta, result, inputs)
+
+    def _put(self, key: str, meta: dict[str, Any], result: RunResult, inputs: Iterable[Path]
+             ) -> None:
+        tmp = temp_dir(self.dir / key)
+        try:
+            read = {str(p): self.digests.get(str(p)) or file_digest(p) for p in inputs}
+            record = {**meta, "key": key, "inputs": read, "summary": result.summary}
             (tmp / "summary.json").write_text(
                 json.dumps(record, default=_json_default, indent=1), encoding="utf-8"
             )

@@ -15,13 +15,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from tqdm import tqdm
 
-from kvfrag.config import add_set_argument, load_scenario
-from kvfrag.results import PointStore, format_table, write_results
-from sim.engine import RunResult
+from kvfrag import outdir
+from kvfrag.config import LoadedScenario, add_set_argument, load_scenario
+from kvfrag.results import VALIDATE_DIR, PointStore, format_table, write_results
+from sim.engine import REJECT_REASONS, RunResult
+from sim.scenario import WORKLOAD_COUNTS
 from sim.sweep import (
     Executor,
     SerialExecutor,
@@ -76,12 +79,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="keep the points an interrupted run of the same scenario finished and run only "
         "the rest (without it, earlier staged points are discarded)",
     )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="if another kvfrag process is writing the same results folder, wait for it "
+        "(default: say which process holds it and stop)",
+    )
     p.add_argument("--no-plots", action="store_true", help="write tables only")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("plot", help="redraw the figures of a results folder")
     p.add_argument("results", type=Path, help="a folder written by kvfrag run")
+    p.add_argument("--wait", action="store_true", help="wait for a run writing that folder")
     p.set_defaults(func=cmd_plot)
 
 
@@ -99,12 +109,54 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = load_scenario(args.scenario, args.sets)
     scenario = loaded.scenario
     out = args.output or Path("results") / scenario.name
-    resolved = loaded.resolved()
+    outdir.check_target(out, early=True)  # before any work: only kvfrag's own folders
     executor = make_executor(args.executor, args.jobs, args.address)
+    store = PointStore(out)
+    try:
+        with outdir.locked(out, f"kvfrag run {args.scenario}", args.wait), \
+                outdir.terminate_as_interrupt():
+            outdir.clean_stale(out)
+            outdir.clean_stale(out / VALIDATE_DIR)  # a killed `kvfrag validate` (same lock)
+            outdir.check_target(out)  # again: another run may have written it as we waited
+            return _run(args, loaded, out, executor, store)
+    except KeyboardInterrupt as exc:
+        hint = ""
+        if store.dir.is_dir():
+            hint = (f": {_staged_count(store)} finished point(s) are staged in {store.dir}/; "
+                    "run again with --resume to finish")
+        print(f"\ninterrupted{hint}", file=sys.stderr)
+        return outdir.interrupt_status(exc)
+    except outdir.OutputError as exc:
+        done = _staged_count(store)
+        if done:
+            raise outdir.OutputError(
+                f"{exc}; the {done} finished point(s) stay staged in {store.dir}/: run again "
+                "with --resume to write the results without recomputing them"
+            ) from None
+        raise
+
+
+def _staged_count(store: PointStore) -> int:
+    try:
+        return sum(1 for p in store.dir.iterdir() if (p / "summary.json").is_file())
+    except OSError:
+        return 0
+
+
+def _run(
+    args: argparse.Namespace,
+    loaded: LoadedScenario,
+    out: Path,
+    executor: Executor,
+    store: PointStore,
+) -> int:
+    scenario = loaded.scenario
+    resolved = loaded.resolved()
     tasks = plan(scenario)
     unique = distinct(tasks)
-    store = PointStore(out)
-    staged = store.open(resolved, args.resume, code_fingerprint())
+    inputs = {t.key: input_files(t.scenario.workload, loaded.base_dir) for t in unique}
+    every_input = sorted({p for files in inputs.values() for p in files})
+    staged = store.open(resolved, args.resume, code_fingerprint(), every_input)
     todo = [t for t in unique if t.key not in staged]
     geo = scenario.geometry
     if not args.quiet:
@@ -120,6 +172,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"finished in {store.dir}/",
                 file=sys.stderr,
             )
+    if args.resume and store.rerun:
+        changed = sorted({p for paths in store.rerun.values() for p in paths})
+        print(
+            f"kvfrag: {len(store.rerun)} staged point(s) run again: their input changed "
+            f"since ({', '.join(changed)})",
+            file=sys.stderr,
+        )
 
     # Each distinct workload is read and generated once, here, and shared with the workers.
     workloads, errors = build_workloads([*todo, tasks[0]], loaded.base_dir)
@@ -136,15 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(runnable) < 2 and executor.name == "processes":
         executor = SerialExecutor()
     results: dict[str, RunResult] = {}
-    try:
-        _run_points(executor, runnable, workloads, store, results, failed, args.quiet)
-    except KeyboardInterrupt:
-        print(
-            f"\ninterrupted: {len(staged) + len(results)} of {len(unique)} point(s) are staged "
-            f"in {store.dir}/; run again with --resume to finish",
-            file=sys.stderr,
-        )
-        return 130
+    _run_points(executor, runnable, workloads, store, results, failed, args.quiet, inputs)
     for key in staged:
         results[key] = store.get(key)
 
@@ -156,7 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     notes = []
     if workload is not None:
         notes.append(f"workload: {source}, {len(workload.requests):,} requests")
-        for name in ("dropped_rows", "clipped", "rejected_long"):
+        for name in WORKLOAD_COUNTS:
             if getattr(workload, name):
                 notes.append(f"{name.replace('_', ' ')}: {getattr(workload, name):,}")
     plot = None
@@ -168,15 +219,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         def plot(folder: Path) -> None:
             plot_results(folder, meta)
 
-    try:
-        write_results(result, out, resolved, plot, failures)
-    except BaseException:
-        print(
-            f"kvfrag: the {len(results)} finished point(s) stay staged in {store.dir}/; "
-            "run again with --resume to write the results without recomputing them",
-            file=sys.stderr,
-        )
-        raise
+    write_results(result, out, resolved, plot, failures)
+    for line in rejection_warnings(result.summary()):
+        print(f"kvfrag: warning: {line}", file=sys.stderr)
     if not args.quiet:
         if notes:
             print("; ".join(notes))
@@ -193,6 +238,52 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     store.remove()
     return 0
+
+
+def input_files(spec: Any, base_dir: Path) -> list[Path]:
+    """Every file a workload reads (traces, empirical length tables, shipped samples):
+    staged points are reused only while these are byte for byte the same."""
+    from workloads import samples
+
+    found: set[Path] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "path" and isinstance(value, str):
+                    if value.startswith("sample:"):
+                        if value.removeprefix("sample:") in samples.names():
+                            found.add(samples.path(value.removeprefix("sample:")))
+                    else:
+                        found.add((base_dir / value).resolve())
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(spec.model_dump(mode="json"))
+    return sorted(found)
+
+
+def rejection_warnings(summary: pd.DataFrame, share: float = 0.5) -> list[str]:
+    """One line per run that rejected more than `share` of its requests, with the reasons."""
+    lines = []
+    for rec in summary.to_dict("records"):
+        rejected = int(rec.get("rejected") or 0)
+        total = rejected + int(rec.get("completed") or 0) + int(rec.get("unfinished") or 0)
+        if total and rejected > share * total:
+            reasons = [
+                f"{why}: {int(rec[f'rejected_{why}']):,}"
+                for why in REJECT_REASONS
+                if rec.get(f"rejected_{why}")
+            ]
+            why = f" ({', '.join(reasons)})" if reasons else ""
+            lines.append(
+                f"{rec['label']} (point {rec['point']}) rejected {rejected:,} of {total:,} "
+                f"requests{why}"
+            )
+    return lines
 
 
 def code_fingerprint() -> str:
@@ -220,6 +311,7 @@ def _run_points(
     results: dict[str, RunResult],
     failed: dict[str, str],
     quiet: bool,
+    inputs: dict[str, list[Path]],
 ) -> None:
     """Run `tasks`, staging each finished point as it completes."""
     frames = {key: w.requests for key, w in workloads.items()}
@@ -232,7 +324,10 @@ def _run_points(
             task = outcome.task
             if outcome.ok:
                 assert outcome.result is not None
-                store.put(task.key, {"index": task.index, **task.params()}, outcome.result)
+                store.put(
+                    task.key, {"index": task.index, **task.params()}, outcome.result,
+                    inputs[task.key],
+                )
                 results[task.key] = outcome.result
             else:
                 failed[task.key] = outcome.error or "failed"
@@ -297,8 +392,13 @@ def _meta(resolved: dict, source: str) -> dict:
 def cmd_plot(args: argparse.Namespace) -> int:
     from kvfrag.plots import redraw
 
-    if not (args.results / "summary.csv").exists():
-        raise FileNotFoundError(f"{args.results}: not a results folder (no summary.csv)")
-    for path in redraw(args.results):
+    folder = args.results
+    if not (folder / "summary.csv").exists():
+        raise FileNotFoundError(f"{folder}: not a results folder (no summary.csv)")
+    outdir.check_target(folder)  # it redraws plots/ in place: only in a folder kvfrag wrote
+    with outdir.locked(folder, f"kvfrag plot {folder}", args.wait), outdir.writing(folder):
+        paths = redraw(folder)
+        outdir.add_to_manifest(folder, paths)
+    for path in paths:
         print(path)
     return 0

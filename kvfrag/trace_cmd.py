@@ -12,6 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from kvfrag import outdir
 from workloads import FORMATS, Workload, load_trace, samples
 from workloads.readers import FIELDS, TIME_UNITS
 from workloads.stats import TraceStats, arrival_rate, length_cdf, trace_stats
@@ -59,6 +60,9 @@ def run_stats(args: argparse.Namespace) -> int:
         time_unit=args.time_unit,
         drop_bad_rows=args.drop_bad_rows,
     )
+    if args.plot is not None:
+        check_plot_target(args.plot)  # before the table: refuse early, write nothing
+        outdir.make_dirs(args.plot.parent)
     print(format_stats(trace_stats(workload), workload))
     if args.plot is not None:
         write_plot(workload, args.plot)
@@ -123,15 +127,59 @@ def write_plot(workload: Workload, out: Path) -> None:
     fig.suptitle(f"{Path(workload.source).name}: {len(df):,} requests")
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    check_plot_target(out)
+    outdir.make_dirs(out.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=100)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
+    except OSError as exc:
+        raise outdir.output_error(exc, out, exact=True) from None
+    try:
+        with os.fdopen(fd, "wb") as fh, outdir.writing(out, exact=True):
+            fig.savefig(fh, format="png", dpi=100, metadata={"Software": PLOT_SOFTWARE})
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
-        os.replace(tmp, out)
+        with outdir.writing(out, exact=True):
+            os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: The PNG `Software` text of a figure `trace stats --plot` wrote: how it knows a file it may
+#: replace from a user's.
+PLOT_SOFTWARE = "kvfrag trace stats"
+
+
+def check_plot_target(out: Path) -> None:
+    """Refuse to write over anything but a PNG that `trace stats --plot` wrote."""
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise outdir.UnsafeOutput(f"{out}: exists and is not a plain file; choose another name")
+    if out.exists() and png_software(out) != PLOT_SOFTWARE:
+        raise outdir.UnsafeOutput(
+            f"{out}: exists and was not written by kvfrag trace stats; kvfrag will not replace "
+            "it (choose another name, or remove it)"
+        )
+
+
+def png_software(path: Path) -> str | None:
+    """The `Software` tEXt chunk of a PNG file (read up to its image data), if any."""
+    try:
+        with path.open("rb") as fh:
+            if fh.read(8) != b"\x89PNG\r\n\x1a\n":
+                return None
+            for _ in range(64):
+                head = fh.read(8)
+                if len(head) < 8:
+                    return None
+                size, kind = int.from_bytes(head[:4], "big"), head[4:]
+                if kind == b"IDAT" or size > 1 << 20:
+                    return None
+                data = fh.read(size)
+                fh.read(4)  # CRC
+                key, _, value = data.partition(b"\0")
+                if kind == b"tEXt" and key == b"Software":
+                    return value.decode("latin-1")
+    except OSError:
+        return None
+    return None

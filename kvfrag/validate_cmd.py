@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvfrag import outdir
 from kvfrag.config import add_set_argument, load_scenario
 from kvfrag.results import VALIDATE_DIR
 from sim.units import format_size, parse_size
@@ -50,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="measure at most N of the log's checkpoints, spread evenly (default 200; 0: all)",
     )
+    p.add_argument(
+        "--wait", action="store_true", help="wait for another kvfrag writing the same results"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or table")
     p.set_defaults(func=cmd_validate)
 
@@ -68,22 +72,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.checkpoints < 0:
         raise ValueError("--checkpoints must be >= 0")
     out = args.output or Path("results") / scenario.name / VALIDATE_DIR
-    if not args.quiet:
-        print(
-            f"{scenario.name}: {len(jobs)} replay(s) on {args.device}, KV budget "
-            f"{format_size(scenario.budget_bytes)}, cap {format_size(cap)}",
-            file=sys.stderr,
-        )
-
-    def progress(o) -> None:
+    outdir.check_target(out, early=True)  # before any work: only kvfrag's own folders
+    # A report inside a run's folder shares that folder's lock: a run replacing the folder
+    # carries the report over, and must not do so while it is being rewritten.
+    lock_target = out.parent if out.name == VALIDATE_DIR else out
+    with outdir.locked(lock_target, f"kvfrag validate {args.scenario}", args.wait), \
+            outdir.terminate_as_interrupt():
+        outdir.clean_stale(out)
+        outdir.check_target(out)
         if not args.quiet:
-            print(f"  {o.label} [{o.mode}]: {o.status}", file=sys.stderr)
+            print(
+                f"{scenario.name}: {len(jobs)} replay(s) on {args.device}, KV budget "
+                f"{format_size(scenario.budget_bytes)}, cap {format_size(cap)}",
+                file=sys.stderr,
+            )
 
-    outcomes = suite.run_jobs(
-        jobs, loaded.base_dir, args.device, args.checkpoints or None, on_job=progress
-    )
-    outcomes += skipped
-    write_report(outcomes, out, loaded.resolved())
+        def progress(o) -> None:
+            if not args.quiet:
+                print(f"  {o.label} [{o.mode}]: {o.status}", file=sys.stderr)
+
+        outcomes = suite.run_jobs(
+            jobs, loaded.base_dir, args.device, args.checkpoints or None, on_job=progress
+        )
+        outcomes += skipped
+        write_report(outcomes, out, loaded.resolved())
     if not args.quiet:
         print(format_table(outcomes))
         print(f"wrote {out}/")

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 
+from kvfrag import outdir
 from kvfrag.results import json_value, replace_dir
 from validate.outcome import FAILING, Outcome
 
@@ -64,30 +64,37 @@ def write_report(
 ) -> Path:
     """Write the report folder atomically; returns it."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    outdir.make_dirs(out_dir.parent)
+    tmp = outdir.temp_dir(out_dir)
     try:
-        df = table(outcomes)
-        df.to_csv(tmp / "validate.csv", index=False)
-        records = [{k: json_value(v) for k, v in r.items()} for r in df.to_dict("records")]
-        (tmp / "validate.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
-        series = [
-            o.series.assign(label=o.label, mode=o.mode, point=o.point)
-            for o in outcomes
-            if not o.series.empty
-        ]
-        if series:
-            pd.concat(series, ignore_index=True).to_parquet(tmp / "series.parquet", index=False)
-        if resolved is not None:
-            (tmp / "scenario.resolved.yaml").write_text(
-                yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
-            )
-        figure(outcomes).savefig(tmp / "validate.png", dpi=110)
+        with outdir.writing(tmp):
+            _write_files(outcomes, tmp, resolved)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_files(outcomes: list[Outcome], tmp: Path, resolved: dict[str, Any] | None) -> None:
+    """Every file of the report, into the temporary folder `tmp`; the manifest last."""
+    df = table(outcomes)
+    df.to_csv(tmp / "validate.csv", index=False)
+    records = [{k: json_value(v) for k, v in r.items()} for r in df.to_dict("records")]
+    (tmp / "validate.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
+    series = [
+        o.series.assign(label=o.label, mode=o.mode, point=o.point)
+        for o in outcomes
+        if not o.series.empty
+    ]
+    if series:
+        pd.concat(series, ignore_index=True).to_parquet(tmp / "series.parquet", index=False)
+    if resolved is not None:
+        (tmp / "scenario.resolved.yaml").write_text(
+            yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
+        )
+    figure(outcomes).savefig(tmp / "validate.png", dpi=110)
+    outdir.write_manifest(tmp, "kvfrag validate")
 
 
 def figure(outcomes: list[Outcome]):

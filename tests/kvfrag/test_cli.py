@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kvfrag.cli import main
+from kvfrag.outdir import write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["token_states", "reserved", "internal", "external", "free"]
@@ -148,6 +149,7 @@ def test_a_new_run_keeps_the_validation_report(tmp_path):
     report = out / "validate" / "validate.csv"
     report.parent.mkdir()
     report.write_text("label,status\npaged-16,pass\n")
+    write_manifest(report.parent, "kvfrag validate")  # as `kvfrag validate` leaves it
     (out / "summary.csv").write_text("stale")
     assert main(args) == 0
     assert report.read_text() == "label,status\npaged-16,pass\n"  # carried over

@@ -3,6 +3,7 @@ the geometry behind the address map; meta loading for `kvfrag plot`."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import matplotlib.image as mpimg
@@ -331,3 +332,164 @@ def test_static_batching_slabs_are_held_until_their_batch_ends():
     assert polys["outline"][0][:, 0].max() == 5.0
     stored = polys["token_states"][0]
     assert np.allclose(stored[:, 0], [0, 0, 1, 2, 5, 5])
+
+
+# ---------------------------------------------------------------- damaged results files
+def _csv_without(data: bytes, *columns: str) -> bytes:
+    from io import BytesIO, StringIO
+
+    frame = pd.read_csv(BytesIO(data)).drop(columns=list(columns))
+    out = StringIO()
+    frame.to_csv(out, index=False)
+    return out.getvalue().encode()
+
+
+def _csv_with(data: bytes, column: str, value: str) -> bytes:
+    from io import BytesIO, StringIO
+
+    frame = pd.read_csv(BytesIO(data))
+    frame[column] = frame[column].astype(object)
+    frame.loc[1, column] = value
+    out = StringIO()
+    frame.to_csv(out, index=False)
+    return out.getvalue().encode()
+
+
+TINY_SCENARIO = """\
+name: tiny
+model: opt-13b
+kv_budget: 4GiB
+max_model_len: 2048
+workload:
+  trace: {path: "sample:azure-conv"}
+  transforms: {first_n: 40}
+allocators:
+  - {label: slab-oracle, kind: contiguous, reserve: oracle}
+  - {label: paged-16, kind: paged, block_size: 16}
+"""
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """A results folder as `kvfrag run` writes it (figures left out: they are redrawn)."""
+    from kvfrag.cli import main
+
+    base = tmp_path_factory.mktemp("written")
+    (base / "tiny.yaml").write_text(TINY_SCENARIO)
+    out = base / "tiny"
+    assert main(["run", str(base / "tiny.yaml"), "-o", str(out), "-q", "--no-plots"]) == 0
+    return out
+
+
+def _copy(results: Path, folder: Path) -> Path:
+    shutil.copytree(results, folder)
+    return folder
+
+
+DAMAGED_SUMMARIES = {
+    "empty": (lambda d: b"", "empty file"),
+    "blank lines": (lambda d: b"\n\n", "empty file"),
+    "header only": (lambda d: d.split(b"\n")[0] + b"\n", "no rows, only a header"),
+    "truncated last row": (lambda d: d[:-30], "truncated"),
+    "truncated mid-file": (lambda d: d[: len(d) // 2], "truncated"),
+    "truncated header": (lambda d: d[:50], "truncated"),
+    "row cut short": (
+        lambda d: d.split(b"\n")[0] + b"\n" + d.split(b"\n")[1][:40] + b"\n",
+        "line 2 has",
+    ),
+    "garbage bytes": (lambda d: bytes(range(256)) * 8, "not a CSV written by kvfrag run"),
+    "binary": (lambda d: b"PAR1\x00\x01\x02" + d, "not a CSV written by kvfrag run"),
+    "foreign csv": (lambda d: b"name,value\na,1\nb,2\n", "not a CSV written by kvfrag run"),
+    "missing columns": (
+        lambda d: _csv_without(d, "label", "token_states"),
+        "missing columns label, token_states",
+    ),
+    "part not a number": (
+        lambda d: _csv_with(d, "token_states", "n/a"),
+        "column token_states holds values that are not numbers",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_SUMMARIES))
+def test_damaged_summary_is_a_clear_error(written, tmp_path, capsys, damage):
+    """`kvfrag plot` on a damaged summary.csv: one line naming the file and the damage, exit 2,
+    nothing drawn (pandas alone would read most of these into nothing, or NaN rows)."""
+    from kvfrag.cli import main
+
+    make, expected = DAMAGED_SUMMARIES[damage]
+    folder = _copy(written, tmp_path / "damaged")
+    path = folder / "summary.csv"
+    path.write_bytes(make(path.read_bytes()))
+    with pytest.raises(plots.ResultsFileError) as caught:
+        plots.redraw(folder)
+    message = str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
+    assert main(["plot", str(folder)]) == 2
+    assert capsys.readouterr().err == f"kvfrag: error: {message}\n"
+    assert not (folder / "plots").exists()
+
+
+DAMAGED_PARQUET = {
+    "truncated": (lambda p: p.read_bytes()[: p.stat().st_size // 2], "not a readable Parquet file"),
+    "cut at the end": (lambda p: p.read_bytes()[:-8], "not a readable Parquet file"),
+    "empty": (lambda p: b"", "not a readable Parquet file"),
+    "garbage": (lambda p: bytes(range(256)) * 8, "not a readable Parquet file"),
+}
+
+
+@pytest.mark.parametrize("name", ["timeseries.parquet", "requests.parquet"])
+@pytest.mark.parametrize("damage", list(DAMAGED_PARQUET))
+def test_damaged_parquet_is_a_clear_error(written, tmp_path, capsys, name, damage):
+    from kvfrag.cli import main
+
+    make, expected = DAMAGED_PARQUET[damage]
+    folder = _copy(written, tmp_path / "damaged")
+    path = folder / name
+    path.write_bytes(make(path))
+    with pytest.raises(plots.ResultsFileError) as caught:
+        plots.redraw(folder)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
+    assert main(["plot", str(folder)]) == 2
+    assert capsys.readouterr().err == f"kvfrag: error: {message}\n"
+    assert not (folder / "plots").exists()
+
+
+def test_summary_of_a_run_where_every_point_failed(written, tmp_path):
+    """`kvfrag run` writes an empty summary when no point finished: say so, not 'damaged'."""
+    folder = _copy(written, tmp_path / "failed")
+    (folder / "summary.csv").write_text("\n")
+    (folder / "failures.csv").write_text("label,point,error\npaged-16,0,boom\n")
+    with pytest.raises(plots.ResultsFileError, match=r"every run failed: see failures\.csv"):
+        plots.redraw(folder)
+
+
+def test_parquet_without_the_columns_figures_need(written, tmp_path):
+    folder = _copy(written, tmp_path / "damaged")
+    pd.read_parquet(folder / "timeseries.parquet").drop(columns=["t"]).to_parquet(
+        folder / "timeseries.parquet"
+    )
+    with pytest.raises(plots.ResultsFileError, match=r"timeseries\.parquet: missing columns t$"):
+        plots.redraw(folder)
+
+
+def test_a_run_that_rejected_everything_is_drawn(written, tmp_path, capsys):
+    """`kvfrag run` with a budget that holds no request: every request is rejected, the parts
+    still sum to 1, the reasons are counted, and the folder plots."""
+    from kvfrag.cli import main
+
+    out = tmp_path / "none-fit"
+    scenario = written.parent / "tiny.yaml"
+    args = ["run", str(scenario), "-o", str(out), "-q", "--set", "kv_budget=1MiB"]
+    assert main(args) == 0
+    summary = plots.read_summary(out / "summary.csv")
+    assert (summary["requests"] > 0).all() and (summary["completed"] == 0).all()
+    assert (summary["rejected"] == summary["requests"]).all()
+    assert (summary["rejected_too_large"] == summary["requests"]).all()
+    sums = summary[list(plots.PARTS)].sum(axis=1)
+    assert np.allclose(sums, 1.0, rtol=0, atol=1e-12)
+    assert len(list((out / "plots").glob("breakdown.*"))) == 2
+    capsys.readouterr()
+    assert main(["plot", str(out)]) == 0
