@@ -462,3 +462,16 @@ def test_a_killed_report_in_a_folder_of_its_own_is_cleaned(tmp_path):
     assert (tmp_path / "mine" / ".x.tmp-abcdefgh" / "keep.txt").exists()
     assert _run(out) == 0
     assert not (out / ".validate.tmp-abcdefgh").exists()
+
+
+def test_validate_refuses_a_users_folder_and_a_file(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.bin").write_text("keep")
+    (tmp_path / "file").write_text("keep")
+    for target in (mine, tmp_path / "file"):
+        assert main(["validate", str(TINY), "-o", str(target), "-q", *VALIDATE]) == 2
+        assert str(target) in capsys.readouterr().err
+    assert (mine / "data.bin").read_text() == "keep"
+    assert (tmp_path / "file").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]
