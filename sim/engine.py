@@ -17,8 +17,10 @@ Iteration semantics (the reference the tests hold the fast path to):
 2. Waiting requests are admitted in arrival order while `max_num_seqs`, the token budget
    (`max_num_batched_tokens` less one token per decoder) and the allocator allow. Strict FCFS
    stops at the first refusal; `admission="skip"` lets later requests that fit jump ahead
-   (within `lookahead`). A request is admitted with its prompt plus the first output token's
-   slot; with chunked prefill its prompt arrives chunk by chunk over several iterations.
+   (within `lookahead`). Slots follow vLLM: a slot holds a token the model has read, so a
+   request is admitted with its prompt's P slots, each decode step takes one more, and it ends
+   holding P + O - 1 (its last sampled token is never read; sample groups and beams keep one
+   slot ahead, see `slot_request`). With chunked prefill the prompt arrives chunk by chunk.
 3. The iteration takes base + a x batched_tokens + c x KV tokens read seconds, where every
    sequence reads its whole context (n samples of a request read a shared prompt n times).
 4. At its end, prefilled requests start decoding; a request that stored its final token is
@@ -137,7 +139,9 @@ class _Req:
         "frag_refused",
         "generated",
         "idx",
+        "lead",
         "offset",
+        "output",
         "peak",
         "preemptions",
         "prefill",
@@ -151,9 +155,11 @@ class _Req:
         "user",
     )
 
-    def __init__(self, idx: int, req: Request, arrival: float) -> None:
+    def __init__(self, idx: int, req: Request, arrival: float, output: int, lead: int) -> None:
         self.idx = idx
         self.req = req
+        self.output = output  # output tokens the request generates (its trace length)
+        self.lead = lead  # slots taken ahead of the token that fills them (see `slot_request`)
         self.arrival = arrival
         self.admitted = math.nan
         self.first_token = math.nan
@@ -336,8 +342,10 @@ class Engine:
         r.preemptions += 1
         self.recomputed += stored
         self.preemptions += 1
-        # A decoder recomputes everything it stored; a half-prefilled one starts its prefill over.
-        r.prefill = stored if decoded else r.prefill
+        # A decoder recomputes everything it stored and its last sampled token, which had no
+        # slot yet (a group's slots run one ahead: its stored tokens include it); a
+        # half-prefilled one starts its prefill over.
+        r.prefill = stored + 1 - r.lead if decoded else r.prefill
         r.status = "waiting"
         self.queue.appendleft(r)
 
@@ -404,7 +412,7 @@ class Engine:
                 continue  # preempted by an earlier chunk this iteration
             chunk = min(r.prefill_left, budget - used)
             last = chunk == r.prefill_left
-            while not (grant := self.alloc.grow(r.req.rid, chunk + last)):
+            while not (grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0))):
                 victim = next(reversed(self.running))
                 self._preempt(victim)
                 if victim is r:
@@ -422,7 +430,7 @@ class Engine:
         """Admit `r` with its first chunk; returns the refusal reason, or None if admitted."""
         alloc, cfg = self.alloc, self.cfg
         whole = hit + chunk == r.prefill
-        tokens = hit + chunk + 1 if whole else hit + chunk
+        tokens = hit + chunk + (r.lead if whole else 0)
         if cfg.watermark:
             need, keep = alloc.bytes_for(r.req, tokens), cfg.watermark * alloc.capacity
             if need > alloc.capacity - keep:
@@ -526,7 +534,7 @@ class Engine:
         alloc, rid, now = self.alloc, r.req.rid, self.env.now
         r.status = "completed"
         r.finished = now
-        r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt)
+        r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt + 1 - r.lead)
         del self.running[r]
         self.seqs -= r.req.n
         if self.cfg.batching == "static":
@@ -686,7 +694,7 @@ class Engine:
                 "request_id": [r.req.rid for r in reqs],
                 "arrival_s": [r.arrival for r in reqs],
                 "prompt_tokens": [r.req.prompt for r in reqs],
-                "output_tokens": [r.req.output for r in reqs],
+                "output_tokens": [r.output for r in reqs],
                 "status": [r.status for r in reqs],
                 "reason": [r.reason for r in reqs],
                 "admitted_s": [r.admitted for r in reqs],
@@ -830,22 +838,46 @@ def _requests_from(workload: pd.DataFrame) -> list[_Req]:
         if k > 1 and width > 1:
             raise ValueError(f"request {rid[i]}: n and beam_width are both above 1")
         prefix = tuple(int(h) for h in hashes[i]) if hashes is not None and chunk else ()
-        req = Request(
-            int(rid[i]),
-            int(prompt[i]),
-            int(output[i]),
-            mt,
-            n=max(k, width),
-            beam=width > 1,
-            prefix=prefix,
-            prefix_tokens=chunk if prefix else 0,
+        req, lead = slot_request(
+            int(rid[i]), int(prompt[i]), int(output[i]), mt, max(k, width), width > 1, prefix,
+            chunk if prefix else 0,
         )
-        r = _Req(i, req, float(arrival[i]))
+        r = _Req(i, req, float(arrival[i]), int(output[i]), lead)
         if users is not None:
             r.user = int(users[i])
             r.think = float(think[i]) if think is not None else 0.0
         reqs.append(r)
     return reqs
+
+
+def slot_request(
+    rid: int,
+    prompt: int,
+    output: int,
+    max_tokens: int | None,
+    n: int,
+    beam: bool,
+    prefix: tuple[int, ...],
+    prefix_tokens: int,
+) -> tuple[Request, int]:
+    """What the allocator is told of a request that generates `output` tokens, and its lead.
+
+    vLLM's convention: a slot holds the KV of a token the model has read. The prefill takes
+    the prompt's P slots and samples the first token; each decode step reads the last sampled
+    token (taking its slot) and samples the next; the last sampled token is never read. A
+    request therefore holds P slots after its prefill and P + O - 1 at the end, and its
+    allocator request stores `output - 1` tokens past the prompt (a `max_tokens` limit alike).
+    Sample groups and beams keep one slot ahead (lead 1): their sequences fork at the first
+    sampled token, so they are admitted with its slot (P + 1) and end at P + O (vLLM v1 runs
+    the n samples of a request as n requests sharing the prompt's cached blocks; there is no
+    fork to compare with).
+    """
+    lead = 1 if n > 1 else 0
+    stored = output - 1 + lead
+    limit = None if max_tokens is None else max_tokens - 1 + lead
+    req = Request(rid, prompt, stored, limit, n=n, beam=beam, prefix=prefix,
+                  prefix_tokens=prefix_tokens)
+    return req, lead
 
 
 def _reference_request(reqs: list[_Req]) -> Request:

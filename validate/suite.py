@@ -187,7 +187,7 @@ def _simulate(job: Job, base_dir: Path, cache: dict[str, Any]):
 def _requested_sizes(allocator: Any, requests: Any) -> dict[int, int]:
     """Bytes each request asks its slab allocator for (before any rounding the allocator
     applies): what torch mode passes to torch.empty."""
-    from sim.allocators import Request
+    from sim.engine import slot_request
 
     slab = getattr(allocator, "slab_bytes", None)
     if slab is None or "request_id" not in requests:
@@ -198,7 +198,12 @@ def _requested_sizes(allocator: Any, requests: Any) -> dict[int, int]:
     for row in requests.itertuples(index=False):
         mt = getattr(row, "max_tokens", None) if has_max else None
         mt = None if mt is None or mt != mt else int(mt)
-        req = Request(int(row.request_id), int(row.prompt_tokens), int(row.output_tokens), mt)
+        n = 1
+        for col in ("n", "beam_width"):
+            k = getattr(row, col, 1)
+            n *= 1 if k is None or k != k else int(k)  # (NaN: not set)
+        req, _ = slot_request(int(row.request_id), int(row.prompt_tokens),
+                              int(row.output_tokens), mt, n, False, (), 0)
         out[req.rid] = int(slab(min(allocator.reservation_tokens(req), mml)))
     return out
 

@@ -49,7 +49,12 @@ class Reason(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """What an allocator may know of a request: its lengths and any declared output limit."""
+    """What an allocator may know of a request: its lengths and any declared output limit.
+
+    `output` counts the tokens stored past the prompt, which the engine derives from a served
+    request's output length (`sim.engine.slot_request`: one less, as the last sampled token
+    is never stored); `max_tokens` likewise bounds stored tokens past the prompt.
+    """
 
     rid: int
     prompt: int
@@ -61,12 +66,14 @@ class Request:
     prefix_tokens: int = 0  # tokens per hashed chunk (512 in the Mooncake trace)
 
     def __post_init__(self) -> None:
-        if self.prompt < 1 or self.output < 1:
-            raise ValueError(f"request {self.rid}: prompt and output must be >= 1 token")
+        if self.prompt < 1 or self.output < 0:
+            raise ValueError(f"request {self.rid}: prompt must be >= 1 token and output >= 0")
         if self.n < 1:
             raise ValueError(f"request {self.rid}: n must be >= 1")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"request {self.rid}: max_tokens must be >= 1")
+        if self.n > 1 and self.output < 1:
+            raise ValueError(f"request {self.rid}: a group of {self.n} stores >= 1 output token")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"request {self.rid}: max_tokens must be >= 0")
 
     @property
     def final(self) -> int:

@@ -428,11 +428,14 @@ def test_misuse_raises(kind, opts):
 def test_request_validation():
     with pytest.raises(ValueError, match=">= 1 token"):
         Request(0, 0, 5)
-    with pytest.raises(ValueError, match=">= 1 token"):
-        Request(0, 5, 0)
+    with pytest.raises(ValueError, match="output >= 0"):
+        Request(0, 5, -1)
+    with pytest.raises(ValueError, match="group of 2"):
+        Request(0, 5, 0, n=2)  # its sequences fork at a stored output token
     with pytest.raises(ValueError, match="max_tokens"):
-        Request(0, 5, 5, max_tokens=0)
+        Request(0, 5, 5, max_tokens=-1)
     assert Request(0, 5, 7).final == 12
+    assert Request(0, 5, 0).final == 5  # a one-token answer stores only its prompt
 
 
 def test_grant_truthy_refusal_falsy():

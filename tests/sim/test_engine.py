@@ -26,18 +26,25 @@ NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
     """Per-iteration stepper with the engine's documented semantics (continuous batching)."""
     st_ = cfg.step_time
+    def lead(row) -> int:
+        """Slots a request holds ahead of the tokens read: vLLM's convention (0: P slots
+        after the prefill, P + O - 1 at the end), but groups fork with their first token's
+        slot taken at admission (1)."""
+        return int(int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)) > 1)
+
     reqs = [
         {
             "rid": int(row.request_id),
             "req": Request(
                 int(row.request_id),
                 int(row.prompt_tokens),
-                int(row.output_tokens),
+                int(row.output_tokens) - 1 + lead(row),
                 n=int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)),
                 beam=int(getattr(row, "beam_width", 1)) > 1,
                 prefix=tuple(getattr(row, "hash_ids", ())),
                 prefix_tokens=workload.attrs.get("hash_block_tokens", 0),
             ),
+            "lead": lead(row),
             "arrival": float(row.arrival_s),
             "admitted": math.nan,
             "first": math.nan,
@@ -78,7 +85,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
         r["recomputed"] += stored
         r["preemptions"] += 1
         if decoding:
-            r["prefill"] = stored
+            r["prefill"] = stored + 1 - r["lead"]  # and the last sampled token, slot-less
         r["status"] = "waiting"
         queue.appendleft(r)
 
@@ -113,7 +120,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             chunk = min(r["left"], budget - used)
             last = chunk == r["left"]
             ok = True
-            while not alloc.grow(r["rid"], chunk + last):
+            while not alloc.grow(r["rid"], chunk + r["lead"] * last):
                 victim = running[-1]
                 preempt(victim)
                 if victim is r:
@@ -141,7 +148,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
                 reason = None
             else:
                 whole = chunk == work
-                grant = alloc.admit(r["req"], hit + chunk + whole, decoding=False)
+                grant = alloc.admit(r["req"], hit + chunk + r["lead"] * whole, decoding=False)
                 reason = None if grant else grant.reason
                 if grant:
                     del queue[i]
@@ -185,7 +192,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             rid = r["rid"]
             if alloc.is_decoding(rid) and alloc.tokens(rid) == alloc.final_tokens(rid):
                 r["status"], r["finished"] = "completed", t
-                r["generated"] = r["req"].n * (alloc.tokens(rid) - r["req"].prompt)
+                r["generated"] = r["req"].n * (alloc.tokens(rid) - r["req"].prompt + 1 - r["lead"])
                 r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
                 alloc.free(rid)
                 running.remove(r)
@@ -380,8 +387,11 @@ def test_conservation_and_truncation():
     assert (rejected["prompt_tokens"] >= 100).all()
     assert (rejected["reason"] == "prompt_too_long").all()
     done = req[req["status"] == "completed"]
-    cap = np.minimum(2 ** np.ceil(np.log2(done["prompt_tokens"] + done["output_tokens"])), 100)
-    expected = np.minimum(done["output_tokens"], cap - done["prompt_tokens"])
+    # vLLM's slots: P + O - 1 at the end (the last sampled token is never stored); a request
+    # ends at its reservation's last slot, with the token it samples there.
+    final = done["prompt_tokens"] + done["output_tokens"] - 1
+    cap = np.minimum(2 ** np.ceil(np.log2(final)), 100)
+    expected = np.minimum(done["output_tokens"], cap - done["prompt_tokens"] + 1)
     assert (done["generated_tokens"] == expected).all()
     assert s["generated_tokens"] == expected.sum()
 
@@ -473,14 +483,14 @@ def test_static_batch_ends_when_its_last_runner_is_preempted():
             "request_id": [0, 1],
             "arrival_s": [0.0, 0.0],
             "prompt_tokens": [10, 10],
-            "output_tokens": [2, 15],  # 12 and 25 tokens: together more than 30 blocks
+            "output_tokens": [2, 15],  # 11 and 24 slots: together more than 30 blocks
         }
     )
     cfg = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, batching="static")
     result = run(wl, alloc, cfg)
     req = result.requests.set_index("request_id")
     assert (req["status"] == "completed").all()
-    assert req.loc[1, "preemptions"] == 1 and req.loc[1, "recomputed_tokens"] == 18
+    assert req.loc[1, "preemptions"] == 1 and req.loc[1, "recomputed_tokens"] == 19
     # The short request held its memory until its batch ended, at the preemption.
     assert req.loc[0, "finished_s"] < req.loc[0, "released_s"] < req.loc[1, "finished_s"]
 
