@@ -78,7 +78,7 @@ class EngineConfig:
     chunked_prefill: bool = False
     admission: str = "fcfs"  # or "skip"
     lookahead: int = 64  # with admission="skip": how deep into the queue to look
-    watermark: float = 0.0  # fraction of the budget left free at admission
+    watermark: float = 0.0  # fraction of the budget an admission leaves free while others run
     step_time: StepTime = field(default_factory=StepTime)
     max_time_s: float | None = None  # stop the simulation here (None: run to the end)
     log_allocations: bool = False  # record every allocation for `validate` (costs O(running))
@@ -232,6 +232,7 @@ class Engine:
         self.prefix_hits = 0  # of them found in the prefix cache
         self.max_running = 0
         self.preemptions = 0
+        self.preempted_now = False  # a request was preempted in this iteration
         self.recomputed = 0
         self.frag_blocked_s = 0.0
         self.head_reason: Reason | None = None
@@ -275,15 +276,16 @@ class Engine:
                 self._record(wait, 0)
                 yield env.timeout(wait)
                 continue
+            self.preempted_now = False
             self._ensure_decode_room()
             decoders = self.alloc.decoding_weight  # sequences: n samples of a request count n
             if decoders:
                 self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
             prefill_tokens = self._schedule(decoders)
             if not prefill_tokens and not decoders:
-                if self.running or self.queue:
+                if (self.running or self.queue) and not self.preempted_now:
                     raise RuntimeError("engine stalled: requests wait but none can run")
-                continue  # every waiting request was rejected
+                continue  # every waiting request was rejected, or the step only preempted
             if prefill_tokens:
                 # A compaction during admission stalls every running request.
                 dt = self._iteration_time(decoders + prefill_tokens) + self.alloc.take_stall()
@@ -342,6 +344,7 @@ class Engine:
         r.preemptions += 1
         self.recomputed += stored
         self.preemptions += 1
+        self.preempted_now = True
         # A decoder recomputes everything it stored and its last sampled token, which had no
         # slot yet (a group's slots run one ahead: its stored tokens include it); a
         # half-prefilled one starts its prefill over.
@@ -354,6 +357,8 @@ class Engine:
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens - decoders
         used = self._continue_prefills(budget)
+        if self.preempted_now:
+            return used  # as vLLM: no admissions in a step that had to preempt
         if cfg.batching == "static" and (self.running or self.batch_done):
             return used  # a static batch admits nobody until it has finished
         queue = self.queue
@@ -431,11 +436,15 @@ class Engine:
         alloc, cfg = self.alloc, self.cfg
         whole = hit + chunk == r.prefill
         tokens = hit + chunk + (r.lead if whole else 0)
-        if cfg.watermark:
-            need, keep = alloc.bytes_for(r.req, tokens), cfg.watermark * alloc.capacity
-            if need > alloc.capacity - keep:
+        # vLLM's admission gate: the whole prompt (less its cached prefix) must fit, with the
+        # watermark kept free while anybody else runs, even when only a first chunk is taken.
+        keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and self.running else 0
+        if cfg.chunked_prefill or keep:
+            if alloc.too_large(r.req):
                 return Reason.TOO_LARGE
-            if alloc.free_bytes() - need < keep:
+            full = r.prefill + r.lead
+            need = alloc.bytes_for(r.req, full) - (alloc.bytes_for(r.req, hit) if hit else 0)
+            if need + keep > alloc.free_bytes():
                 return Reason.OUT_OF_MEMORY
         grant = alloc.admit(r.req, tokens, decoding=False)
         self._apply_moves()
@@ -484,6 +493,8 @@ class Engine:
         w0 = self._iteration_time(decoders)
         w1 = st.per_kv_token_s * decoders  # each iteration adds one token per decoding sequence
         n = 1 + alloc.steps_until_done()
+        if self.preempted_now and self.queue:
+            n = 1  # admissions were skipped this iteration: the next one tries them
         full = alloc.steps_until_full()
         if full is not None:
             n = min(n, 1 + full)

@@ -331,6 +331,18 @@ class Allocator(ABC):
     def bytes_for(self, req: Request, tokens: int) -> int:
         """Bytes `admit(req, tokens)` would allocate (for watermarks and what-ifs)."""
 
+    def too_large(self, req: Request) -> bool:
+        """Whether `req` could never be held to its final length, even alone (what `admit`
+        refuses as TOO_LARGE): an admission gate that looks at its prompt alone asks this
+        first, so that its verdict does not depend on the free memory of the moment."""
+        final = min(req.final, self.reservation_tokens(req), self.max_model_len)
+        return self.bytes_for(req, final) > self.watermark_bytes(1.0)
+
+    def watermark_bytes(self, fraction: float) -> int:
+        """The free memory an admission must leave for a watermark of `fraction` (vLLM keeps
+        int(fraction x blocks) whole blocks; a slab allocator that share of its bytes)."""
+        return int(fraction * self.capacity)
+
     def reservation_tokens(self, req: Request) -> int:
         """Tokens this allocator would set aside for `req` at admission (its placement unit)."""
         return self.max_model_len

@@ -237,6 +237,9 @@ class PagedAllocator(Allocator):
     def bytes_for(self, req: Request, tokens: int) -> int:
         return self._count_blocks(req, tokens, req.prompt // self.block_size) * self.block_bytes
 
+    def watermark_bytes(self, fraction: float) -> int:
+        return int(fraction * self.num_blocks) * self.block_bytes
+
     def saved_by_sharing(self) -> int:
         saved = self._fixed_saved + self._saved.value(self._clock)
         return saved * self.block_bytes

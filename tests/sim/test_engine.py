@@ -70,6 +70,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
     prefilling: list = []
     integrals = dict.fromkeys(PARTS, 0.0)
     t, total = 0.0, 0.0
+    preempted = [False]  # in this iteration
 
     def seqs():
         return sum(r["req"].n for r in running)
@@ -84,6 +85,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             prefilling.remove(r)
         r["recomputed"] += stored
         r["preemptions"] += 1
+        preempted[0] = True
         if decoding:
             r["prefill"] = stored + 1 - r["lead"]  # and the last sampled token, slot-less
         r["status"] = "waiting"
@@ -104,6 +106,7 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             total += dt
             t = pending[0]["arrival"]
             continue
+        preempted[0] = False
         while alloc.n_decoding and alloc.steps_until_full() == 0:
             preempt(running[-1])
         decoders = alloc.decoding_weight
@@ -133,7 +136,9 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
                     prefilling.remove(r)
                     done_prefill.append(r)
         i = 0
-        while i < len(queue) and seqs() < cfg.max_num_seqs and used < budget:
+        while (
+            not preempted[0] and i < len(queue) and seqs() < cfg.max_num_seqs and used < budget
+        ):
             r = queue[i]
             if r["req"].n > cfg.max_num_seqs:
                 del queue[i]
@@ -144,10 +149,19 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             hit = alloc.cached_prefix_tokens(r["req"])
             work = r["prefill"] - hit
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
+            whole = chunk == work
+            full = alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) - (
+                alloc.bytes_for(r["req"], hit) if hit else 0
+            )
+            keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and running else 0
+            gate = cfg.chunked_prefill or keep
             if chunk > budget - used:
                 reason = None
+            elif gate and alloc.too_large(r["req"]):
+                reason = Reason.TOO_LARGE
+            elif gate and full + keep > alloc.free_bytes():
+                reason = Reason.OUT_OF_MEMORY  # the whole prompt must fit, and the watermark
             else:
-                whole = chunk == work
                 grant = alloc.admit(r["req"], hit + chunk + r["lead"] * whole, decoding=False)
                 reason = None if grant else grant.reason
                 if grant:
@@ -168,8 +182,8 @@ def reference(workload: pd.DataFrame, alloc, cfg: EngineConfig) -> dict:
             if cfg.admission == "fcfs" or i >= cfg.lookahead:
                 break
         if not decoders and not used:
-            assert not running and not queue
-            continue  # everything waiting was rejected: no iteration runs
+            assert (not running and not queue) or preempted[0]
+            continue  # everything waiting was rejected, or it only preempted: no iteration
         dt = (
             st_.base_s
             + st_.per_batched_token_s * (decoders + used)
@@ -265,9 +279,10 @@ ALLOCATORS = [
     samples=st.sampled_from([1, 1, 3]),
     beams=st.booleans(),
     max_seqs=st.sampled_from([8, 8, 2]),  # 2: groups of 3 never fit a batch
+    watermark=st.sampled_from([0.0, 0.0, 0.1]),
 )
 def test_fast_engine_matches_per_iteration_reference(
-    seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams, max_seqs
+    seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams, max_seqs, watermark
 ):
     kind, opts = ALLOCATORS[which]
     if kind == "vattention" and opts["page_size"] % 24:
@@ -283,6 +298,7 @@ def test_fast_engine_matches_per_iteration_reference(
         chunked_prefill=chunked,
         admission="skip" if skip else "fcfs",
         lookahead=3,
+        watermark=watermark,
         step_time=StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
     )
 
