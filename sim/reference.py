@@ -1,0 +1,236 @@
+"""A plain per-iteration stepper with the engine's documented semantics: the specification
+the fast engine (`sim.engine`) is held to, and what is compared with vLLM's own scheduler
+iteration by iteration (`tests/oracle`).
+
+It visits every iteration and sums the accounting x dt one iteration at a time: no decode
+stretches, no closed forms, so its cost grows with generated tokens. Use it to check, not to
+run workloads. With `trace` (a list), each iteration appends one record: when it started,
+requests running and waiting after it, preemptions and admissions in it, and bytes allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import pandas as pd
+
+from sim.allocators import PARTS, Reason, Request
+from sim.engine import EngineConfig
+
+NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
+
+
+def reference(
+    workload: pd.DataFrame, alloc, cfg: EngineConfig, trace: list | None = None
+) -> dict:
+    """Run `workload` on `alloc` one iteration at a time (continuous batching): the requests
+    (status, times, preemptions, ...), the time-averaged parts and the simulated time."""
+    st_ = cfg.step_time
+    def lead(row) -> int:
+        """Slots a request holds ahead of the tokens read: vLLM's convention (0: P slots
+        after the prefill, P + O - 1 at the end), but groups fork with their first token's
+        slot taken at admission (1)."""
+        return int(int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)) > 1)
+
+    reqs = [
+        {
+            "rid": int(row.request_id),
+            "req": Request(
+                int(row.request_id),
+                int(row.prompt_tokens),
+                int(row.output_tokens) - 1 + lead(row),
+                n=int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)),
+                beam=int(getattr(row, "beam_width", 1)) > 1,
+                prefix=tuple(getattr(row, "hash_ids", ())),
+                prefix_tokens=workload.attrs.get("hash_block_tokens", 0),
+            ),
+            "lead": lead(row),
+            "arrival": float(row.arrival_s),
+            "admitted": math.nan,
+            "first": math.nan,
+            "finished": math.nan,
+            "status": "pending",
+            "preemptions": 0,
+            "recomputed": 0,
+            "prefill": int(row.prompt_tokens),
+            "left": 0,
+            "peak": 0,
+        }
+        for row in workload.itertuples()
+    ]
+    by_rid = {r["rid"]: r for r in reqs}
+    ref = Request(
+        -1,
+        max(int(np.median([r["req"].prompt for r in reqs])), 1),
+        max(int(np.median([r["req"].output for r in reqs])), 1),
+    )
+    pending = sorted(reqs, key=lambda r: r["arrival"])
+    queue: deque = deque()
+    running: list = []
+    prefilling: list = []
+    integrals = dict.fromkeys(PARTS, 0.0)
+    t, total = 0.0, 0.0
+    preempted = [False]  # in this iteration
+    counts = {"preempted": 0, "admitted": 0}  # in this iteration
+
+    def seqs():
+        return sum(r["req"].n for r in running)
+
+    def preempt(r):
+        stored = alloc.tokens(r["rid"])
+        r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
+        decoding = alloc.is_decoding(r["rid"])
+        alloc.free(r["rid"])
+        running.remove(r)
+        if r in prefilling:
+            prefilling.remove(r)
+        r["recomputed"] += stored
+        r["preemptions"] += 1
+        preempted[0] = True
+        counts["preempted"] += 1
+        if decoding:
+            r["prefill"] = stored + 1 - r["lead"]  # and the last sampled token, slot-less
+        r["status"] = "waiting"
+        queue.appendleft(r)
+
+    while True:
+        while pending and pending[0]["arrival"] <= t:
+            r = pending.pop(0)
+            r["status"] = "waiting"
+            queue.append(r)
+        if not running and not queue:
+            if not pending:
+                break
+            dt = pending[0]["arrival"] - t
+            acc = alloc.account(ref)
+            for p in PARTS:
+                integrals[p] += getattr(acc, p) * dt
+            total += dt
+            t = pending[0]["arrival"]
+            continue
+        preempted[0] = False
+        counts.update(preempted=0, admitted=0)
+        while alloc.n_decoding and alloc.steps_until_full() == 0:
+            preempt(running[-1])
+        decoders = alloc.decoding_weight
+        if decoders:
+            assert alloc.step(1)
+        budget = cfg.max_num_batched_tokens - decoders
+        used = 0
+        done_prefill = []
+        for r in list(prefilling):
+            if used >= budget:
+                break
+            if r["status"] != "running":
+                continue
+            chunk = min(r["left"], budget - used)
+            last = chunk == r["left"]
+            ok = True
+            while not alloc.grow(r["rid"], chunk + r["lead"] * last):
+                victim = running[-1]
+                preempt(victim)
+                if victim is r:
+                    ok = False
+                    break
+            if ok:
+                r["left"] -= chunk
+                used += chunk
+                if last:
+                    prefilling.remove(r)
+                    done_prefill.append(r)
+        i = 0
+        while (
+            not preempted[0] and i < len(queue) and seqs() < cfg.max_num_seqs and used < budget
+        ):
+            r = queue[i]
+            if r["req"].n > cfg.max_num_seqs:
+                del queue[i]
+                r["status"], r["finished"] = "rejected", t
+                continue
+            if seqs() + r["req"].n > cfg.max_num_seqs:
+                break
+            hit = alloc.cached_prefix_tokens(r["req"])
+            work = r["prefill"] - hit
+            chunk = min(work, budget - used) if cfg.chunked_prefill else work
+            whole = chunk == work
+            full = alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) - (
+                alloc.bytes_for(r["req"], hit) if hit else 0
+            )
+            keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and running else 0
+            gate = cfg.chunked_prefill or keep
+            if chunk > budget - used:
+                reason = None
+            elif gate and alloc.too_large(r["req"]):
+                reason = Reason.TOO_LARGE
+            elif gate and full + keep > alloc.free_bytes():
+                reason = Reason.OUT_OF_MEMORY  # the whole prompt must fit, and the watermark
+            else:
+                grant = alloc.admit(r["req"], hit + chunk + r["lead"] * whole, decoding=False)
+                reason = None if grant else grant.reason
+                if grant:
+                    del queue[i]
+                    used += chunk
+                    counts["admitted"] += 1
+                    if math.isnan(r["admitted"]):
+                        r["admitted"] = t
+                    r["status"] = "running"
+                    r["left"] = r["prefill"] - hit - chunk
+                    running.append(r)
+                    (done_prefill if whole else prefilling).append(r)
+                    continue
+            if reason in NEVER:
+                del queue[i]
+                r["status"], r["finished"] = "rejected", t
+                continue
+            i += 1
+            if cfg.admission == "fcfs" or i >= cfg.lookahead:
+                break
+        if not decoders and not used:
+            assert (not running and not queue) or preempted[0]
+            continue  # everything waiting was rejected, or it only preempted: no iteration
+        dt = (
+            st_.base_s
+            + st_.per_batched_token_s * (decoders + used)
+            + st_.per_kv_token_s * alloc.sequence_tokens()
+        )
+        acc = alloc.account(queue[0]["req"] if queue else ref)
+        acc.check()
+        for p in PARTS:
+            integrals[p] += getattr(acc, p) * dt
+        total += dt
+        t += dt
+        for r in done_prefill:
+            if r["status"] == "running":
+                alloc.set_decoding(r["rid"], True)
+                if math.isnan(r["first"]):
+                    r["first"] = t
+        # Requests done together free in rid order (prefix caching: the order idle blocks
+        # are evicted in).
+        for r in sorted(running, key=lambda r: r["rid"]):
+            rid = r["rid"]
+            if alloc.is_decoding(rid) and alloc.tokens(rid) == alloc.final_tokens(rid):
+                r["status"], r["finished"] = "completed", t
+                r["generated"] = r["req"].n * (alloc.tokens(rid) - r["req"].prompt + 1 - r["lead"])
+                r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
+                alloc.free(rid)
+                running.remove(r)
+        if trace is not None:
+            trace.append(
+                {
+                    "start": t - dt,
+                    "scheduled_tokens": decoders + used,
+                    "running": len(running),
+                    "waiting": len(queue),
+                    **counts,
+                    "allocated_bytes": alloc.capacity - alloc.free_bytes(),
+                }
+            )
+    cap = alloc.capacity
+    if total:
+        fractions = {p: integrals[p] / (cap * total) for p in PARTS}
+    else:  # no time passed: the allocator's state at that instant
+        acc = alloc.account(ref)
+        fractions = {p: getattr(acc, p) / cap for p in PARTS}
+    return {"requests": by_rid, "fractions": fractions, "time": total}

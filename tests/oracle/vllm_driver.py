@@ -1,0 +1,436 @@
+"""Drive vLLM's real v1 ``Scheduler`` / ``KVCacheManager`` on CPU, step by step (a test oracle).
+
+``run_vllm(requests, ...)`` replays a list of ``OracleRequest`` through
+``vllm.v1.core.sched.scheduler.Scheduler`` (the synchronous one: no async scheduling, no
+speculative decoding, one KV-cache group of full attention) and records every iteration, so
+kvfrag's engine can be compared with vLLM iteration by iteration.
+
+Loop (step k = the k-th call of ``schedule()``, k = 0, 1, 2, ...):
+
+1. add every request with ``arrival_step <= k`` not yet added, in (arrival_step, rid) order;
+2. ``schedule()`` -- also when nothing can run (an empty step is recorded);
+3. a fake ``ModelRunnerOutput``: one sampled token (``SAMPLED_TOKEN``) for each scheduled
+   request whose prompt (plus, for a resumed request, its earlier output) is complete after
+   this step's tokens; a partial prefill chunk samples nothing (what vLLM's model runner does);
+4. ``update_from_output()``; record the step.
+
+It stops when every request has finished. A request ends after ``output_tokens`` sampled
+tokens (``SamplingParams(max_tokens=output_tokens, ignore_eos=True)``).
+
+Pool size: ``num_blocks`` is the number of *usable* KV blocks. vLLM's ``BlockPool`` keeps
+block 0 as its ``null_block`` (never handed out, never free), so the pool given to vLLM has
+``num_blocks + 1`` blocks (``cache_config.num_gpu_blocks``, ``KVCacheConfig.num_blocks``).
+vLLM's watermark is ``int(watermark * (num_blocks + 1))`` blocks (it uses the pool's total).
+
+Needs vLLM 0.33.0 installed without its GPU dependencies (``.ci/install-oracle.sh``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL_DIR = Path(__file__).resolve().parent / "tiny-llama"
+SAMPLED_TOKEN = 7  # the id every fake sampling step returns (no special meaning to vLLM)
+
+STEP_FIELDS = (
+    "step",
+    "scheduled_tokens",
+    "running",
+    "waiting",
+    "preempted",
+    "admitted",
+    "blocks_used",
+    "blocks_used_sched",
+    "free_blocks",
+    "idle_cached_blocks",
+    "prefix_hit_tokens",
+    "evictions",
+    "finished",
+)
+
+
+@dataclass(frozen=True)
+class OracleRequest:
+    rid: int
+    arrival_step: int  # added to the scheduler just before schedule() of this step
+    prompt: tuple[int, ...]  # token ids (equal ids in equal leading blocks -> prefix hits)
+    output_tokens: int  # the request ends after sampling this many tokens (ignore_eos)
+
+
+@dataclass
+class OracleRun:
+    steps: list[dict]  # one per step: STEP_FIELDS (ints) + "tokens" / "blocks" (rid -> int)
+    requests: dict[int, dict]  # rid -> see run_vllm
+    config: dict[str, Any] = field(default_factory=dict)  # the vLLM settings used
+    wall_s: float = 0.0  # seconds spent in the loop (vLLM import and config excluded)
+
+
+@functools.cache
+def _vllm() -> dict[str, Any]:
+    """Import the vLLM pieces once (6-20 s the first time)."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    # vLLM logs every config at INFO; keep the test output readable.
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    return {
+        "torch": torch,
+        "CacheConfig": CacheConfig,
+        "DeviceConfig": DeviceConfig,
+        "ModelConfig": ModelConfig,
+        "SchedulerConfig": SchedulerConfig,
+        "VllmConfig": VllmConfig,
+        "SamplingParams": SamplingParams,
+        "get_hash_fn_by_name": get_hash_fn_by_name,
+        "get_request_block_hasher": get_request_block_hasher,
+        "init_none_hash": init_none_hash,
+        "Scheduler": Scheduler,
+        "FullAttentionSpec": FullAttentionSpec,
+        "KVCacheConfig": KVCacheConfig,
+        "KVCacheGroupSpec": KVCacheGroupSpec,
+        "ModelRunnerOutput": ModelRunnerOutput,
+        "Request": Request,
+        "StructuredOutputManager": StructuredOutputManager,
+    }
+
+
+def make_scheduler(
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    chunked_prefill: bool,
+    prefix_caching: bool,
+    max_model_len: int,
+    watermark: float = 0.0,
+    long_prefill_token_threshold: int = 0,
+    reserve_full_isl: bool = True,
+):
+    """Build vLLM's synchronous v1 Scheduler as EngineCore does, minus the model executor.
+
+    Returns (scheduler, block_hasher or None). ``num_blocks`` usable blocks (+1 null block).
+    """
+    v = _vllm()
+    model_config = v["ModelConfig"](
+        model=str(TINY_MODEL_DIR),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="float32",
+    )
+    scheduler_config = v["SchedulerConfig"](
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        scheduler_reserve_full_isl=reserve_full_isl,
+        watermark=watermark,
+        async_scheduling=False,
+        policy="fcfs",
+    )
+    cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching)
+    vllm_config = v["VllmConfig"](
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        # No vllm._C: vLLM cannot infer a platform; the scheduler never touches a device.
+        device_config=v["DeviceConfig"](device="cpu"),
+    )
+    sc = vllm_config.scheduler_config
+    # VllmConfig may rewrite settings; make sure it kept ours.
+    kept = {
+        "max_num_batched_tokens": (sc.max_num_batched_tokens, max_num_batched_tokens),
+        "max_num_seqs": (sc.max_num_seqs, max_num_seqs),
+        "enable_chunked_prefill": (sc.enable_chunked_prefill, chunked_prefill),
+        "async_scheduling": (bool(sc.async_scheduling), False),
+        "enable_prefix_caching": (vllm_config.cache_config.enable_prefix_caching, prefix_caching),
+        "block_size": (vllm_config.cache_config.block_size, block_size),
+        "max_model_len": (vllm_config.model_config.max_model_len, max_model_len),
+    }
+    changed = {k: got for k, (got, want) in kept.items() if got != want}
+    if changed:
+        raise RuntimeError(f"VllmConfig changed the oracle's settings: {changed}")
+    if vllm_config.speculative_config is not None:
+        raise RuntimeError("speculative decoding must be off")
+
+    total_blocks = num_blocks + 1  # + vLLM's null block
+    kv_cache_config = v["KVCacheConfig"](
+        num_blocks=total_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            v["KVCacheGroupSpec"](
+                ["layer"],
+                v["FullAttentionSpec"](
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=v["torch"].float32,
+                ),
+            )
+        ],
+    )
+    vllm_config.cache_config.num_gpu_blocks = total_blocks
+    scheduler = v["Scheduler"](
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=v["StructuredOutputManager"](vllm_config),
+        block_size=block_size,
+        hash_block_size=block_size,
+        log_stats=False,
+    )
+    block_hasher = None
+    if prefix_caching:
+        # As EngineCore.__init__ does (hash_block_size == block_size for one group).
+        hash_fn = v["get_hash_fn_by_name"](vllm_config.cache_config.prefix_caching_hash_algo)
+        v["init_none_hash"](hash_fn)
+        block_hasher = v["get_request_block_hasher"](
+            block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
+        )
+    return scheduler, block_hasher
+
+
+def run_vllm(
+    requests: Iterable[OracleRequest],
+    *,
+    block_size: int = 16,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    chunked_prefill: bool,
+    prefix_caching: bool,
+    max_model_len: int,
+    watermark: float = 0.0,
+    long_prefill_token_threshold: int = 0,
+    reserve_full_isl: bool = True,
+    record_slots: bool = True,
+) -> OracleRun:
+    """Replay ``requests`` through vLLM's real scheduler; one record per ``schedule()`` call.
+
+    Settings go to vLLM as: ``SchedulerConfig(max_num_seqs, max_num_batched_tokens,
+    enable_chunked_prefill=chunked_prefill, long_prefill_token_threshold,
+    scheduler_reserve_full_isl=reserve_full_isl, watermark, async_scheduling=False,
+    policy="fcfs")``, ``CacheConfig(block_size, enable_prefix_caching=prefix_caching)`` with
+    ``num_gpu_blocks = num_blocks + 1``, ``ModelConfig(max_model_len)``. vLLM itself requires
+    ``max_num_batched_tokens >= max_num_seqs`` and, without chunked prefill,
+    ``max_num_batched_tokens >= max_model_len``.
+
+    Step record (ints, taken after ``update_from_output()`` unless said otherwise):
+      step               k (the k-th schedule() call)
+      scheduled_tokens   tokens scheduled this step (sum over requests)
+      running            len(scheduler.running) after the step (finished ones removed)
+      waiting            requests waiting after the step: never scheduled + preempted
+      preempted          requests preempted inside this step's schedule()
+      admitted           requests moved from waiting to running this step (new or resumed)
+      blocks_used        num_blocks - free_blocks: blocks with ref_cnt > 0 (a block shared
+                         through the prefix cache counts once; the null block is not counted)
+      blocks_used_sched  the same, right after schedule() (before update_from_output() frees
+                         the blocks of requests finishing this step): the step's peak
+      free_blocks        block_pool.get_num_free_blocks(): free blocks INCLUDING idle cached
+                         ones (the null block is never in the free queue)
+      idle_cached_blocks free blocks (ref_cnt 0) that still hold a prefix-cache hash
+      prefix_hit_tokens  tokens found in the prefix cache by this step's admissions
+                         (num_computed_tokens at admission, before this step's tokens)
+      evictions          cached blocks whose hash was dropped because get_new_blocks()
+                         reused them (this step's schedule())
+      finished           requests that finished in this step
+      tokens             {rid: num_computed_tokens} of each running request after the step
+      blocks             {rid: blocks in its block table} of each running request
+    (``tokens``/``blocks`` only with ``record_slots``.)
+
+    Per request (``OracleRun.requests[rid]``): ``first_token_step`` (step whose output gave
+    its first token), ``finished_step``, ``preemptions``, ``admitted_step`` (first step it
+    was scheduled), ``prefix_hit_tokens`` (summed over its admissions, resumptions included).
+    """
+    v = _vllm()
+    reqs = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
+    if len({r.rid for r in reqs}) != len(reqs):
+        raise ValueError("duplicate rid")
+    for r in reqs:
+        if not r.prompt or r.output_tokens < 1 or r.arrival_step < 0:
+            raise ValueError(f"request {r.rid}: empty prompt, output_tokens < 1 or arrival < 0")
+        if len(r.prompt) + r.output_tokens > max_model_len:
+            raise ValueError(f"request {r.rid}: prompt + output exceeds max_model_len")
+
+    scheduler, block_hasher = make_scheduler(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        chunked_prefill=chunked_prefill,
+        prefix_caching=prefix_caching,
+        max_model_len=max_model_len,
+        watermark=watermark,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        reserve_full_isl=reserve_full_isl,
+    )
+    kvm = scheduler.kv_cache_manager
+    pool = kvm.block_pool
+    (manager,) = kvm.coordinator.single_type_managers
+    req_to_blocks = manager.req_to_blocks
+
+    # Count evictions: BlockPool.get_new_blocks() calls _maybe_evict_cached_block() on every
+    # block it hands out; it returns True when the block still held a cached hash.
+    evictions = [0]
+    orig_evict = pool._maybe_evict_cached_block
+
+    def counting_evict(block):
+        evicted = orig_evict(block)
+        if evicted:
+            evictions[0] += 1
+        return evicted
+
+    pool._maybe_evict_cached_block = counting_evict
+
+    Request, SamplingParams = v["Request"], v["SamplingParams"]
+    ModelRunnerOutput = v["ModelRunnerOutput"]
+    vreqs: dict[str, Any] = {}
+    info: dict[int, dict] = {
+        r.rid: {
+            "first_token_step": None,
+            "finished_step": None,
+            "preemptions": 0,
+            "admitted_step": None,
+            "prefix_hit_tokens": 0,
+        }
+        for r in reqs
+    }
+    steps: list[dict] = []
+    next_arrival = 0
+    unfinished = len(reqs)
+    k = 0
+    t0 = time.perf_counter()
+    while unfinished:
+        while next_arrival < len(reqs) and reqs[next_arrival].arrival_step <= k:
+            r = reqs[next_arrival]
+            vr = Request(
+                request_id=str(r.rid),
+                prompt_token_ids=list(r.prompt),
+                sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+                pooling_params=None,
+                arrival_time=float(r.arrival_step),
+                block_hasher=block_hasher,
+            )
+            vreqs[vr.request_id] = vr
+            scheduler.add_request(vr)
+            next_arrival += 1
+
+        running_before = {vr.request_id for vr in scheduler.running}
+        evictions[0] = 0
+        out = scheduler.schedule()
+        num_sched: dict[str, int] = out.num_scheduled_tokens
+        step_evictions = evictions[0]
+        blocks_used_sched = num_blocks - pool.get_num_free_blocks()
+
+        admitted = 0
+        hit_tokens = 0
+        sampled_ids: list[list[int]] = []
+        for req_id, n in num_sched.items():
+            vr = vreqs[req_id]
+            if req_id not in running_before:
+                admitted += 1
+                hits = vr.num_computed_tokens - n  # computed before this step's tokens
+                hit_tokens += hits
+                ri = info[int(req_id)]
+                ri["prefix_hit_tokens"] += hits
+                if ri["admitted_step"] is None:
+                    ri["admitted_step"] = k
+            # The runner samples once the request's known tokens are all computed.
+            sampled_ids.append([] if vr.is_prefill_chunk else [SAMPLED_TOKEN])
+        req_ids = list(num_sched)
+        runner_out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled_ids,
+        )
+        outputs_before = {rid: vreqs[rid].num_output_tokens for rid in req_ids}
+        scheduler.update_from_output(out, runner_out)
+
+        finished = 0
+        for req_id in req_ids:
+            vr = vreqs[req_id]
+            ri = info[int(req_id)]
+            if ri["first_token_step"] is None and vr.num_output_tokens > outputs_before[req_id]:
+                ri["first_token_step"] = k
+            if vr.is_finished() and ri["finished_step"] is None:
+                ri["finished_step"] = k
+                finished += 1
+        unfinished -= finished
+
+        free = pool.get_num_free_blocks()
+        rec = {
+            "step": k,
+            "scheduled_tokens": out.total_num_scheduled_tokens,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
+            "preempted": len(out.preempted_req_ids),
+            "admitted": admitted,
+            "blocks_used": num_blocks - free,
+            "blocks_used_sched": blocks_used_sched,
+            "free_blocks": free,
+            "idle_cached_blocks": (
+                sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+                if prefix_caching
+                else 0
+            ),
+            "prefix_hit_tokens": hit_tokens,
+            "evictions": step_evictions,
+            "finished": finished,
+        }
+        if record_slots:
+            rec["tokens"] = {int(vr.request_id): vr.num_computed_tokens for vr in scheduler.running}
+            rec["blocks"] = {
+                int(vr.request_id): len(req_to_blocks.get(vr.request_id, ()))
+                for vr in scheduler.running
+            }
+        steps.append(rec)
+
+        if (
+            out.total_num_scheduled_tokens == 0
+            and not scheduler.running
+            and next_arrival == len(reqs)
+            and unfinished
+        ):
+            stuck = sorted(int(vr.request_id) for vr in vreqs.values() if not vr.is_finished())
+            raise RuntimeError(
+                f"step {k}: vLLM cannot schedule anything and nothing runs; requests {stuck} "
+                f"can never fit ({num_blocks} blocks of {block_size})"
+            )
+        k += 1
+
+    for rid, ri in info.items():
+        ri["preemptions"] = vreqs[str(rid)].num_preemptions
+    wall = time.perf_counter() - t0
+    config = {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "vllm_num_gpu_blocks": num_blocks + 1,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "enable_chunked_prefill": chunked_prefill,
+        "enable_prefix_caching": prefix_caching,
+        "max_model_len": max_model_len,
+        "watermark": watermark,
+        "watermark_blocks": kvm.watermark_blocks,
+        "long_prefill_token_threshold": long_prefill_token_threshold,
+        "scheduler_reserve_full_isl": reserve_full_isl,
+        "async_scheduling": False,
+        "policy": "fcfs",
+        "sampled_token": SAMPLED_TOKEN,
+    }
+    return OracleRun(steps=steps, requests=info, config=config, wall_s=wall)
