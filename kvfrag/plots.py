@@ -98,6 +98,7 @@ _BASE_COLUMNS = {
     "workload_dropped_rows",
     "workload_clipped",
     "workload_rejected_long",
+    "workload_arrival_rate",
     "label",
     "kind",
     "point",

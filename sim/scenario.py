@@ -420,6 +420,7 @@ class ScenarioResult:
                 f"workload_{name}": int(getattr(workload, name, 0) or 0)
                 for name in WORKLOAD_COUNTS
             }
+            counts["workload_arrival_rate"] = _arrival_rate(workload)
             rows.append(
                 {
                     "label": r.label,
@@ -442,6 +443,16 @@ class ScenarioResult:
             df = getattr(r.result, which)
             parts.append(df.assign(label=r.label, point=r.point))
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def _arrival_rate(workload: Workload | None) -> float:
+    """Requests per second that arrived (open loop: (n - 1) / span; NaN when undefined): the
+    rate the run served, after any filter."""
+    if workload is None or len(workload.requests) < 2 or "user_id" in workload.requests:
+        return float("nan")  # (closed loop: arrivals follow completions)
+    arrivals = workload.requests["arrival_s"].dropna().to_numpy()
+    span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
+    return (len(arrivals) - 1) / span if span > 0 else float("nan")
 
 
 def _scalar(value: Any) -> Any:

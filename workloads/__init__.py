@@ -46,6 +46,7 @@ from workloads.table import COLUMN_ORDER, Workload, WorkloadError, validate_requ
 from workloads.transforms import (
     first_n,
     limit_length,
+    limit_parts,
     sample_n,
     scale_rate,
     tile,
@@ -89,6 +90,7 @@ __all__ = [
     "correlate",
     "first_n",
     "limit_length",
+    "limit_parts",
     "load_trace",
     "resolve_path",
     "sample_arrivals",

@@ -283,10 +283,15 @@ class Window(_Model):
 
 
 class TransformSpec(_Model):
-    """Applied in this order: window, first_n, sample_n, tile, rate_scale, max_model_len.
+    """Applied in this order: window, first_n, sample_n, tile, rate_scale, then the length
+    bounds; with an arrival process of the scenario's own (synthetic, or a trace's
+    `arrival`), the length bounds come first and the arrivals are drawn for the requests
+    they keep, so a rate is the rate of the requests served.
 
     `max_model_len` (the smaller of this and the engine's, when both are set) bounds
-    prompt + output tokens; longer requests are clipped or rejected and counted.
+    prompt + output tokens; `max_prompt_tokens` and `max_output_tokens` bound each part (vLLM's
+    benchmark filters ShareGPT to prompt <= 1024 and prompt + output <= 2048). Longer
+    requests are clipped or rejected (`long_requests`) and counted.
     """
 
     window: Window | None = None
@@ -296,6 +301,8 @@ class TransformSpec(_Model):
     tile_mode: Literal["sequential", "overlay"] = "sequential"
     rate_scale: PositiveFloat | None = None
     max_model_len: int | None = Field(default=None, ge=2)
+    max_prompt_tokens: PositiveInt | None = None
+    max_output_tokens: PositiveInt | None = None
     long_requests: Literal["clip", "reject"] = "reject"
 
 

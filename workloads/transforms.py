@@ -108,6 +108,56 @@ def tile(
     return workload.with_requests(finish_table(tiled), note=f"tiled x{k} ({mode})")
 
 
+def limit_parts(
+    workload: Workload,
+    max_prompt: int | None,
+    max_output: int | None,
+    mode: Literal["clip", "reject"] = "reject",
+) -> Workload:
+    """Bound the prompt and the output separately, clipping or rejecting; both are counted
+    with the requests `limit_length` clips or rejects.
+
+    Clipping a prompt also shortens its hash_ids to the blocks it still covers.
+    """
+    df = workload.requests
+    prompt = df["prompt_tokens"].to_numpy()
+    output = df["output_tokens"].to_numpy()
+    long = np.zeros(len(df), dtype=bool)
+    if max_prompt is not None:
+        long |= prompt > max_prompt
+    if max_output is not None:
+        long |= output > max_output
+    count = int(long.sum())
+    if not count:
+        return workload
+    bounds = ", ".join(
+        f"{name} <= {value}"
+        for name, value in (("prompt", max_prompt), ("output", max_output))
+        if value is not None
+    )
+    if mode == "reject":
+        _open_loop(workload, "rejecting requests")
+        if count == len(df):
+            raise WorkloadError(f"{workload.source}: no request has {bounds}")
+        note = f"rejected {count} request(s) beyond {bounds}"
+        return workload.with_requests(
+            finish_table(df[~long]), note=note, rejected_long=count
+        )
+    clipped = df.copy()
+    new_prompt = prompt if max_prompt is None else np.minimum(prompt, max_prompt)
+    clipped["prompt_tokens"] = new_prompt
+    if max_output is not None:
+        clipped["output_tokens"] = np.minimum(output, max_output)
+        if "max_tokens" in clipped.columns:
+            clipped["max_tokens"] = np.minimum(clipped["max_tokens"], max_output)
+    if "hash_ids" in clipped.columns and max_prompt is not None:
+        block = df.attrs["hash_block_tokens"]
+        keep_blocks = -(-new_prompt // block)
+        clipped["hash_ids"] = [h[:b] for h, b in zip(df["hash_ids"], keep_blocks, strict=True)]
+    note = f"clipped {count} request(s) to {bounds}"
+    return workload.with_requests(clipped, note=note, clipped=count)
+
+
 def limit_length(
     workload: Workload, max_model_len: int, mode: Literal["clip", "reject"] = "reject"
 ) -> Workload:

@@ -475,3 +475,11 @@ def test_validate_refuses_a_users_folder_and_a_file(tmp_path, capsys):
     assert (mine / "data.bin").read_text() == "keep"
     assert (tmp_path / "file").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]
+
+
+def test_the_served_arrival_rate_is_on_record(tmp_path):
+    assert _run(tmp_path / "r") == 0
+    records = json.loads((tmp_path / "r" / "summary.json").read_text())
+    arrivals = pd.read_parquet(tmp_path / "r" / "requests.parquet").query("label == 'paged-16'")
+    expected = (len(arrivals) - 1) / arrivals["arrival_s"].max()
+    assert [r["workload_arrival_rate"] for r in records] == [pytest.approx(expected)] * 4

@@ -21,6 +21,7 @@ from workloads import (
     build_workload,
     first_n,
     limit_length,
+    limit_parts,
     load_trace,
     sample_n,
     scale_rate,
@@ -271,3 +272,58 @@ def test_spec_docstring_example_builds() -> None:
     assert len(workload.requests) == 2000
     assert (workload.requests["prompt_tokens"] + workload.requests["output_tokens"]
             <= 8192).all()
+
+
+def test_limit_parts_rejects_or_clips_each_part(mooncake: Workload) -> None:
+    df = mooncake.requests
+    kept = limit_parts(mooncake, 4096, 300, "reject")
+    over = (df["prompt_tokens"] > 4096) | (df["output_tokens"] > 300)
+    assert kept.rejected_long == int(over.sum()) > 0
+    assert len(kept.requests) == len(df) - kept.rejected_long
+    assert (kept.requests["prompt_tokens"] <= 4096).all()
+    assert (kept.requests["output_tokens"] <= 300).all()
+    clipped = limit_parts(mooncake, 4096, None, "clip")
+    c = clipped.requests
+    assert clipped.clipped == int((df["prompt_tokens"] > 4096).sum())
+    assert len(c) == len(df) and (c["prompt_tokens"] <= 4096).all()
+    assert (c["output_tokens"] == df["output_tokens"]).all()
+    block = df.attrs["hash_block_tokens"]
+    assert all(len(h) <= -(-p // block) for h, p in zip(c["hash_ids"], c["prompt_tokens"],
+                                                         strict=True))
+    validate_requests(c, "clipped")
+    assert limit_parts(mooncake, None, None) is mooncake
+
+
+def test_vllm_benchmark_filter_on_sharegpt() -> None:
+    """vLLM's benchmark keeps ShareGPT requests with prompt <= 1024 and prompt + output <= 2048."""
+    spec = spec_of("""
+trace:
+  path: sample:sharegpt-8k
+  arrival: {kind: poisson, rate: 2}
+transforms: {max_prompt_tokens: 1024, max_model_len: 2048}
+""")
+    workload = build_workload(spec, Path("."))
+    df = workload.requests
+    assert (df["prompt_tokens"] <= 1024).all()
+    assert (df["prompt_tokens"] + df["output_tokens"] <= 2048).all()
+    assert workload.rejected_long == 2000 - len(df) > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_poisson_rate_is_the_rate_served(seed: int) -> None:
+    """Arrivals are drawn for the requests that pass the length filters, so a filtered
+    Poisson workload arrives at the scenario's rate (within sampling error)."""
+    spec = spec_of(f"""
+trace:
+  path: sample:sharegpt-8k
+  arrival: {{kind: poisson, rate: 2}}
+transforms: {{max_model_len: 2048}}
+seed: {seed}
+""")
+    workload = build_workload(spec, Path("."))
+    arrivals = workload.requests["arrival_s"].to_numpy()
+    n = len(arrivals)
+    assert workload.rejected_long > 500  # about half of these long conversations are cut
+    served = (n - 1) / (arrivals[-1] - arrivals[0])
+    # n - 1 exponential gaps: the rate estimate's relative sd is about 1 / sqrt(n); 4 sd.
+    assert abs(served - 2.0) < 2.0 * 4 / np.sqrt(n - 1)
