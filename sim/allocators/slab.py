@@ -3,7 +3,13 @@
 A slab allocator must decide at admission how many tokens to set aside, before the request
 has generated anything. The reservation policy is that guess:
 - `max_model_len`: the worst case, what a server that knows nothing must assume;
-- `pow2`: the final length rounded up to a power of two (knows it within 2x; Orca's Pow2);
+- `pow2_output`: the prompt plus its output rounded up to a power of two (knows the output
+  within 2x): the PagedAttention paper's Orca (Pow2), "a true output length of 25 reserves 32
+  positions for outputs"; the output here is the slots it takes (one less than the tokens
+  generated: the last sampled one is never stored);
+- `pow2_final`: the whole final length rounded up to a power of two (`pow2`, its old name, is
+  kept as an alias). On a buddy allocator, which rounds every slab to a power of two anyway,
+  it reserves what `oracle` does;
 - `oracle`: exactly the final length (Orca's Oracle: the best a slab can do);
 - `max_tokens`: prompt + the request's declared output limit (max_model_len when undeclared).
 Every reservation is capped at max_model_len. A request whose real final length exceeds its
@@ -24,9 +30,14 @@ from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
 
 class Reserve(str, Enum):
     MAX_MODEL_LEN = "max_model_len"
-    POW2 = "pow2"
+    POW2_OUTPUT = "pow2_output"
+    POW2_FINAL = "pow2_final"
     ORACLE = "oracle"
     MAX_TOKENS = "max_tokens"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Reserve | None:
+        return cls.POW2_FINAL if value == "pow2" else None  # the old name
 
 
 def next_pow2(n: int) -> int:
@@ -61,8 +72,10 @@ class SlabAllocator(Allocator):
         mml = self.max_model_len
         if self.reserve is Reserve.MAX_MODEL_LEN:
             tokens = mml
-        elif self.reserve is Reserve.POW2:
+        elif self.reserve is Reserve.POW2_FINAL:
             tokens = next_pow2(req.final)
+        elif self.reserve is Reserve.POW2_OUTPUT:
+            tokens = req.prompt + (next_pow2(req.output) if req.output else 0)
         elif self.reserve is Reserve.ORACLE:
             tokens = req.final
         else:

@@ -56,8 +56,10 @@ def reservation(kind: str, opts: dict, req: Request, mml: int) -> int:
     policy = opts.get("reserve", "max_model_len")
     if kind == "paged" or policy == "max_model_len":
         tokens = mml
-    elif policy == "pow2":
+    elif policy in ("pow2", "pow2_final"):
         tokens = next_pow2(req.prompt + req.output)
+    elif policy == "pow2_output":
+        tokens = req.prompt + (next_pow2(req.output) if req.output else 0)
     elif policy == "oracle":
         tokens = req.prompt + req.output
     else:
@@ -256,8 +258,9 @@ def test_fragmented(kind, opts):
     a = build(kind, opts, 4 * unit * b, b, mml)  # 16 slots: one buddy top block
 
     def sized(rid: int, tokens: int) -> Request:
-        # final == reservation == tokens under pow2 (tokens a power of two), oracle, max_tokens
-        return Request(rid, 1, tokens - 1, max_tokens=tokens - 1)
+        # final == reservation == tokens under pow2_final and pow2_output (tokens and its
+        # halves powers of two), oracle, max_tokens
+        return Request(rid, tokens // 2, tokens // 2, max_tokens=tokens // 2)
 
     for rid in range(4):
         assert a.admit(sized(rid, unit))

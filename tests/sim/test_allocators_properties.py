@@ -88,8 +88,10 @@ class Model:
         policy = self.opts.get("reserve", "max_model_len")
         if self.paged or policy == "max_model_len":
             tokens = self.mml
-        elif policy == "pow2":
+        elif policy in ("pow2", "pow2_final"):
             tokens = next_pow2(req.final)
+        elif policy == "pow2_output":
+            tokens = req.prompt + (next_pow2(req.output) if req.output else 0)
         elif policy == "oracle":
             tokens = req.final
         else:

@@ -154,3 +154,30 @@ def test_buddy_pow2_rounds_25_tokens_to_32_slots():
     assert acc.internal == (32 - 25) * OPT13
     assert acc.reserved == (25 - 10) * OPT13
     assert acc.token_states == 10 * OPT13
+
+
+def test_the_papers_pow2_rounds_the_output_not_the_final_length():
+    """PagedAttention's Orca (Pow2): "if the true output length is 25, it reserves 32
+    positions for outputs". A request generating 25 tokens stores 24 past its prompt (the last
+    sampled token is never stored), rounded up to 32."""
+    from sim.allocators.slab import Reserve
+    from sim.engine import slot_request
+
+    b = 10
+    req, _ = slot_request(0, 100, 25, None, 1, False, (), 0)
+    assert (req.prompt, req.output) == (100, 24)
+    sizes = {}
+    for kind in ("contiguous", "buddy"):
+        for reserve in ("pow2_output", "pow2_final", "oracle"):
+            a = make_allocator(kind, capacity=4096 * b, bytes_per_token=b, max_model_len=2048,
+                               reserve=reserve)
+            assert a.admit(req, 100, decoding=False)
+            sizes[kind, reserve] = a.allocated_bytes(0) // b
+    assert sizes["contiguous", "pow2_output"] == 100 + 32
+    assert sizes["contiguous", "pow2_final"] == 128  # next_pow2(124): within 2x of it all
+    assert sizes["contiguous", "oracle"] == 124
+    # A buddy allocator rounds every slab up to a power of two: the final-length rounding
+    # then reserves exactly what oracle does, the paper's Pow2 more.
+    assert sizes["buddy", "pow2_output"] == 256
+    assert sizes["buddy", "pow2_final"] == sizes["buddy", "oracle"] == 128
+    assert Reserve("pow2") is Reserve.POW2_FINAL  # the old name
