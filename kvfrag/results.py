@@ -333,10 +333,40 @@ TABLE = (
 )
 
 
+def short_labels(values: list[Any]) -> dict[str, str]:
+    """Readable labels for swept mappings (JSON in the summary's cells): `k=v` of the keys
+    whose values differ between the points, nested keys dotted (`base_s=0.01`)."""
+    parsed: dict[str, dict[str, Any]] = {}
+    for value in values:
+        if isinstance(value, str) and value.startswith("{"):
+            try:
+                parsed[value] = _flatten(json.loads(value))
+            except ValueError:
+                continue
+    keys = sorted({k for flat in parsed.values() for k in flat})
+    differ = [
+        k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in parsed.values()}) > 1
+    ] or keys
+    return {
+        value: ", ".join(f"{k}={flat[k]}" for k in differ if k in flat) or "{}"
+        for value, flat in parsed.items()
+    }
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
 def format_table(summary: pd.DataFrame, sweep_keys: list[str]) -> str:
     """The summary as a fixed-width table for the terminal (fractions as % of the budget)."""
     cols = [(k, k.split(".")[-1], "{}") for k in sweep_keys] + list(TABLE)
     header = [name for _, name, _ in cols]
+    labels = {k: short_labels(summary[k].tolist()) for k in sweep_keys if k in summary}
     rows = []
     for rec in summary.to_dict("records"):
         row = []
@@ -345,7 +375,9 @@ def format_table(summary: pd.DataFrame, sweep_keys: list[str]) -> str:
             if value is None or (isinstance(value, float) and math.isnan(value)):
                 row.append("-")
             elif fmt == "pct":
-                row.append(f"{100 * value:.1f}%")
+                row.append(f"{100 * value:.1f}%".replace("-0.0%", "0.0%"))  # (round-off)
+            elif key in labels and value in labels[key]:
+                row.append(labels[key][value])
             elif fmt is str:
                 row.append(str(value))
             else:

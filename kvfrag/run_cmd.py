@@ -203,7 +203,9 @@ def _run(
     failures = _failures(tasks, failed, list(scenario.sweep))
     workload = workloads.get(tasks[0].workload)
     spec = scenario.workload
-    source = spec.trace.path if spec.trace else f"synthetic, seed {spec.seed}"
+    seeds = [v for k, v in scenario.sweep.items() if k == "workload.seed"]
+    seed = f"seeds {', '.join(map(str, seeds[0]))}" if seeds else f"seed {spec.seed}"
+    source = spec.trace.path if spec.trace else f"synthetic, {seed}"
     notes = []
     if workload is not None:
         notes.append(f"workload: {source}, {len(workload.requests):,} requests")

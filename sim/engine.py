@@ -738,7 +738,8 @@ class Engine:
         # with nothing ever allocated; queueing and latency with nothing completed); counts and
         # rates of what was produced are 0 (throughput, prefix hits, memory saved by sharing).
         if total:
-            frac = {p: self.integrals[p] / (cap * total) for p in PARTS}
+            # (a part that is 0 can come out as -1e-18 after float sums: clamp the round-off)
+            frac = {p: max(self.integrals[p] / (cap * total), 0.0) for p in PARTS}
         else:
             now = self.alloc.parts(self._probe())
             frac = {p: v / cap for p, v in zip(PARTS, now, strict=True)}

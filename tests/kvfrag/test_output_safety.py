@@ -483,3 +483,17 @@ def test_the_served_arrival_rate_is_on_record(tmp_path):
     arrivals = pd.read_parquet(tmp_path / "r" / "requests.parquet").query("label == 'paged-16'")
     expected = (len(arrivals) - 1) / arrivals["arrival_s"].max()
     assert [r["workload_arrival_rate"] for r in records] == [pytest.approx(expected)] * 4
+
+
+def test_swept_mappings_get_short_labels():
+    from kvfrag.results import format_table, short_labels
+
+    a = json.dumps({"base_s": 0.01, "per_kv_token_s": 0.0})
+    b = json.dumps({"base_s": 0.02, "per_kv_token_s": 0.0})
+    assert short_labels([a, b, a]) == {a: "base_s=0.01", b: "base_s=0.02"}
+    nested = [json.dumps({"synthetic": {"seed": s, "count": 5}}) for s in (1, 2)]
+    assert list(short_labels(nested).values()) == ["synthetic.seed=1", "synthetic.seed=2"]
+    summary = pd.DataFrame({"engine.step_time": [a, b], "label": ["x", "x"],
+                            "token_states": [0.5, -4.8e-18]})
+    table = format_table(summary, ["engine.step_time"])
+    assert "base_s=0.02" in table and "{" not in table and "-0.0%" not in table
