@@ -50,7 +50,9 @@ def test_required_scenarios_are_shipped():
         "seed-slab-vs-paged",
         "seed-chat-reservation",
         "seed-external-fragmentation",
-        "paper-opt13b-sharegpt",
+        "paper-opt13b-sharegpt-like",
+        "paper-opt13b-alpaca-like",
+        "opt13b-sharegpt-long",
         "azure-conv-llama3-8b",
         "block-size-sweep",
     } <= names
