@@ -83,6 +83,12 @@ def format_stats(stats: TraceStats, workload: Workload) -> str:
     ]
     if workload.dropped_rows:
         lines.append(f"dropped rows      {workload.dropped_rows:,}")
+    if stats.prefix_reuse is not None:
+        blocks, tokens = stats.prefix_reuse
+        lines.append(
+            f"prefix reuse      {100 * blocks:.1f} % of blocks, {100 * tokens:.1f} % of prompt "
+            "tokens at most (unbounded cache, arrival order)"
+        )
     lines += ["", f"{'tokens':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
     for name, s in (("prompt", stats.prompt), ("output", stats.output)):
         cells = [f"{s.mean:.1f}", *(_num(p) for p in (s.p50, s.p90, s.p99)), str(s.max)]

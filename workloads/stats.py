@@ -39,6 +39,36 @@ class TraceStats:
     interarrival_cv: float | None
     prompt: LengthStats
     output: LengthStats
+    prefix_reuse: tuple[float, float] | None = None  # (of blocks, of prompt tokens)
+
+
+def ideal_prefix_reuse(workload: Workload) -> tuple[float, float] | None:
+    """The most a prefix cache could reuse (an unbounded cache, requests in arrival order):
+    for each request, the longest leading run of its hash ids seen in earlier requests. Returns
+    (share of hashed blocks, share of prompt tokens) — the ceiling for `prefix_hit_rate_*` on
+    first admissions; None without hash ids. The same definition as the traces' SOURCE.md."""
+    df = workload.requests
+    block = int(df.attrs.get("hash_block_tokens", 0) or 0)
+    if "hash_ids" not in df.columns or not block:
+        return None
+    order = np.argsort(df["arrival_s"].to_numpy(), kind="stable")
+    hashes = df["hash_ids"].to_numpy()
+    prompts = df["prompt_tokens"].to_numpy()
+    seen: set[int] = set()
+    hit_blocks = total_blocks = hit_tokens = 0
+    for i in order:
+        ids = hashes[i]
+        run = 0
+        while run < len(ids) and ids[run] in seen:
+            run += 1
+        hit_blocks += run
+        total_blocks += len(ids)
+        hit_tokens += min(run * block, int(prompts[i]))
+        seen.update(ids)
+    total_tokens = int(prompts.sum())
+    if not total_blocks or not total_tokens:
+        return None
+    return hit_blocks / total_blocks, hit_tokens / total_tokens
 
 
 def trace_stats(workload: Workload) -> TraceStats:
@@ -59,6 +89,7 @@ def trace_stats(workload: Workload) -> TraceStats:
         interarrival_cv=cv,
         prompt=LengthStats.of(df["prompt_tokens"].to_numpy()),
         output=LengthStats.of(df["output_tokens"].to_numpy()),
+        prefix_reuse=ideal_prefix_reuse(workload),
     )
 
 

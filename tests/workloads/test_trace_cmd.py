@@ -70,3 +70,31 @@ def test_drop_bad_rows_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["trace", "stats", "no/such/file.csv"]) == 2
     assert "no such trace file" in capsys.readouterr().err
+
+
+def test_stats_ideal_prefix_reuse(capsys: pytest.CaptureFixture[str]) -> None:
+    """The most a prefix cache can reuse of the shipped Mooncake sample (no trace without
+    hash ids prints it)."""
+    assert main(["trace", "stats", "sample:mooncake-conv"]) == 0
+    out = capsys.readouterr().out
+    assert "prefix reuse      21.2 % of blocks, 21.6 % of prompt tokens at most" in out
+    assert main(["trace", "stats", "sample:azure-conv"]) == 0
+    assert "prefix reuse" not in capsys.readouterr().out
+
+
+def test_ideal_prefix_reuse_by_hand() -> None:
+    import pandas as pd
+
+    from workloads import Workload
+    from workloads.stats import ideal_prefix_reuse
+
+    df = pd.DataFrame({
+        "request_id": [0, 1, 2],
+        "arrival_s": [0.0, 1.0, 2.0],
+        "prompt_tokens": [20, 20, 10],
+        "output_tokens": [1, 1, 1],
+        "hash_ids": [[1, 2], [1, 2], [1, 3]],  # blocks of 10 tokens
+    })
+    df.attrs["hash_block_tokens"] = 10
+    # Request 1 finds both of its blocks (20 tokens), request 2 its first (10 of 10 tokens).
+    assert ideal_prefix_reuse(Workload(df, "t")) == (3 / 6, 30 / 50)
