@@ -39,18 +39,6 @@ MAX_FILE_BYTES = 1_000_000
 MAX_SET_CHARS = 64 * 1024
 
 
-def add_set_argument(parser: Any, example: str) -> None:
-    """The `--set KEY=VALUE` option every scenario command takes."""
-    parser.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"override a field, e.g. --set {example} (repeatable)",
-    )
-
-
 class ScenarioError(ValueError):
     """A scenario file or override that cannot be used; the message is one line."""
 

@@ -38,6 +38,9 @@ from pathlib import Path
 from kvfrag import __version__
 
 MANIFEST = ".kvfrag-manifest.json"
+#: `kvfrag validate`'s report folder inside a scenario's results. A new run keeps it: the
+#: report describes its own simulation (with its resolved scenario), not the run's.
+VALIDATE_DIR = "validate"
 
 #: Results folders written before manifests existed: what identifies them, and every file
 #: such a folder can hold (glob patterns, relative to the folder).

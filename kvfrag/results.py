@@ -28,15 +28,12 @@ import pandas as pd
 import yaml
 
 from kvfrag import outdir
-from kvfrag.outdir import replace_dir, temp_dir, writing
+from kvfrag.outdir import VALIDATE_DIR, replace_dir, temp_dir, writing
 from sim.engine import RunResult
 from sim.scenario import ScenarioResult
 
 __all__ = ["VALIDATE_DIR", "PointStore", "format_table", "replace_dir", "write_results"]
 
-#: `kvfrag validate`'s report folder inside a scenario's results. A new run keeps it: the
-#: report describes its own simulation (with its resolved scenario), not the run's.
-VALIDATE_DIR = "validate"
 
 
 def write_results(

@@ -12,31 +12,24 @@ status 1; the others' results are written all the same.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Any
 
 from kvfrag import outdir
-from kvfrag.config import LoadedScenario, add_set_argument, load_scenario
-from kvfrag.results import VALIDATE_DIR, PointStore, format_table, write_results
-from sim.engine import REJECT_REASONS, RunResult
-from sim.scenario import WORKLOAD_COUNTS
-from sim.sweep import (
-    Executor,
-    SerialExecutor,
-    Task,
-    assemble,
-    build_workloads,
-    distinct,
-    make_executor,
-    plan,
-)
-from sim.units import format_size
-from workloads import Workload
+from kvfrag.args import add_set_argument, positive
+from kvfrag.outdir import VALIDATE_DIR
+
+if TYPE_CHECKING:  # the command line imports the simulator only when a command runs
+    import pandas as pd
+
+    from kvfrag.config import LoadedScenario
+    from kvfrag.results import PointStore
+    from sim.engine import RunResult
+    from sim.sweep import Executor, Task
+    from workloads import Workload
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +48,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-j",
         "--jobs",
-        type=_positive,
+        type=positive,
         metavar="N",
         help="worker processes (default: all cores; 1 runs in this process); with "
         "--executor ray and no --address, the CPUs of the local Ray instance",
@@ -95,17 +88,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plot)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def cmd_run(args: argparse.Namespace) -> int:
+    from kvfrag.config import load_scenario
+    from kvfrag.results import PointStore
+    from sim.sweep import make_executor
+
     loaded = load_scenario(args.scenario, args.sets)
     scenario = loaded.scenario
     out = args.output or Path("results") / scenario.name
@@ -150,6 +137,11 @@ def _run(
     executor: Executor,
     store: PointStore,
 ) -> int:
+    from kvfrag.results import format_table, write_results
+    from sim.scenario import WORKLOAD_COUNTS
+    from sim.sweep import SerialExecutor, assemble, build_workloads, distinct, plan
+    from sim.units import format_size
+
     scenario = loaded.scenario
     resolved = loaded.resolved()
     tasks = plan(scenario)
@@ -270,6 +262,8 @@ def input_files(spec: Any, base_dir: Path) -> list[Path]:
 
 def rejection_warnings(summary: pd.DataFrame, share: float = 0.5) -> list[str]:
     """One line per run that rejected more than `share` of its requests, with the reasons."""
+    from sim.engine import REJECT_REASONS
+
     lines = []
     for rec in summary.to_dict("records"):
         rejected = int(rec.get("rejected") or 0)
@@ -316,10 +310,11 @@ def _run_points(
     inputs: dict[str, list[Path]],
 ) -> None:
     """Run `tasks`, staging each finished point as it completes."""
+    bar_class = _bar_class()
     frames = {key: w.requests for key, w in workloads.items()}
     outcomes = executor.map(tasks, frames)  # workers start here, before the bar's thread
     disable = quiet or len(tasks) < 2
-    bar = _Bar(total=len(tasks), unit="run", disable=disable, file=sys.stderr)
+    bar = bar_class(total=len(tasks), unit="run", disable=disable, file=sys.stderr)
     try:
         bar.set_postfix_str(_status(len(results), executor.running, len(failed)))
         for outcome in outcomes:
@@ -347,11 +342,16 @@ def _run_points(
             close()
 
 
-class _Bar(tqdm):
-    """A progress bar without tqdm's monitor thread, which would outlive it (even disabled):
-    a later sweep in this process forks its workers only while it is single-threaded."""
+@functools.cache
+def _bar_class() -> type:
+    """tqdm without its monitor thread, which would outlive the bar (even disabled): a later
+    sweep in this process forks its workers only while it is single-threaded."""
+    from tqdm import tqdm
 
-    monitor_interval = 0
+    class _Bar(tqdm):
+        monitor_interval = 0
+
+    return _Bar
 
 
 def _status(done: int, running: int, failed: int) -> str:
@@ -360,6 +360,8 @@ def _status(done: int, running: int, failed: int) -> str:
 
 def _failures(tasks: list[Task], failed: dict[str, str], sweep_keys: list[str]) -> pd.DataFrame:
     """One row per failed run: where it is in the sweep, its parameters, its error."""
+    import pandas as pd
+
     rows = [
         {
             "point": t.point,
@@ -380,6 +382,8 @@ def _scalar(value: object) -> object:
 
 
 def _meta(resolved: dict, source: str) -> dict:
+    from sim.units import format_size
+
     return {
         "name": resolved.get("name"),
         "model": resolved.get("model"),

@@ -11,11 +11,15 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfrag import outdir
-from workloads import FORMATS, Workload, load_trace, samples
-from workloads.readers import FIELDS, TIME_UNITS
-from workloads.stats import TraceStats, arrival_rate, length_cdf, trace_stats
+from workloads import samples
+from workloads.names import FIELDS, FORMATS, TIME_UNITS
+
+if TYPE_CHECKING:  # read only when a trace is (`kvfrag --help` stays quick)
+    from workloads import Workload
+    from workloads.stats import TraceStats
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +57,9 @@ def _column_map(pairs: list[str]) -> dict[str, str] | None:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    from workloads import load_trace
+    from workloads.stats import trace_stats
+
     workload = load_trace(
         args.path,
         format=args.format,
@@ -105,6 +112,8 @@ def _num(value: float) -> str:
 
 def write_plot(workload: Workload, out: Path) -> None:
     from matplotlib.figure import Figure
+
+    from workloads.stats import arrival_rate, length_cdf
 
     fig = Figure(figsize=(11, 4), layout="constrained")
     cdf_ax, rate_ax = fig.subplots(1, 2)

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 from kvfrag import outdir
-from kvfrag.config import add_set_argument, load_scenario
-from kvfrag.results import VALIDATE_DIR
-from sim.units import format_size, parse_size
+from kvfrag.args import add_set_argument
+from kvfrag.outdir import VALIDATE_DIR
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from kvfrag.config import load_scenario
+    from sim.units import format_size, parse_size
     from validate import suite
     from validate.outcome import FAILING
     from validate.report import format_table, write_report

@@ -7,103 +7,76 @@ The request table and its contract (columns, dtypes, closed-loop rules) are desc
 Data flows workloads -> sim -> kvfrag; this package imports neither of the others.
 """
 
-from workloads import samples
-from workloads.build import apply_transforms, build_workload
-from workloads.readers import FORMATS, LAYOUTS, load_trace, resolve_path
-from workloads.spec import (
-    ArrivalSpec,
-    AtOnceArrivals,
-    ClosedLoopArrivals,
-    ColumnMap,
-    ConstantArrivals,
-    EmpiricalLengths,
-    ExponentialLengths,
-    FixedLengths,
-    GammaArrivals,
-    LengthSpec,
-    LognormalLengths,
-    NormalLengths,
-    PoissonArrivals,
-    ReplayArrivals,
-    SyntheticSpec,
-    TraceSpec,
-    TransformSpec,
-    UniformLengths,
-    Window,
-    WorkloadSpec,
-    ZipfLengths,
-)
-from workloads.stats import LengthStats, TraceStats, trace_stats
-from workloads.synthetic import (
-    apply_arrivals,
-    correlate,
-    sample_arrivals,
-    sample_lengths,
-    sample_requests,
-    synthesize,
-)
-from workloads.table import COLUMN_ORDER, Workload, WorkloadError, validate_requests
-from workloads.transforms import (
-    first_n,
-    limit_length,
-    limit_parts,
-    sample_n,
-    scale_rate,
-    tile,
-    time_window,
-    with_beam_width,
-    with_samples_per_prompt,
-)
+from __future__ import annotations
 
-__all__ = [
-    "COLUMN_ORDER",
-    "FORMATS",
-    "LAYOUTS",
-    "ArrivalSpec",
-    "AtOnceArrivals",
-    "ClosedLoopArrivals",
-    "ColumnMap",
-    "ConstantArrivals",
-    "EmpiricalLengths",
-    "ExponentialLengths",
-    "FixedLengths",
-    "GammaArrivals",
-    "LengthSpec",
-    "LengthStats",
-    "LognormalLengths",
-    "NormalLengths",
-    "PoissonArrivals",
-    "ReplayArrivals",
-    "SyntheticSpec",
-    "TraceSpec",
-    "TraceStats",
-    "TransformSpec",
-    "UniformLengths",
-    "Window",
-    "Workload",
-    "WorkloadError",
-    "WorkloadSpec",
-    "ZipfLengths",
-    "apply_arrivals",
-    "apply_transforms",
-    "build_workload",
-    "correlate",
-    "first_n",
-    "limit_length",
-    "limit_parts",
-    "load_trace",
-    "resolve_path",
-    "sample_arrivals",
-    "sample_lengths",
-    "sample_n",
-    "sample_requests",
-    "samples",
-    "scale_rate",
-    "synthesize",
-    "tile",
-    "time_window",
-    "trace_stats",
-    "validate_requests",
-    "with_beam_width",
-    "with_samples_per_prompt",
-]
+import importlib
+from typing import Any
+
+#: Where each public name lives. The package imports its modules on first use (PEP 562), so
+#: that `import workloads.samples` or the command line's `--help` does not load pandas.
+_MODULES: dict[str, tuple[str, ...]] = {
+    "build": ("apply_transforms", "build_workload"),
+    "readers": ("FORMATS", "LAYOUTS", "load_trace", "resolve_path"),
+    "samples": ("samples"),
+    "spec": (
+        "ArrivalSpec",
+        "AtOnceArrivals",
+        "ClosedLoopArrivals",
+        "ColumnMap",
+        "ConstantArrivals",
+        "EmpiricalLengths",
+        "ExponentialLengths",
+        "FixedLengths",
+        "GammaArrivals",
+        "LengthSpec",
+        "LognormalLengths",
+        "NormalLengths",
+        "PoissonArrivals",
+        "ReplayArrivals",
+        "SyntheticSpec",
+        "TraceSpec",
+        "TransformSpec",
+        "UniformLengths",
+        "Window",
+        "WorkloadSpec",
+        "ZipfLengths",
+    ),
+    "stats": ("LengthStats", "TraceStats", "trace_stats"),
+    "synthetic": (
+        "apply_arrivals",
+        "correlate",
+        "sample_arrivals",
+        "sample_lengths",
+        "sample_requests",
+        "synthesize",
+    ),
+    "table": ("COLUMN_ORDER", "Workload", "WorkloadError", "validate_requests"),
+    "transforms": (
+        "first_n",
+        "limit_length",
+        "limit_parts",
+        "sample_n",
+        "scale_rate",
+        "tile",
+        "time_window",
+        "with_beam_width",
+        "with_samples_per_prompt",
+    ),
+}
+_WHERE = {name: module for module, names in _MODULES.items() for name in names}
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'workloads' has no attribute {name!r}")
+    module = importlib.import_module(f"workloads.{where}")
+    value = module if where == name else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+__all__ = sorted(_WHERE)

@@ -38,24 +38,17 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Literal, get_args
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
 
 from workloads import samples
+from workloads.names import FIELDS, FORMATS, TIME_UNITS, Format, TimeUnit
 from workloads.table import Workload, WorkloadError, validate_requests
 
-TimeUnit = Literal["s", "ms", "us", "ns", "datetime"]
-TIME_UNITS: tuple[str, ...] = get_args(TimeUnit)
 _UNITS_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9, "datetime": 1e9}
-Format = Literal["auto", "azure", "mooncake", "sarathi", "kvfrag", "csv", "jsonl", "parquet"]
-FORMATS: tuple[str, ...] = get_args(Format)
 CONTAINERS = ("csv", "jsonl", "parquet")
-#: Request fields a column mapping may name, in the order problems are reported.
-FIELDS: tuple[str, ...] = (
-    "arrival", "prompt_tokens", "output_tokens", "max_tokens", "n", "hash_ids",
-)
 _CHUNK_ROWS = 100_000
 _MAX_EXAMPLES = 3
 _GZIP_MAGIC = b"\x1f\x8b"

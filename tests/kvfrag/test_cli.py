@@ -154,3 +154,19 @@ def test_a_new_run_keeps_the_validation_report(tmp_path):
     assert main(args) == 0
     assert report.read_text() == "label,status\npaged-16,pass\n"  # carried over
     assert (out / "summary.csv").read_text() != "stale"  # the run's own files are new
+
+
+def test_the_command_line_loads_no_simulator_for_help():
+    """`kvfrag --help` and argument errors answer before pandas, pydantic or the simulator
+    load (bench/startup.py measures the time)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvfrag.cli; kvfrag.cli.build_parser(); "
+        "heavy = [m for m in ('pandas', 'pydantic', 'numpy', 'sim.engine', 'matplotlib') "
+        "if m in sys.modules]; print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
