@@ -228,7 +228,7 @@ class Engine:
         self.integrals = dict.fromkeys(PARTS, 0.0)
         self.busy_running = 0.0  # integral of running requests over time
         self.saved = 0.0  # integral of bytes saved by sharing
-        self.prompt_lookups = 0  # prompt tokens of every admission
+        self.prompt_lookups = 0  # tokens to prefill at every admission (resumptions too)
         self.prefix_hits = 0  # of them found in the prefix cache
         self.max_running = 0
         self.preemptions = 0
@@ -375,7 +375,8 @@ class Engine:
                 continue
             if self.seqs + r.req.n > cfg.max_num_seqs:
                 break  # its samples do not fit in the batch
-            hit = self.alloc.cached_prefix_tokens(r.req)  # prefix caching: not computed again
+            # Prefix caching: not computed again (a resumed request's output included).
+            hit = self.alloc.cached_prefix_tokens(r.req, r.prefill)
             work = r.prefill - hit
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
             reason = self._try_admit(r, hit, chunk) if chunk <= budget - used else None
@@ -440,10 +441,10 @@ class Engine:
         # watermark kept free while anybody else runs, even when only a first chunk is taken.
         keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and self.running else 0
         if cfg.chunked_prefill or keep:
-            if alloc.too_large(r.req):
-                return Reason.TOO_LARGE
-            full = r.prefill + r.lead
-            need = alloc.bytes_for(r.req, full) - (alloc.bytes_for(r.req, hit) if hit else 0)
+            pool = alloc.watermark_bytes(1.0)  # (all of it)
+            if alloc.too_large(r.req) or alloc.bytes_for(r.req, r.prefill + r.lead) > pool:
+                return Reason.TOO_LARGE  # (beams hold more at their fork than at their end)
+            need = alloc.admission_bytes(r.req, r.prefill + r.lead, hit)
             if need + keep > alloc.free_bytes():
                 return Reason.OUT_OF_MEMORY
         grant = alloc.admit(r.req, tokens, decoding=False)
@@ -457,7 +458,7 @@ class Engine:
             r.admitted = self.env.now
         r.status = "running"
         r.prefill_left = r.prefill - hit - chunk
-        self.prompt_lookups += r.req.prompt
+        self.prompt_lookups += r.prefill  # tokens looked up (vLLM's prefix cache queries)
         self.prefix_hits += hit
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:

@@ -5,7 +5,9 @@ iteration by iteration (`tests/oracle`).
 It visits every iteration and sums the accounting x dt one iteration at a time: no decode
 stretches, no closed forms, so its cost grows with generated tokens. Use it to check, not to
 run workloads. With `trace` (a list), each iteration appends one record: when it started,
-requests running and waiting after it, preemptions and admissions in it, and bytes allocated.
+requests running and waiting after it, preemptions and admissions in it, bytes allocated
+(blocks in use), and for prefix caching the tokens its admissions found cached, the idle
+cached blocks it evicted and those left idle after it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def reference(
             "preemptions": 0,
             "recomputed": 0,
             "prefill": int(row.prompt_tokens),
+            "hits": [],  # tokens found cached at each admission (resumptions too)
             "left": 0,
             "peak": 0,
         }
@@ -73,7 +76,8 @@ def reference(
     integrals = dict.fromkeys(PARTS, 0.0)
     t, total = 0.0, 0.0
     preempted = [False]  # in this iteration
-    counts = {"preempted": 0, "admitted": 0}  # in this iteration
+    counts = {"preempted": 0, "admitted": 0, "prefix_hit_tokens": 0}  # in this iteration
+    idle = getattr(alloc, "idle_cached_blocks", lambda: 0)
 
     def seqs():
         return sum(r["req"].n for r in running)
@@ -111,7 +115,8 @@ def reference(
             t = pending[0]["arrival"]
             continue
         preempted[0] = False
-        counts.update(preempted=0, admitted=0)
+        counts.update(preempted=0, admitted=0, prefix_hit_tokens=0)
+        evictions = alloc.evictions
         while alloc.n_decoding and alloc.steps_until_full() == 0:
             preempt(running[-1])
         decoders = alloc.decoding_weight
@@ -151,18 +156,19 @@ def reference(
                 continue
             if seqs() + r["req"].n > cfg.max_num_seqs:
                 break
-            hit = alloc.cached_prefix_tokens(r["req"])
+            hit = alloc.cached_prefix_tokens(r["req"], r["prefill"])
             work = r["prefill"] - hit
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
             whole = chunk == work
-            full = alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) - (
-                alloc.bytes_for(r["req"], hit) if hit else 0
-            )
+            full = alloc.admission_bytes(r["req"], r["prefill"] + r["lead"], hit)
             keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and running else 0
             gate = cfg.chunked_prefill or keep
             if chunk > budget - used:
                 reason = None
-            elif gate and alloc.too_large(r["req"]):
+            elif gate and (
+                alloc.too_large(r["req"])
+                or alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) > alloc.watermark_bytes(1.0)
+            ):
                 reason = Reason.TOO_LARGE
             elif gate and full + keep > alloc.free_bytes():
                 reason = Reason.OUT_OF_MEMORY  # the whole prompt must fit, and the watermark
@@ -173,6 +179,8 @@ def reference(
                     del queue[i]
                     used += chunk
                     counts["admitted"] += 1
+                    counts["prefix_hit_tokens"] += hit
+                    r["hits"].append(hit)
                     if math.isnan(r["admitted"]):
                         r["admitted"] = t
                     r["status"] = "running"
@@ -224,7 +232,10 @@ def reference(
                     "running": len(running),
                     "waiting": len(queue),
                     **counts,
+                    # blocks in use (idle cached blocks count as free)
                     "allocated_bytes": alloc.capacity - alloc.free_bytes(),
+                    "evictions": alloc.evictions - evictions,
+                    "idle_cached_blocks": idle(),
                 }
             )
     cap = alloc.capacity

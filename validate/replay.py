@@ -9,9 +9,11 @@ told apart by its value:
   1 + (131*r + i + 97*s*[i >= prompt]) % 253, never 0 or 255: a request's sequences (n
   samples, beams) hold the same prompt and different generated tokens, so a byte written at
   the wrong place, overwritten by a neighbour or not copied shows up both in the counts and in
-  the request's own bytes. With prefix caching a full prompt block whose hash chain digest is
-  d holds 1 + (d % 253 + (1 + d // 253 % 252) * i) % 253 at token i: whoever computes those
-  tokens writes the same bytes, so a cache hit can be checked by value.
+  the request's own bytes. With prefix caching a full block whose key digest is d (the log's
+  `keys`: the prompt blocks a hash chain names, then, when its generated blocks are cached
+  too, the request's own up to its final length) holds 1 + (d % 253 + (1 + d // 253 % 252) *
+  i) % 253 at token i: whoever computes those tokens writes the same bytes (a request resumed
+  after a preemption writes its own output's again), so a cache hit can be checked by value.
 
 Arena mode (contiguous, buddy): a request's slab is the view [offset, offset + nbytes) the
 modeled allocator chose; token i sits at offset + i*b. A request with n sequences has one slab
@@ -28,11 +30,12 @@ are then done on the device (the whole block, like vLLM's copy_blocks: copy on w
 partial prompt block at the fork); then every sequence writes its new tokens. Blocks that
 leave a request's tables (beams pruned back to one trunk) are checked, then set FREE.
 
-Prefix caching: a request's table starts with its cached prompt blocks (min(#keys, tokens //
-block_size) of them). A block it joins that another request holds as cached, or that is
-idle-cached, already holds its tokens: it is checked, not written. When its last user frees
-it, a cached block keeps its bytes (idle) and counts as free, as the model counts it; `evict`
-rows check an idle block against what it held, then set it FREE.
+Prefix caching: the first min(#keys, tokens // block_size) rows of a request's table are
+cached blocks (every full block, with keys for its generated tokens too). A block it joins
+that another request holds as cached, or that is idle-cached (its own, freed at a preemption,
+included), already holds its tokens: it is checked, not written. When its last user frees it,
+a cached block keeps its bytes (idle) and counts as free, as the model counts it; `evict` rows
+check an idle block against what it held, then set it FREE.
 
 At each checkpoint (the log's `check` rows, optionally thinned) the bytes in each state are
 counted on the device and must equal the model's token_states, held_unwritten (reserved +

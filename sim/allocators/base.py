@@ -159,7 +159,7 @@ class Live:
     table: list[int] | None = None  # paged: materialised block ids
     extra: list[int] | None = None  # slab allocators: offsets of the other samples' copies
     shared: int = 0  # paged: prompt tokens in full blocks, kept once for all samples
-    cached: int = 0  # prefix caching: tokens of its prompt blocks held by reference in the cache
+    cached: int = 0  # prefix caching: tokens of the cached blocks its table starts with
 
     @property
     def weight(self) -> int:
@@ -306,8 +306,9 @@ class Allocator(ABC):
         return ()
 
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
-        """Prefix caching: one digest per full prompt block the request's hash chain names;
-        blocks with equal digests hold the same tokens. Others: ()."""
+        """Prefix caching: one digest per block the request caches once it is full (the
+        prompt blocks its hash chain names, then its own); blocks with equal digests hold the
+        same tokens. Others: ()."""
         self._get(rid)
         return ()
 
@@ -480,9 +481,16 @@ class Allocator(ABC):
         """Bytes separate copies of the shared tokens would need on top of what is held."""
         return 0
 
-    def cached_prefix_tokens(self, req: Request) -> int:
-        """Prompt tokens `admit(req)` would find cached and not need to compute again."""
+    def cached_prefix_tokens(self, req: Request, tokens: int | None = None) -> int:
+        """Tokens `admit(req)` would find cached and not need to compute again, for a request
+        with `tokens` tokens to prefill (default: its prompt; a request resumed after a
+        preemption prefills its generated tokens too, and may find them cached)."""
         return 0
+
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """Free memory `admit(req, tokens)` takes when its first `hit` tokens are found cached
+        (`cached_prefix_tokens`): what an admission gate checks before taking a first chunk."""
+        return self.bytes_for(req, tokens) - (self.bytes_for(req, hit) if hit else 0)
 
     def summary_stats(self) -> dict[str, float | int]:
         """Allocator-specific figures for the run's summary."""

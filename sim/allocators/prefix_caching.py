@@ -1,28 +1,52 @@
 """Prefix caching across requests: paged blocks found again by the hash chain of their tokens.
 
-Wraps the paged allocator the way vLLM's prefix-caching allocator wraps the naive one. A
-request's full prompt blocks are identified by the hash chain of the tokens up to their end:
-traces give it as per-chunk hashes (`hash_ids`, e.g. 512-token chunks in the Mooncake trace),
-mapped here onto any engine block size (block j of bs tokens is identified by the chain of
-chunks covering tokens [0, (j+1)*bs), plus j). At admission the longest run of leading blocks
-already cached is reused by reference instead of being allocated and prefilled again (at least
-one prompt token is always computed, as vLLM does); the request's own full prompt blocks join
-the cache as they are filled. When the last user of a cached block finishes, the block stays
-cached but idle: it counts as usable free memory, and is evicted least recently used first
-when free blocks run out (a request's tail blocks before its head).
+Wraps the paged allocator the way vLLM's (v1) prefix caching wraps its block pool, and follows
+vLLM 0.33's rules (checked step by step against its scheduler in tests/oracle):
+- Keys. A block is identified by the hash chain of the tokens up to its end. Traces give it for
+  the prompt as per-chunk hashes (`hash_ids`, e.g. 512-token chunks in the Mooncake trace),
+  mapped here onto any engine block size (block j of bs tokens is identified by the chain of
+  chunks covering tokens [0, (j+1)*bs), plus j). The chain names no other block: generated
+  tokens, and prompt blocks past the trace's hashes, hold tokens of the request's own, so
+  their keys are the request's own: (rid, j) (`cache_generated`).
+- Every full block is cached as soon as it is filled, generated tokens included (vLLM hashes
+  every full block of a request's tokens). `cache_generated=False` caches only the blocks the
+  trace's hash chain names (the prompt's), kvfrag's earlier model.
+- Hits are looked up only when a request is admitted (or resumed after a preemption): whole
+  blocks, the longest leading run of keys found cached, capped at `tokens - 1` tokens where
+  `tokens` counts what the request has to prefill (`cached_prefix_tokens(req, tokens)`: a
+  resumed request's generated tokens included, so it finds its own output again). At least one
+  token is always computed, so a request whose every block is cached (a prompt that is an exact
+  multiple of the block size, asked again) recomputes its last block.
+- Block tables are append-only: a block filled by a request is its own and joins the cache
+  under its key even when that key is cached already (the duplicate stays: both are cached
+  under the key, and a lookup finds the oldest). So the recomputed last block of a fully
+  cached prompt is a fresh block, and two requests prefilling the same tokens at once each
+  keep theirs.
+- When its last user frees it, a cached block stays cached but idle: it counts as usable free
+  memory, and idle blocks are evicted least recently freed first when blocks run out (a
+  request's blocks are freed last first, so a prefix's tail goes before its head). Reusing an
+  idle block found by a lookup takes it back from the free memory (`admission_bytes`).
 
 Accounting: a cached block in use is allocated once, holds bs tokens once, however many
-requests use it; idle cached blocks are free. A request's own blocks past its cached ones are
-counted as in the paged allocator.
+requests use it; idle cached blocks are free. A request's table starts with cached blocks it
+holds by reference (`live.cached` tokens): those it found at admission, then the blocks the
+hash chain names that it filled itself (they must be found by requests admitted while it
+runs). Its other blocks are its own and counted as in the paged allocator, whether full or
+not: the full ones join the cache only when the request is freed (or preempted). Nobody else
+can find them before: their keys are its own (a request does not look up while it runs). So
+decode stretches advance in closed form as in the paged allocator, and a free costs one
+operation per block the request held, as vLLM's does.
 
-Sample groups and beams (n sequences): the cache knows the prompt's full blocks only. A
-group looks them up and registers them exactly as a single request does (its sequences share
-them anyway), and counts once in their reference counts; past them its sequences fork as in
-the paged allocator, and their blocks (the partial prompt block copied on write, generated
-tokens, a beam trunk) are the group's own, never cached: generated tokens are not in the
-trace's hash chain. With S = P // bs the prompt's full blocks, C <= S of them cached
-(`live.cached` = C*bs; `live.shared` = S*bs, the paged allocator's blocks kept once) and L
-tokens a sequence, the request's own blocks are
+Sample groups and beams (n sequences): the cache knows the prompt's named blocks only. A
+group looks them up (capped at prompt - 1 tokens, even when resumed) and caches them exactly
+as a single request does (its sequences share them anyway), and counts once in their
+reference counts; past them its sequences fork as in the paged allocator, and their blocks
+(the partial prompt block copied on write, generated tokens, a beam trunk) are the group's
+own, never cached: kvfrag models a group as one request whose sequences fork from one prompt
+(vLLM v1 runs n samples as n requests and has no beams), and a block shared by several
+sequences or pruned with its beam has no single owner whose output it holds. With S = P // bs
+the prompt's full blocks, C <= S of them cached (`live.cached` = C*bs; `live.shared` = S*bs,
+the paged allocator's blocks kept once) and L tokens a sequence, the request's own blocks are
     ceil(L/bs) - C                                   while its prompt is prefilled (L <= P),
     n*ceil(L/bs) - (n-1)*S - C                       samples past the prompt,
     n*ceil(L/bs) - (n-1)*floor(L/bs) - C             beams past the prompt,
@@ -32,14 +56,14 @@ ones less C*bs (the cache holds those). `saved_by_sharing` adds both savings, ea
 copies a group's sequences do not make ((n-1)*S samples, (n-1)*floor(L/bs) beams, as paged)
 and the copies the cache spares (users - 1 per cached block in use, a group one user).
 
-Block ids: a cached block keeps the id of the block that first held its tokens (the request's
-own block joins the cache when it fills; a request that fills a block someone cached since
-gives its own back and shares the cached one). Idle cached blocks keep their id and bytes until
-evicted, when the id goes back to the free stack. `block_table` lists a request's cached blocks
-first, then its own; a group's `block_tables` (one per sequence, as paged) each start with its
-cached blocks, then name its own as the paged allocator does, copies on write included.
-`prefix_keys` gives one digest per full prompt block its hash chain names, so that a replay can
-write (and check) the same bytes for the same tokens.
+Block ids: a cached block is the block that was filled with its tokens, under the same id
+(the request's own block joins the cache when it fills, or when the request is freed). Idle
+cached blocks keep their id and bytes until evicted, when the id goes back to the free stack.
+`block_table` lists a request's cached blocks first, then its own; a group's `block_tables`
+(one per sequence, as paged) each start with its cached blocks, then name its own as the paged
+allocator does, copies on write included. `prefix_keys` gives one digest per block the request
+caches when full (named prompt blocks, then, with `cache_generated`, its own up to its final
+length), so that a replay can write (and check) the same bytes for the same tokens.
 
 Evictions change what a waiting request would need without a free: a group past its prompt
 that finds fewer tokens cached is admitted with fewer, n blocks less per block of them, so
@@ -53,25 +77,39 @@ from collections import OrderedDict
 from sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from sim.allocators.paged import PagedAllocator
 
-Key = tuple[int, int]  # (hash chain up to the block's last chunk, block index)
+#: (hash chain up to the block's last chunk, block index) for the blocks a trace's hash chain
+#: names; (rid, block index, -1) for a request's blocks of its own (generated tokens).
+Key = tuple[int, ...]
 
 
 class PrefixCachingAllocator(PagedAllocator):
-    """Paged blocks plus a cache of full prompt blocks keyed by their token hash chain."""
+    """Paged blocks plus a cache of full blocks keyed by their token hash chain."""
 
     kind = "prefix-caching"
 
     def __init__(
-        self, capacity: int, bytes_per_token: int, max_model_len: int, block_size: int = 16
+        self,
+        capacity: int,
+        bytes_per_token: int,
+        max_model_len: int,
+        block_size: int = 16,
+        cache_generated: bool = True,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len, block_size)
-        self._refs: dict[Key, int] = {}  # cached blocks in use: key -> users
-        self._idle: OrderedDict[Key, None] = OrderedDict()  # unused cached blocks, LRU first
-        self._held: dict[int, list[Key]] = {}  # rid -> keys of its cached prompt blocks
-        self._keys_of: dict[int, list[Key]] = {}  # rid -> keys of all its full prompt blocks
-        self._id_of: dict[Key, int] = {}  # block id of every cached block, in use or idle
+        if not isinstance(cache_generated, bool):
+            raise ValueError(f"cache_generated must be true or false, got {cache_generated!r}")
+        self.cache_generated = cache_generated
+        self._cached: dict[Key, list[int]] = {}  # key -> ids cached under it, oldest first
+        self._key: dict[int, Key] = {}  # id of every cached block (in use or idle) -> key
+        self._refs: dict[int, int] = {}  # cached blocks in use: id -> users
+        self._idle: OrderedDict[int, None] = OrderedDict()  # unused cached blocks, LRU first
+        self._held: dict[int, list[int]] = {}  # rid -> cached blocks its table starts with
+        self._keys_of: dict[int, list[Key]] = {}  # rid -> keys of its named prompt blocks
         self._evicted: dict[int, None] = {}  # ids of idle blocks evicted since last asked
-        self.lookups = 0  # full prompt blocks looked up at admissions
+        self._last_keys: tuple[Request | None, list[Key]] = (None, [])  # block_keys' last
+        self._uses = 0  # users summed over the cached blocks in use
+        self._asked: dict[int, int] = {}  # rid -> tokens to prefill it was last looked up with
+        self.lookups = 0  # full blocks looked up at admissions (up to the cap)
         self.hits = 0  # of them found cached
         self.evictions = 0
         self._stepped_at = 0  # the decode clock when steps last evicted
@@ -81,6 +119,8 @@ class PrefixCachingAllocator(PagedAllocator):
         """Keys of the request's full prompt blocks that its hash chain identifies."""
         if not req.prefix or req.prefix_tokens < 1:
             return []
+        if self._last_keys[0] is req:  # the waiting head is looked up, gated, then admitted
+            return self._last_keys[1]
         bs, chunk = self.block_size, req.prefix_tokens
         chain, h = [], 0
         for value in req.prefix:
@@ -92,25 +132,61 @@ class PrefixCachingAllocator(PagedAllocator):
             if c >= len(chain):
                 break
             keys.append((chain[c], j))
+        self._last_keys = (req, keys)
         return keys
 
-    def _hit_blocks(self, keys: list[Key], req: Request) -> int:
-        limit = (req.prompt - 1) // self.block_size  # always compute the last prompt token
-        hits = 0
-        for key in keys[:limit]:
-            if key not in self._refs and key not in self._idle:
-                break
-            hits += 1
-        return hits
+    def _caches_own(self, req: Request) -> bool:
+        """Whether the request's blocks the hash chain does not name are cached too."""
+        return self.cache_generated and req.n == 1
 
-    def cached_prefix_tokens(self, req: Request) -> int:
-        return self._hit_blocks(self.block_keys(req), req) * self.block_size
+    def _key_at(self, rid: int, named: list[Key], j: int) -> Key:
+        return named[j] if j < len(named) else (rid, j, -1)
+
+    def _walk(self, req: Request, named: list[Key], cap: int) -> list[int]:
+        """Ids of the leading run of the request's first `cap` blocks found cached (for each,
+        the oldest block cached under its key, as vLLM's lookup finds)."""
+        found: list[int] = []
+        cached, rid = self._cached, req.rid
+        for j in range(cap):
+            ids = cached.get(named[j] if j < len(named) else (rid, j, -1))
+            if not ids:
+                break
+            found.append(ids[0])
+        return found
+
+    def _cap(self, req: Request, named: list[Key], tokens: int) -> int:
+        """Blocks a lookup may find for a request with `tokens` tokens to prefill: whole
+        blocks of at most tokens - 1 (the last token is always computed); a group's capped
+        at its prompt, whose named blocks alone it caches."""
+        if req.n > 1:
+            tokens = min(tokens, req.prompt)
+        cap = (tokens - 1) // self.block_size
+        return cap if self._caches_own(req) else min(cap, len(named))
+
+    def cached_prefix_tokens(self, req: Request, tokens: int | None = None) -> int:
+        named = self.block_keys(req)
+        tokens = req.prompt if tokens is None else tokens
+        # Remembered for the admission's count of blocks looked up (a first chunk stores
+        # fewer tokens than the request has to prefill).
+        self._asked[req.rid] = tokens
+        return len(self._walk(req, named, self._cap(req, named, tokens))) * self.block_size
+
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """The paged blocks past the cached prefix, and the idle cached blocks of the prefix
+        (taken back from the free memory, as vLLM counts them)."""
+        found = self._walk(req, self.block_keys(req), hit // self.block_size)
+        revived = sum(1 for b in found if b in self._idle)
+        return super().admission_bytes(req, tokens, hit) + revived * self.block_bytes
+
+    def idle_cached_blocks(self) -> int:
+        """Cached blocks nobody uses (they count as free)."""
+        return len(self._idle)
 
     def block_table(self, rid: int) -> tuple[int, ...]:
-        """The request's cached prompt blocks (shared with whoever else holds them), then its
-        own blocks."""
+        """The request's cached blocks (shared with whoever else holds them), then its own
+        blocks."""
         own = super().block_table(rid)
-        return tuple(self._id_of[key] for key in self._held.get(rid, ())) + own
+        return tuple(self._held.get(rid, ())) + own
 
     def take_evictions(self) -> list[int]:
         """Ids of the idle cached blocks evicted since last asked (their bytes dropped)."""
@@ -119,8 +195,11 @@ class PrefixCachingAllocator(PagedAllocator):
         return evicted
 
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
-        self._get(rid)
-        return tuple(hash(key) for key in self._keys_of.get(rid, ()))
+        live = self._get(rid)
+        keys = list(self._keys_of.get(rid, ()))
+        if self._caches_own(live.req):
+            keys += [(rid, j, -1) for j in range(len(keys), live.final // self.block_size)]
+        return tuple(hash(key) for key in keys)
 
     def summary_stats(self) -> dict[str, float | int]:
         return {
@@ -144,16 +223,16 @@ class PrefixCachingAllocator(PagedAllocator):
         return super()._linear(live, phase) - live.cached
 
     def allocated_bytes(self, rid: int) -> int:
-        """Bytes the request holds, its cached prompt blocks included (shared with others)."""
+        """Bytes the request holds, its cached blocks included (shared with others)."""
         live = self._get(rid)
         return super()._blocks_at(live, self.tokens(rid)) * self.block_bytes
 
     def _head(self, live: Live) -> list[int]:
-        return [self._id_of[key] for key in self._held.get(live.req.rid, ())]
+        return list(self._held.get(live.req.rid, ()))
 
     def _cache_saved(self) -> int:
         """Blocks the cache spares: one copy per further request using a cached block."""
-        return sum(users - 1 for users in self._refs.values())
+        return self._uses - len(self._refs)
 
     def saved_by_sharing(self) -> int:
         return super().saved_by_sharing() + self._cache_saved() * self.block_bytes
@@ -177,57 +256,36 @@ class PrefixCachingAllocator(PagedAllocator):
         return allocated + len(self._refs) * self.block_bytes * weight, internal
 
     # ------------------------------------------------------------ operations
-    def _register(self, live: Live, tokens: int) -> list[tuple[Key, bool]]:
-        """Put the request's newly full prompt blocks in the cache; returns their keys, each
-        with whether it was cached already (then the request shares that block)."""
-        bs, rid = self.block_size, live.req.rid
-        keys = self._held.setdefault(rid, [])
-        full = min(len(self._keys_of[rid]), tokens // bs, live.req.prompt // bs)
-        new = []
-        for key in self._keys_of[rid][len(keys) : full]:
-            new.append((key, key in self._refs or key in self._idle))
-            if key in self._refs:
-                self._refs[key] += 1
-            else:
-                self._idle.pop(key, None)  # an idle block counted as free is taken back
-                self._refs[key] = 1
-            keys.append(key)
-        live.cached = len(keys) * bs
-        return new
+    def _filled(self, live: Live, tokens: int) -> int:
+        """Named prompt blocks the request filled since it last held cached blocks: they join
+        the cache now (each a block of its own, even when its key is cached already)."""
+        named = self._keys_of[live.req.rid]
+        held = len(self._held[live.req.rid])
+        return max(0, min(len(named), tokens // self.block_size) - held)
 
-    def _name(self, live: Live, new: list[tuple[Key, bool]], private: int, tokens: int):
-        """Block ids after `_register` and `_evict`: a newly full block of the request's own
-        becomes the cached one (same id, same bytes), or goes back when the same tokens were
-        cached already; the request's other blocks are named as the paged allocator does."""
+    def _cache(self, block: int, key: Key) -> None:
+        self._key[block] = key
+        self._cached.setdefault(key, []).append(block)
+
+    def _name(self, live: Live, k: int, private: int, tokens: int) -> tuple[int, ...]:
+        """Block ids after `_evict`: the k named prompt blocks the request just filled join
+        the cache under the ids it held them by (or fresh ones, when they were not named
+        yet); the request's other blocks are named as the paged allocator does."""
+        rid = live.req.rid
         table = live.table if live.table is not None else []
         live.table = table
-        own = table[: len(new)]  # its blocks for the rows that just joined the cache
-        del table[: len(own)]
-        taken = []
-        for i, (key, cached) in enumerate(new):
-            if cached:
-                if i < len(own):
-                    self._stack.append(own[i])
-            elif i < len(own):
-                self._id_of[key] = own[i]
-            else:
-                taken.append(key)
-        if len(taken) > len(self._stack):
-            self._reclaim(len(taken), live.req.rid)  # ids beams pruned while nobody asked
-        for key in taken:
-            self._id_of[key] = self._stack.pop()
-        fresh = tuple(self._id_of[key] for key in taken)
-        return fresh + self._materialize(live, private, tokens)
-
-    def _need(self, live: Live, tokens: int, old: int = 0) -> int:
-        """Blocks admitting (old = 0) or growing from `old` to `tokens` takes from the free
-        pool (no change made): its own blocks' change, and the blocks it caches anew."""
-        keys = self._keys_of[live.req.rid]
-        held = len(self._held.get(live.req.rid, ()))
-        full = min(len(keys), tokens // self.block_size, live.req.prompt // self.block_size)
-        taken = sum(1 for key in keys[held:full] if key not in self._refs)
-        after = super()._blocks_at(live, tokens) - full
-        return after - (self._blocks_at(live, old) if old else 0) + taken
+        own = table[:k]
+        del table[:k]
+        if k - len(own) > len(self._stack):
+            self._reclaim(k - len(own), rid)  # ids beams pruned while nobody asked
+        fresh = [self._stack.pop() for _ in range(k - len(own))]
+        held, named = self._held[rid], self._keys_of[rid]
+        for block in own + fresh:
+            self._cache(block, named[len(held)])
+            self._refs[block] = 1
+            held.append(block)
+        self._uses += len(own) + len(fresh)
+        return tuple(fresh) + self._materialize(live, private, tokens)
 
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         req, bs = live.req, self.block_size
@@ -238,48 +296,78 @@ class PrefixCachingAllocator(PagedAllocator):
             return Refusal(
                 req.rid, Reason.TOO_LARGE, need, self.free_bytes(), "needs more blocks than exist"
             )
-        self._keys_of[req.rid] = self.block_keys(req)
-        need = self._need(live, tokens)
+        named = self.block_keys(req)
+        # `tokens` <= the tokens to prefill, and > the hits the engine found with that cap:
+        # capping at tokens - 1 finds them again.
+        cap = self._cap(req, named, tokens)
+        found = self._walk(req, named, cap)
+        revived = sum(1 for b in found if b in self._idle)
+        need = super()._blocks_at(live, tokens) - len(found) + revived
         if need > self.free_blocks():
-            del self._keys_of[req.rid]
             return self._refusal(req.rid, need)
-        full = min(len(self._keys_of[req.rid]), req.prompt // bs)
-        self.lookups += full
-        self.hits += min(self._hit_blocks(self._keys_of[req.rid], req), tokens // bs)
-        new = self._register(live, tokens)
+        asked = self._asked.pop(req.rid, 0)
+        self.lookups += self._cap(req, named, asked) if asked > tokens else cap
+        self.hits += len(found)
+        self._uses += len(found)
+        for block in found:
+            if block in self._refs:
+                self._refs[block] += 1
+            else:
+                del self._idle[block]  # an idle block counted as free is taken back
+                self._refs[block] = 1
+        self._keys_of[req.rid] = named
+        self._held[req.rid] = found
+        k = self._filled(live, tokens)
+        live.cached = (len(found) + k) * bs
         private = self._blocks_at(live, tokens)
         self._fixed_blocks += private
         self._fixed_internal += self._tail_waste(live, tokens)
         self._fixed_saved += self._saved_at(live, tokens)
-        self._evict()  # before naming: evicted blocks give their ids back
-        ids = self._name(live, new, private, tokens)
+        self._evict(extra=k)  # before naming: evicted blocks give their ids back
+        ids = self._name(live, k, private, tokens)
         return Grant(req.rid, need * self.block_bytes, live.cap, blocks=ids)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
-        need = self._need(live, new, old)
+        need = super()._blocks_at(live, new) - super()._blocks_at(live, old)
         if need > self.free_blocks():
             return self._refusal(live.req.rid, need)
         before = self._blocks_at(live, old)
-        joined = self._register(live, new)
+        k = self._filled(live, new)
+        live.cached += k * self.block_size
         after = self._blocks_at(live, new)
         self._fixed_blocks += after - before
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
         self._fixed_saved += self._saved_at(live, new) - self._saved_at(live, old)
-        self._evict()
-        ids = self._name(live, joined, after, new)
+        self._evict(extra=k)
+        ids = self._name(live, k, after, new)
         return Grant(live.req.rid, max(0, need) * self.block_bytes, live.cap, blocks=ids)
 
     def _release(self, live: Live) -> None:
+        rid, bs, tokens = live.req.rid, self.block_size, live.base
+        held = self._held.pop(rid, [])
+        named = self._keys_of.pop(rid, [])
+        # Its own full blocks join the cache now, idle (nobody else could have found them).
+        own: list[int] = []
+        if live.req.n == 1:
+            full = tokens // bs if self._caches_own(live.req) else min(tokens // bs, len(named))
+            if full > len(held):
+                self._materialize(live, self._blocks_at(live, tokens), tokens)
+                own = live.table[: full - len(held)]
+                del live.table[: len(own)]
         super()._release(live)
-        rid = live.req.rid
-        # Tail blocks first, so that eviction (least recently used first) takes a prefix's
-        # tail before its head, which later requests are likelier to share (as vLLM does).
-        for key in reversed(self._held.pop(rid, ())):
-            self._refs[key] -= 1
-            if not self._refs[key]:
-                del self._refs[key]
-                self._idle[key] = None
-        self._keys_of.pop(rid, None)
+        # vLLM frees a request's blocks last first, so that eviction (least recently freed
+        # first) takes a prefix's tail before its head, which later requests are likelier to
+        # share.
+        for j in range(len(held) + len(own) - 1, len(held) - 1, -1):
+            block = own[j - len(held)]
+            self._cache(block, self._key_at(rid, named, j))
+            self._idle[block] = None
+        self._uses -= len(held)
+        for block in reversed(held):
+            self._refs[block] -= 1
+            if not self._refs[block]:
+                del self._refs[block]
+                self._idle[block] = None
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
@@ -308,13 +396,18 @@ class PrefixCachingAllocator(PagedAllocator):
                 self._evict(1)
         self._evict()
 
-    def _evict(self, over: int | None = None) -> None:
-        """Drop least recently used idle blocks until the ones in use fit (or `over` ones)."""
+    def _evict(self, over: int | None = None, extra: int = 0) -> None:
+        """Drop least recently freed idle blocks until the ones in use (and `extra` blocks
+        about to join the cache) fit, or `over` of them."""
         if over is None:
-            over = self._blocks_total() + len(self._idle) - self.num_blocks
+            over = self._blocks_total() + extra + len(self._idle) - self.num_blocks
         for _ in range(max(0, over)):
-            key, _ = self._idle.popitem(last=False)
-            block = self._id_of.pop(key)
+            block, _ = self._idle.popitem(last=False)
+            key = self._key.pop(block)
+            ids = self._cached[key]
+            ids.remove(block)
+            if not ids:
+                del self._cached[key]
             self._stack.append(block)  # its bytes are dropped
             self._evicted[block] = None
             self.evictions += 1

@@ -2,14 +2,25 @@
 
 The same requests go through vLLM 0.33's real v1 `Scheduler` (tests/oracle/vllm_driver.py)
 and through kvfrag's per-iteration stepper (`sim.reference`, the specification the fast
-engine is held to in tests/sim/test_engine.py) with a `paged` allocator of the same pool.
-Iterations take 1 s in kvfrag (base_s = 1, no per-token cost), so iteration k starts at
-t = k and a request arriving at step k arrives at t = k. Every iteration must agree exactly:
-tokens scheduled, requests running and waiting, preemptions, admissions, blocks in use; and
-every request its first-token step, finishing step and preemptions.
+engine is held to in tests/sim/test_engine.py) with a `paged` allocator of the same pool, or a
+`prefix-caching` one with vLLM's prefix caching on. Iterations take 1 s in kvfrag (base_s = 1,
+no per-token cost), so iteration k starts at t = k and a request arriving at step k arrives at
+t = k. Every iteration must agree exactly: tokens scheduled, requests running and waiting,
+preemptions, admissions, blocks in use (prefix caching: tokens found cached by its admissions,
+idle cached blocks evicted, idle cached blocks left); and every request its first-token step,
+finishing step and preemptions.
+
+Prefix caching: kvfrag's requests carry hash ids per chunk of tokens (`hash_ids`, the
+Mooncake trace's 512-token chunks); vLLM's get token ids that make equal hash ids equal
+tokens (hash id x 1000 + position in the chunk). Generated tokens are unique to their request
+in kvfrag's model; vLLM's fake model output here samples a token of the request's own
+(`own_sampled_tokens`), as the driver's one token for everybody would make the outputs of
+identical prompts identical, hence found in the cache by each other.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pandas as pd
@@ -24,19 +35,22 @@ from sim.engine import EngineConfig, StepTime, run  # noqa: E402
 from sim.reference import reference  # noqa: E402
 from workloads import load_trace  # noqa: E402
 
+from . import vllm_driver  # noqa: E402
 from .vllm_driver import OracleRequest, run_vllm  # noqa: E402
 
 BS = 16
 BYTES_PER_TOKEN = 8
 COMPARED = ("scheduled_tokens", "running", "waiting", "preempted", "admitted", "blocks_used")
+PREFIX = ("prefix_hit_tokens", "evictions", "idle_cached_blocks")
+OWN_TOKEN = 1_000_000_000  # + rid: the token a request samples at every step (prefix caching)
 
 
-def mooncake(n: int, max_model_len: int) -> pd.DataFrame:
-    """The shipped Mooncake sample's first n requests that fit max_model_len (their lengths),
-    one arrival per step."""
+def mooncake(n: int, max_model_len: int, hashed: bool = False) -> pd.DataFrame:
+    """The shipped Mooncake sample's first n requests that fit max_model_len (their lengths,
+    and with `hashed` their hash ids per 512-token chunk), one arrival per step."""
     df = load_trace("sample:mooncake-conv").requests
     df = df[df["prompt_tokens"] + df["output_tokens"] <= max_model_len].head(n)
-    return pd.DataFrame(
+    wl = pd.DataFrame(
         {
             "request_id": np.arange(n),
             "arrival_s": np.arange(n, dtype=float),
@@ -44,6 +58,45 @@ def mooncake(n: int, max_model_len: int) -> pd.DataFrame:
             "output_tokens": df["output_tokens"].to_numpy(),
         }
     )
+    if hashed:
+        wl["hash_ids"] = df["hash_ids"].to_list()
+        wl.attrs["hash_block_tokens"] = 512
+    return wl
+
+
+def shared_prefixes(n: int, seed: int) -> pd.DataFrame:
+    """Requests behind one of four system prompts of whole blocks (1 to 8), most of them with
+    a question of whole blocks too (prompts that are exact multiples of the block size), and a
+    quarter asking an earlier prompt again, token for token. Hash ids per block-sized chunk."""
+    rng = np.random.default_rng(seed)
+    systems = [int(b) * BS for b in rng.integers(1, 9, 4)]
+    asked: list[tuple[list[int], int]] = []
+    hashes, prompts, fresh = [], [], 10_000
+    for _ in range(n):
+        if asked and rng.random() < 0.25:
+            ids, prompt = asked[int(rng.integers(len(asked)))]
+        else:
+            g = int(rng.integers(4))
+            whole = rng.random() < 0.6
+            mine = int(rng.integers(1, 30)) * BS if whole else int(rng.integers(1, 480))
+            own = -(-mine // BS)
+            ids = [100 * g + c for c in range(systems[g] // BS)] + list(range(fresh, fresh + own))
+            fresh += own
+            prompt = systems[g] + mine
+            asked.append((ids, prompt))
+        hashes.append(ids)
+        prompts.append(prompt)
+    wl = pd.DataFrame(
+        {
+            "request_id": np.arange(n),
+            "arrival_s": np.sort(rng.integers(0, n // 2, n)).astype(float),
+            "prompt_tokens": prompts,
+            "output_tokens": rng.integers(1, 250, n),
+            "hash_ids": hashes,
+        }
+    )
+    wl.attrs["hash_block_tokens"] = BS
+    return wl
 
 
 def synthetic(n: int, seed: int) -> pd.DataFrame:
@@ -58,28 +111,64 @@ def synthetic(n: int, seed: int) -> pd.DataFrame:
     )
 
 
+def token_ids(r, chunk: int) -> tuple[int, ...]:
+    """A request's prompt as token ids: unique to it, or with hash ids (prefix caching) equal
+    hash ids give equal tokens (hash id x 1000 + position in its chunk of `chunk` tokens)."""
+    if not chunk:
+        return tuple(1_000_000 * (int(r.request_id) + 1) + i for i in range(r.prompt_tokens))
+    ids = [int(h) for h in r.hash_ids]
+    assert len(ids) == -(-r.prompt_tokens // chunk) and max(ids) < 1_000_000
+    return tuple(ids[i // chunk] * 1000 + i % chunk for i in range(r.prompt_tokens))
+
+
+@contextlib.contextmanager
+def own_sampled_tokens():
+    """vLLM's fake model output samples OWN_TOKEN + rid for a request (not the driver's one
+    token for everybody): generated blocks are then cached under keys of their request's own,
+    as kvfrag keys them."""
+    v = vllm_driver._vllm()
+    real = v["ModelRunnerOutput"]
+
+    def output(req_ids, req_id_to_index, sampled_token_ids):
+        pairs = zip(req_ids, sampled_token_ids, strict=True)
+        own = [[OWN_TOKEN + int(rid)] * len(t) for rid, t in pairs]
+        return real(req_ids=req_ids, req_id_to_index=req_id_to_index, sampled_token_ids=own)
+
+    v["ModelRunnerOutput"] = output
+    try:
+        yield
+    finally:
+        v["ModelRunnerOutput"] = real
+
+
 def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chunked: bool,
-         max_model_len: int, watermark: float = 0.0):
-    """(vLLM's run, kvfrag's per-iteration trace and requests, kvfrag's fast-engine result)."""
-    oracle = run_vllm(
-        [
-            OracleRequest(
-                int(r.request_id),
-                int(r.arrival_s),
-                tuple(1_000_000 * (int(r.request_id) + 1) + i for i in range(r.prompt_tokens)),
-                int(r.output_tokens),
-            )
-            for r in wl.itertuples()
-        ],
-        block_size=BS,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        prefix_caching=False,
-        max_model_len=max_model_len,
-        watermark=watermark,
-    )
+         max_model_len: int, watermark: float = 0.0, kind: str = "paged",
+         options: dict | None = None):
+    """(vLLM's run, kvfrag's per-iteration trace and requests, kvfrag's fast-engine result).
+    kind "prefix-caching": vLLM's prefix caching on, kvfrag's prefix-caching allocator."""
+    caching = kind == "prefix-caching"
+    chunk = int(wl.attrs.get("hash_block_tokens", 0)) if caching else 0
+    with own_sampled_tokens() if caching else contextlib.nullcontext():
+        oracle = run_vllm(
+            [
+                OracleRequest(
+                    int(r.request_id),
+                    int(r.arrival_s),
+                    token_ids(r, chunk),
+                    int(r.output_tokens),
+                )
+                for r in wl.itertuples()
+            ],
+            block_size=BS,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            chunked_prefill=chunked,
+            prefix_caching=caching,
+            max_model_len=max_model_len,
+            watermark=watermark,
+            record_slots=False,
+        )
     cfg = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
@@ -90,11 +179,12 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
 
     def fresh():
         return make_allocator(
-            "paged",
+            kind,
             capacity=num_blocks * BS * BYTES_PER_TOKEN,
             bytes_per_token=BYTES_PER_TOKEN,
             max_model_len=max_model_len,
             block_size=BS,
+            **(options or {}),
         )
 
     trace: list[dict] = []
@@ -102,7 +192,7 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
     return oracle, trace, ref, run(wl, fresh(), cfg)
 
 
-def assert_same(oracle, trace, ref) -> int:
+def assert_same(oracle, trace, ref, compared=COMPARED) -> int:
     """Every kvfrag iteration equals vLLM's step of the same number; vLLM's other steps are
     empty. Returns the number of iterations compared."""
     steps = {s["step"]: s for s in oracle.steps}
@@ -117,8 +207,8 @@ def assert_same(oracle, trace, ref) -> int:
             assert s["scheduled_tokens"] == 0 and s["running"] == 0, k
             continue
         mine = {**it, "blocks_used": it["allocated_bytes"] // (BS * BYTES_PER_TOKEN)}
-        theirs = {c: s[c] for c in COMPARED}
-        assert {c: mine[c] for c in COMPARED} == theirs, f"step {k}"
+        theirs = {c: s[c] for c in compared}
+        assert {c: mine[c] for c in compared} == theirs, f"step {k}"
     assert set(ours) <= set(steps)
     for rid, r in ref["requests"].items():
         v = oracle.requests[rid]
@@ -192,3 +282,78 @@ def test_watermark(chunked):
     assert oracle.config["watermark_blocks"] == int(0.05 * 150) == 7
     assert assert_same(oracle, trace, ref) > 300
     assert_fast_engine_agrees(ref, fast)
+
+
+def assert_prefix_hits_per_request(oracle, ref, wl, whole_blocks: bool = True) -> None:
+    """Each request found as many tokens cached over its admissions as in vLLM; resumed
+    requests found their own output (more than their prompt's blocks) cached; with
+    `whole_blocks`, fully cached prompts of whole blocks recomputed their last block."""
+    for rid, r in ref["requests"].items():
+        assert sum(r["hits"]) == oracle.requests[rid]["prefix_hit_tokens"], rid
+    prompt = wl.set_index("request_id")["prompt_tokens"]
+    first = [(r["hits"][0], prompt[rid]) for rid, r in ref["requests"].items()]
+    assert not whole_blocks or any(p % BS == 0 and hit == p - BS for hit, p in first)
+    resumed = [max(r["hits"][1:]) - prompt[rid] for rid, r in ref["requests"].items()
+               if len(r["hits"]) > 1]
+    assert max(resumed) > 0
+
+
+def assert_prefix_totals(oracle, fast) -> None:
+    """The fast engine found as many tokens cached and evicted as many idle blocks."""
+    s = fast.summary
+    assert s["prefill_tokens_skipped"] == sum(x["prefix_hit_tokens"] for x in oracle.steps)
+    assert s["prefix_evictions"] == sum(x["evictions"] for x in oracle.steps)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_prefix_caching_mooncake_sample(chunked):
+    """300 Mooncake conversations with their hash ids, a pool that preempts and evicts: hits
+    (whole blocks, capped at all tokens but the last), idle cached blocks, evictions (least
+    recently freed first) and resumed requests finding their own output equal vLLM's at every
+    step."""
+    wl = mooncake(300, 8192, hashed=True)
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=1500, max_num_seqs=32, budget=8192 if not chunked else 2048,
+        chunked=chunked, max_model_len=8192, kind="prefix-caching",
+    )
+    assert sum(s["preempted"] for s in oracle.steps) > 10, "the pool should be tight"
+    assert sum(s["evictions"] for s in oracle.steps) > 10_000
+    assert sum(s["prefix_hit_tokens"] for s in oracle.steps) > 100_000
+    assert assert_same(oracle, trace, ref, COMPARED + PREFIX) > 10_000
+    assert_prefix_hits_per_request(oracle, ref, wl, whole_blocks=False)
+    assert_fast_engine_agrees(ref, fast)
+    assert_prefix_totals(oracle, fast)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+@pytest.mark.parametrize(("seed", "watermark"), [(0, 0.0), (1, 0.0), (3, 0.05)])
+def test_prefix_caching_shared_prefixes(chunked, seed, watermark):
+    """400 requests behind four system prompts, prompts often exact multiples of the block
+    size and a quarter of them asked again: a fully cached prompt recomputes its last block
+    into a fresh block (a duplicate of the cached one), every full block is cached, generated
+    ones included, and a preempted request resumes finding its own output."""
+    wl = shared_prefixes(400, seed)
+    assert (wl["prompt_tokens"] % BS == 0).mean() > 0.5
+    assert wl["hash_ids"].map(tuple).duplicated().sum() > 50
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=1024 if not chunked else 256,
+        chunked=chunked, max_model_len=1024, watermark=watermark, kind="prefix-caching",
+    )
+    assert sum(s["preempted"] for s in oracle.steps) > 50, "the pool should be tight"
+    assert sum(s["evictions"] for s in oracle.steps) > 1000
+    assert assert_same(oracle, trace, ref, COMPARED + PREFIX) > 5000
+    assert_prefix_hits_per_request(oracle, ref, wl)
+    assert_fast_engine_agrees(ref, fast)
+    assert_prefix_totals(oracle, fast)
+
+
+def test_prompt_only_caching_is_not_vllm():
+    """`cache_generated: false` (kvfrag's earlier model: only the blocks a trace's hash chain
+    names are cached) differs from vLLM: the comparison above is sensitive to it."""
+    wl = shared_prefixes(150, 0)
+    oracle, trace, ref, _ = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=1024, chunked=False, max_model_len=1024,
+        kind="prefix-caching", options={"cache_generated": False},
+    )
+    with pytest.raises(AssertionError):
+        assert_same(oracle, trace, ref, COMPARED + PREFIX)

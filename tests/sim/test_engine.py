@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sim.allocators import PARTS, Reason, Request, make_allocator
@@ -85,6 +85,10 @@ ALLOCATORS = [
     max_seqs=st.sampled_from([8, 8, 2]),  # 2: groups of 3 never fit a batch
     watermark=st.sampled_from([0.0, 0.0, 0.1]),
 )
+# Beams hold more blocks at their fork than at their end: a prompt whose fork exceeds the pool
+# must be rejected, not wait forever (the engine stalled here once).
+@example(seed=54, which=0, n=5, capacity_tokens=64, chunked=True, skip=False, linear=False,
+         samples=3, beams=True, max_seqs=8, watermark=0.0)
 def test_fast_engine_matches_per_iteration_reference(
     seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams, max_seqs, watermark
 ):

@@ -53,17 +53,18 @@ def own_blocks(a, r: Request, tokens: int) -> int:
 def check_blocks(a, live: dict[int, Request]) -> None:
     """The identity, reference counts, the closed-form block count, and block ids: each
     sequence's table starts with its request's cached blocks and holds its tokens; a block of
-    a request's own is nobody else's; distinct ids are the counted blocks; named, cached and
-    free ids never overlap and cover the pool."""
+    a request's own is nobody else's; distinct ids are the counted blocks; every cached block
+    is listed once under its key (duplicates under one key allowed); named, cached and free ids
+    never overlap and cover the pool."""
     a.account().check()
     bs = a.block_size
     assert all(users > 0 for users in a._refs.values())
     assert not set(a._refs) & set(a._idle)
-    held = {k for r in live for k in a._held.get(r, ())}
+    held = {b for r in live for b in a._held.get(r, ())}
     assert held == set(a._refs)
     for r in live:  # the refs count each request (group) once
         assert len(set(a._held.get(r, ()))) == len(a._held.get(r, ()))
-    assert all(a._refs[k] == sum(k in a._held.get(r, ()) for r in live) for k in a._refs)
+    assert all(a._refs[b] == sum(b in a._held.get(r, ()) for r in live) for b in a._refs)
     own = {r: own_blocks(a, q, a.tokens(r)) for r, q in live.items()}
     assert a.num_blocks - a.free_blocks() == sum(own.values()) + len(a._refs)
     assert sum(own.values()) + len(a._refs) + len(a._idle) <= a.num_blocks
@@ -72,7 +73,7 @@ def check_blocks(a, live: dict[int, Request]) -> None:
     assert a.saved_by_sharing() == saved * a.block_bytes
     private = []
     for r, q in live.items():
-        cached = [a._id_of[k] for k in a._held.get(r, ())]
+        cached = list(a._held.get(r, ()))
         tables = a.block_tables(r)
         assert len(tables) == (q.n if a.tokens(r) > q.prompt else 1)
         for t in tables:
@@ -82,9 +83,17 @@ def check_blocks(a, live: dict[int, Request]) -> None:
         assert len(mine) == own[r]
         assert list(a.block_table(r)) == cached + sorted(mine, key=a.block_table(r).index)
         private += mine
-    assert set(a._id_of) == set(a._refs) | set(a._idle)
-    ids = private + list(a._id_of.values()) + a._stack
+    assert set(a._key) == set(a._refs) | set(a._idle)
+    listed = [b for ids in a._cached.values() for b in ids]
+    assert sorted(listed) == sorted(a._key) and all(ids for ids in a._cached.values())
+    assert all(a._key[b] == key for key, ids in a._cached.items() for b in ids)
+    ids = private + list(a._key) + a._stack
     assert sorted(ids) == list(range(a.num_blocks))
+
+
+def cache_state(a) -> tuple:
+    """What is cached, by key (ids aside): users of the blocks in use, idle ones in LRU order."""
+    return sorted((a._key[b], users) for b, users in a._refs.items()), [a._key[b] for b in a._idle]
 
 
 def test_hits_on_a_hand_built_trace():
@@ -140,21 +149,25 @@ def test_groups_hit_as_single_requests_and_count_by_closed_form(beam):
 
 
 @pytest.mark.parametrize("beam", [False, True])
-def test_a_prefilling_group_joins_blocks_cached_meanwhile(beam):
+def test_a_prefilling_group_keeps_its_blocks_when_the_same_tokens_were_cached_meanwhile(beam):
+    # Block tables are append-only (vLLM): a block a request fills is its own and joins the
+    # cache even when the same tokens were cached since its admission; both stay cached under
+    # the key (duplicates). (kvfrag used to give its own block back and share the cached one.)
     a = cache(40)
     live = {0: req(0, 100, (1, 2, 3, 4), output=30, n=3, beam=beam)}
     assert a.admit(live[0], 20, decoding=False)  # one sequence; block 0 cached
     check_blocks(a, live)
     mine = a.block_table(0)[1]  # its own partial block 1
     live[1] = req(1, 100, (1, 2, 3, 4), output=5)
-    assert a.admit(live[1], 101)  # hits block 0, caches blocks 1-5 under its own ids
+    assert a.admit(live[1], 100)  # hits block 0, caches blocks 1-5 under its own ids
     check_blocks(a, live)
     assert a.block_table(1)[0] == a.block_table(0)[0] and mine not in a.block_table(1)
-    assert a.grow(0, 81)  # its blocks 1-5 are cached already: it gives its own block 1 back
-    assert a.tokens(0) == 101 and a.block_table(0)[1] == a.block_table(1)[1] != mine
-    assert list(a.block_table(0)[:6]) == list(a.block_table(1)[:6])
+    assert a.grow(0, 81)  # its blocks 1-5 join the cache too: duplicates of request 1's
+    assert a.tokens(0) == 101 and a.block_table(0)[1] == mine != a.block_table(1)[1]
+    assert not set(a.block_table(0)[1:6]) & set(a.block_table(1)[1:6])
     check_blocks(a, live)
-    assert sorted(a._refs.values()) == [2] * 6
+    assert sorted(a._refs.values()) == [1] * 10 + [2]
+    assert sorted(len(ids) for ids in a._cached.values()) == [1] + [2] * 5
     a.set_decoding(0, True)
     while a.tokens(1) < a.final_tokens(1):
         assert a.step(1)
@@ -162,12 +175,15 @@ def test_a_prefilling_group_joins_blocks_cached_meanwhile(beam):
     a.free(1)
     live.pop(1)
     check_blocks(a, live)
-    assert sorted(a._refs.values()) == [1] * 6 and not a._idle  # all still request 0's
+    # Request 1's blocks 1-5 are idle; block 0 and the group's 1-5 still in use.
+    assert sorted(a._refs.values()) == [1] * 6 and len(a._idle) == 5
+    # A lookup finds the oldest block under a key: request 1's idle ones.
+    assert a._cached[a._keys_of[0][1]][0] == list(a._idle)[-1]
     while a.tokens(0) < a.final_tokens(0):
         assert a.step(1)
         check_blocks(a, live)
     a.free(0)
-    assert len(a._idle) == 6 and a.free_blocks() == 40
+    assert len(a._idle) == 11 and a.free_blocks() == 40
 
 
 @pytest.mark.parametrize("at_once", [False, True])
@@ -192,17 +208,24 @@ def test_beams_evict_idle_blocks_at_their_peak(at_once):
 
 def test_shared_blocks_are_freed_by_their_last_user_and_then_evicted_lru():
     a = cache(12)
-    a.admit(req(0, 64, (1, 2)), 65)  # 4 cached blocks + 1 own
-    a.admit(req(1, 64, (1, 2)), 65)  # hits 3 (the last prompt token is recomputed)
-    assert a.free_blocks() == 12 - (4 + 1) - (0 + 1)  # block 3 is cached by request 0 too
+    a.admit(req(0, 64, (1, 2)), 64)  # 4 cached blocks
+    # The same prompt hits 3 blocks (its last token is computed): it recomputes the 4th into
+    # a fresh block, a duplicate of request 0's, as vLLM does (block tables are append-only).
+    assert a.cached_prefix_tokens(req(1, 64, (1, 2))) == 48
+    a.admit(req(1, 64, (1, 2)), 64)
+    assert a.free_blocks() == 12 - 4 - 1
     a.free(0)
-    assert a.free_blocks() == 12 - 4 - 1  # all 4 still used by request 1
+    assert a.free_blocks() == 12 - 4  # blocks 0-2 and its own 4th still used by request 1
+    assert a.idle_cached_blocks() == 1
     a.free(1)
-    assert a.free_blocks() == 12  # idle cached blocks count as free...
+    assert a.free_blocks() == 12 and a.idle_cached_blocks() == 5  # idle ones count as free...
     assert a.cached_prefix_tokens(req(2, 64, (1, 2))) == 48  # ...and still hit
-    # A request with other content needing 10 blocks evicts 2 idle ones, tail blocks first.
-    a.admit(Request(3, 150, 10), 151)
-    assert a.summary_stats()["prefix_evictions"] == 2
+    # A resumed request (65 tokens to prefill) may find all 4.
+    assert a.cached_prefix_tokens(req(2, 64, (1, 2)), 65) == 64
+    # A request with other content needing 10 blocks evicts 3 idle ones, least recently freed
+    # first: request 0's 4th block, then request 1's blocks last first (4th, 3rd).
+    a.admit(Request(3, 150, 10), 150)
+    assert a.summary_stats()["prefix_evictions"] == 3
     assert a.cached_prefix_tokens(req(2, 64, (1, 2))) == 32
     a.account().check()
 
@@ -259,8 +282,9 @@ def test_identity_refcounts_and_no_leaks(bs, ops):
             a.free(gone)
             twin.free(gone)
         check_blocks(a, live)
-        assert list(a._idle) == list(twin._idle) and a.evictions == twin.evictions
-        assert a.parts() == twin.parts() and a._refs == twin._refs
+        # Block ids differ (the twin names none: check_blocks names a's), the cache does not.
+        assert cache_state(a) == cache_state(twin) and a.evictions == twin.evictions
+        assert a.parts() == twin.parts()
     for r in list(live):
         a.free(r)
     assert a.free_blocks() == a.num_blocks and not a._refs
@@ -345,3 +369,69 @@ def test_a_synthetic_system_prompt_is_found_again():
     # Every request after the first finds the 64-token system prompt (4 blocks) cached.
     assert s["prefill_tokens_skipped"] == 49 * 64
     assert s["prefix_hit_blocks"] == 49 * 4
+
+
+# ------------------------------------------------------- vLLM 0.33's rules (tests/oracle)
+def test_generated_blocks_are_cached_and_a_resumed_request_finds_its_own_output():
+    a = cache(20)
+    r = req(0, 20, (1,), output=40, chunk=32)  # one hash id covers blocks 0 (20 tokens)
+    assert a.admit(r, 20)
+    assert a.step(16)  # 36 tokens: block 1 (4 prompt tokens, 12 generated ones) is full
+    assert a.idle_cached_blocks() == 0 and len(a._refs) == 1  # block 1 is its own while live
+    a.free(0)  # preempted with 36 tokens: blocks 0, 1 cached (idle), the partial one free
+    assert a.idle_cached_blocks() == 2 and a.free_blocks() == 20
+    # Resumed with 37 tokens to prefill (its 36 and the last sampled token): hits capped at
+    # 36 tokens find both blocks, its own output included. Fresh, it would find block 0.
+    assert a.cached_prefix_tokens(r, 37) == 32 and a.cached_prefix_tokens(r) == 16
+    assert a.admission_bytes(r, 37, 32) == (3 - 2 + 2) * a.block_bytes  # idle hits count
+    assert a.admit(r, 37) and a.idle_cached_blocks() == 0
+    assert a.block_table(0)[:2] == tuple(a._held[0])
+    assert a.summary_stats()["prefix_hit_blocks"] == 2
+    check_blocks(a, {0: r})
+    # Without a hash chain its blocks are its own too: cached, found again when resumed.
+    s = Request(1, 40, 10)
+    assert a.admit(s, 40) and a.cached_prefix_tokens(s, 41) == 0
+    a.free(1)
+    assert a.cached_prefix_tokens(s, 41) == 32 and a.cached_prefix_tokens(s) == 32
+    assert a.cached_prefix_tokens(Request(2, 40, 10), 41) == 0  # nobody else's
+
+
+def test_cache_generated_off_caches_only_what_the_hash_chain_names():
+    a = make_allocator(
+        "prefix-caching", capacity=20 * 16 * B, bytes_per_token=B, max_model_len=4096,
+        block_size=16, cache_generated=False,
+    )
+    r = req(0, 20, (1,), output=40, chunk=32)
+    assert a.admit(r, 20) and a.step(16)
+    a.free(0)
+    assert a.idle_cached_blocks() == 1  # block 0, named by the chain; block 1 not cached
+    # A resumed request's cap still counts its output: all its named prompt blocks.
+    assert a.cached_prefix_tokens(r, 37) == 16
+    assert a.cached_prefix_tokens(req(1, 16, (1,), chunk=32), 17) == 16
+    assert a.cached_prefix_tokens(req(1, 16, (1,), chunk=32)) == 0  # fresh: P - 1 tokens
+    with pytest.raises(ValueError, match="cache_generated"):
+        make_allocator("prefix-caching", capacity=4096, bytes_per_token=B, max_model_len=64,
+                       cache_generated="yes")
+
+
+def test_preempted_requests_resume_finding_their_output():
+    """Engine: a pool that preempts; resumed requests find their stored tokens cached (those
+    not evicted meanwhile), as vLLM's do, and skip their prefill."""
+    rng = np.random.default_rng(0)
+    wl = pd.DataFrame({
+        "request_id": np.arange(30),
+        "arrival_s": np.zeros(30),
+        "prompt_tokens": rng.integers(20, 60, 30),
+        "output_tokens": rng.integers(60, 120, 30),
+    })
+    cfg = EngineConfig(max_num_seqs=16, max_num_batched_tokens=512)
+    out = {}
+    for kind in ("paged", "prefix-caching"):
+        alloc = make_allocator(kind, capacity=60 * 16 * B, bytes_per_token=B,
+                               max_model_len=512, block_size=16)
+        out[kind] = run(wl, alloc, cfg).summary
+    s = out["prefix-caching"]
+    assert s["preemptions"] > 0 and out["paged"]["preemptions"] > 0
+    # No prompt is shared: every hit is a resumed request's own tokens.
+    assert s["prefill_tokens_skipped"] > 0 and s["completed"] == 30
+    assert s["prefix_hit_rate_tokens"] < 1 and s["prefix_evictions"] > 0

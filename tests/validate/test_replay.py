@@ -356,9 +356,29 @@ def test_prefix_caching_replays_exactly(bs, engine):
     first_block = admits["tables"].map(lambda tables: tables[0][0])
     system = admits["keys"].map(lambda keys: keys[0])
     assert first_block.groupby(system).apply(lambda ids: ids.duplicated().any()).all()
+    # Every full block is cached, generated ones included: a preempted request is resumed
+    # with its table starting with blocks it held, past its prompt's (its own output).
+    assert s["preemptions"] > 0 and resumed_with_own_output(log, bs) > 0
     out = replay(log, "prefix-caching", bs)
     assert out.status == "pass", out.first_fail
     assert out.corrupt == 0 and out.problems == 0 and out.checks > 10
+
+
+def resumed_with_own_output(log: pd.DataFrame, bs: int) -> int:
+    """Admissions of a preempted request whose table starts with more of the blocks it freed
+    than its prompt's full blocks."""
+    freed, found = {}, 0
+    for row in log.itertuples():
+        if row.op == "free":
+            freed[row.rid] = list(row.blocks)
+        elif row.op == "admit" and row.rid in freed and len(row.tables):
+            same = 0
+            for a, b in zip(row.tables[0], freed[row.rid], strict=False):
+                if a != b:
+                    break
+                same += 1
+            found += same > row.prompt // bs
+    return found
 
 
 @pytest.mark.parametrize(
