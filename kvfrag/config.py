@@ -53,6 +53,10 @@ class LoadedScenario:
         """The fully resolved input: every default filled in, paths absolute, the version."""
         data = self.scenario.model_dump(mode="json")
         _absolute_paths(data.get("workload", {}), self.base_dir)
+        if not self.scenario.sweep:  # the batch limits the hardware class gave (a sweep may
+            cfg = self.scenario.engine_config()  # vary them: its points resolve their own)
+            data["engine"]["max_num_seqs"] = cfg.max_num_seqs
+            data["engine"]["max_num_batched_tokens"] = cfg.max_num_batched_tokens
         return {"kvfrag_version": __version__, **data}
 
 

@@ -87,3 +87,16 @@ def gpu(name: str) -> GPU:
             f"unknown gpu {name!r} (presets: {', '.join(sorted(PRESETS))}; or give name, "
             "memory_bytes, hbm_bandwidth_bytes_s, fp16_dense_flops, interconnect_bytes_s)"
         ) from None
+
+
+def batch_defaults(hardware: GPU | None) -> tuple[int, int]:
+    """vLLM 0.33's server defaults for (max_num_seqs, max_num_batched_tokens) on this GPU
+    (`EngineArgs.get_batch_defaults`, OpenAI API server): 1024 / 16384 with >= 160 GiB of
+    memory; 1024 / 8192 with >= 70 GiB unless an A100; 256 / 2048 otherwise, and when the GPU
+    is unknown (as vLLM falls back when it cannot query the device)."""
+    memory = hardware.memory_bytes if hardware is not None else 0
+    if memory >= 160 * _GIB:
+        return 1024, 16384
+    if memory >= 70 * _GIB and "a100" not in hardware.name.lower():
+        return 1024, 8192
+    return 256, 2048

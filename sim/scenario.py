@@ -37,6 +37,8 @@ from sim.allocators import Allocator, make_allocator, options_of
 from sim.engine import EngineConfig, RunResult, StepTime
 from sim.engine import run as run_engine
 from sim.geometry import PRESETS, KVGeometry, preset
+from sim.hardware import PRESETS as GPUS
+from sim.hardware import batch_defaults, gpu
 from sim.units import check_size, format_size, parse_size
 from workloads import Workload, WorkloadSpec, build_workload
 
@@ -129,10 +131,14 @@ class StepTimeSpec(_Frozen):
 
 
 class EngineSpec(_Frozen):
-    max_num_seqs: PositiveInt = 256
-    max_num_batched_tokens: PositiveInt | None = None  # default: max(8192, max_model_len)
+    """Where a scenario is silent, vLLM 0.33's defaults: chunked prefill on, and the batch
+    limits of the scenario's `hardware` class (`sim.hardware.batch_defaults`); without
+    chunked prefill the token budget is at least max_model_len."""
+
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
     batching: str = "continuous"
-    chunked_prefill: bool = False
+    chunked_prefill: bool = True
     admission: str = "fcfs"
     lookahead: PositiveInt = 64
     watermark: float = Field(default=0.0, ge=0, lt=1)
@@ -179,6 +185,7 @@ class AllocatorSpec(BaseModel):
 class Scenario(_Frozen):
     name: str = "scenario"
     description: str = ""
+    hardware: str | None = None  # a GPU preset (sim.hardware): sets vLLM's batch defaults
     model: str | ModelSpec
     kv_budget: int | str | GpuBudget
     max_model_len: PositiveInt
@@ -198,6 +205,17 @@ class Scenario(_Frozen):
         if value > MAX_MODEL_LEN:
             raise ValueError(
                 f"max_model_len {value} is larger than kvfrag models (at most 2**31 tokens)"
+            )
+        return value
+
+    @field_validator("hardware")
+    @classmethod
+    def _hardware(cls, value: str | None) -> str | None:
+        if value is not None and value not in GPUS:
+            hint = _nearest(value, list(GPUS))
+            raise ValueError(
+                f"unknown hardware {value!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                + f" (presets: {', '.join(sorted(GPUS))})"
             )
         return value
 
@@ -295,9 +313,12 @@ class Scenario(_Frozen):
 
     def engine_config(self) -> EngineConfig:
         e = self.engine
+        seqs, tokens = batch_defaults(gpu(self.hardware) if self.hardware else None)
+        if not e.chunked_prefill:
+            tokens = max(tokens, self.max_model_len)  # a whole prompt must fit one iteration
         return EngineConfig(
-            max_num_seqs=e.max_num_seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens or max(8192, self.max_model_len),
+            max_num_seqs=e.max_num_seqs or seqs,
+            max_num_batched_tokens=e.max_num_batched_tokens or tokens,
             batching=e.batching,
             chunked_prefill=e.chunked_prefill,
             admission=e.admission,

@@ -143,7 +143,27 @@ def test_resolved_copy_reloads_to_the_same_scenario(tmp_path):
     resolved = loaded.resolved()
     assert resolved["kvfrag_version"]
     again = load_scenario(write(tmp_path, yaml.safe_dump(resolved), "r.yaml")).scenario
-    assert again == loaded.scenario
+    # The copy names the batch limits the defaults gave; the rest is the same scenario.
+    assert again.engine_config() == loaded.scenario.engine_config()
+    assert again.model_copy(update={"engine": loaded.scenario.engine}) == loaded.scenario
+    assert resolved["engine"]["chunked_prefill"] is True  # vLLM's defaults, written out
+    assert (resolved["engine"]["max_num_seqs"], resolved["engine"]["max_num_batched_tokens"]) \
+        == (256, 2048)
+
+
+def test_hardware_sets_vllms_batch_defaults(tmp_path):
+    """vLLM 0.33's server defaults by GPU class (EngineArgs.get_batch_defaults)."""
+    cases = {None: (256, 2048), "a100-80gb": (256, 2048), "l40s": (256, 2048),
+             "h100-80gb": (1024, 8192), "h200": (1024, 8192), "mi300x": (1024, 16384)}
+    for hardware, expected in cases.items():
+        sets = [f"hardware={hardware}"] if hardware else []
+        cfg = load_scenario(write(tmp_path, GOOD), sets).scenario.engine_config()
+        assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == expected, hardware
+        assert cfg.chunked_prefill
+    whole = load_scenario(write(tmp_path, GOOD), ["engine.chunked_prefill=false"]).scenario
+    assert whole.engine_config().max_num_batched_tokens == 2048  # >= max_model_len (2048)
+    with pytest.raises(ScenarioError, match="unknown hardware 'h1000'; did you mean 'h100-80gb'"):
+        load_scenario(write(tmp_path, GOOD), ["hardware=h1000"])
 
 
 def test_relative_trace_paths_resolve_from_the_scenario_folder(tmp_path):
