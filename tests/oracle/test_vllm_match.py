@@ -143,12 +143,12 @@ def own_sampled_tokens():
 
 def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chunked: bool,
          max_model_len: int, watermark: float = 0.0, kind: str = "paged",
-         options: dict | None = None):
+         options: dict | None = None, own_tokens: bool = True):
     """(vLLM's run, kvfrag's per-iteration trace and requests, kvfrag's fast-engine result).
     kind "prefix-caching": vLLM's prefix caching on, kvfrag's prefix-caching allocator."""
     caching = kind == "prefix-caching"
     chunk = int(wl.attrs.get("hash_block_tokens", 0)) if caching else 0
-    with own_sampled_tokens() if caching else contextlib.nullcontext():
+    with own_sampled_tokens() if caching and own_tokens else contextlib.nullcontext():
         oracle = run_vllm(
             [
                 OracleRequest(
@@ -357,3 +357,31 @@ def test_prompt_only_caching_is_not_vllm():
     )
     with pytest.raises(AssertionError):
         assert_same(oracle, trace, ref, COMPARED + PREFIX)
+
+
+def test_generated_blocks_of_equal_text_are_shared_by_vllm_only():
+    """Pins a documented difference: vLLM keys generated blocks by their tokens, so requests
+    with the same prompt that generate the same text (here the driver's one token for every
+    request) share them; kvfrag keys each request's generated blocks as its own."""
+    wl = shared_prefixes(150, 0)
+    oracle, trace, ref, _ = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=1024, chunked=False, max_model_len=1024,
+        kind="prefix-caching", own_tokens=False,
+    )
+    with pytest.raises(AssertionError):
+        assert_same(oracle, trace, ref, COMPARED + PREFIX)
+
+
+def test_watermark_rounding_differs_by_the_null_block():
+    """Pins a documented difference: vLLM rounds int(w x blocks) over a pool that includes
+    its null block, kvfrag over the usable blocks; at 159 blocks and w = 0.05 that is 8 blocks
+    against 7."""
+    oracle = run_vllm(
+        [OracleRequest(0, 0, tuple(range(1, 21)), 2)], block_size=BS, num_blocks=159,
+        max_num_seqs=4, max_num_batched_tokens=1024, chunked_prefill=False,
+        prefix_caching=False, max_model_len=1024, watermark=0.05,
+    )
+    alloc = make_allocator("paged", capacity=159 * BS * BYTES_PER_TOKEN,
+                           bytes_per_token=BYTES_PER_TOKEN, max_model_len=1024, block_size=BS)
+    assert oracle.config["watermark_blocks"] == 8
+    assert alloc.watermark_bytes(0.05) // (BS * BYTES_PER_TOKEN) == 7
