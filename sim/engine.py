@@ -138,6 +138,7 @@ class _Req:
         "first_token",
         "frag_refused",
         "generated",
+        "hits",
         "idx",
         "lead",
         "offset",
@@ -174,6 +175,7 @@ class _Req:
         self.prefill_left = 0
         self.frag_refused = False
         self.generated = 0
+        self.hits = 0  # prompt tokens found in the prefix cache at its first admission
         self.offset = math.nan
         self.final = 0
         self.user = -1
@@ -230,6 +232,8 @@ class Engine:
         self.saved = 0.0  # integral of bytes saved by sharing
         self.prompt_lookups = 0  # tokens to prefill at every admission (resumptions too)
         self.prefix_hits = 0  # of them found in the prefix cache
+        self.first_lookups = 0  # prompt tokens looked up at first admissions
+        self.first_hits = 0  # of them found cached (re-admissions after a preemption apart)
         self.max_running = 0
         self.preemptions = 0
         self.preempted_now = False  # a request was preempted in this iteration
@@ -460,6 +464,10 @@ class Engine:
         r.prefill_left = r.prefill - hit - chunk
         self.prompt_lookups += r.prefill  # tokens looked up (vLLM's prefix cache queries)
         self.prefix_hits += hit
+        if not r.preemptions:  # a first admission: what reuse across requests gave
+            self.first_lookups += r.prefill
+            self.first_hits += hit
+            r.hits = hit
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:
             r.offset = grant.offset
@@ -720,6 +728,7 @@ class Engine:
                 "offset_bytes": [r.offset for r in reqs],
                 "final_tokens": [r.final for r in reqs],
                 "frag_refused": [r.frag_refused for r in reqs],
+                "prefix_hit_tokens": [r.hits for r in reqs],
             }
         )
         requests["generated_tokens"] = [r.generated for r in reqs]
@@ -769,6 +778,12 @@ class Engine:
             # Of the memory separate copies would have needed, the share sharing saved.
             "memory_saved_by_sharing": self.saved / (allocated + self.saved) if self.saved else 0.0,
             "prefill_tokens_skipped": self.prefix_hits,
+            # At first admissions only: reuse across requests, bounded by the trace's ideal
+            # reuse (`kvfrag trace stats`); the rest is re-admissions finding their own blocks.
+            "prefill_tokens_skipped_first": self.first_hits,
+            "prefix_hit_rate_first_tokens": (
+                self.first_hits / self.first_lookups if self.first_lookups else 0.0
+            ),
             "prefix_hit_rate_tokens": (
                 self.prefix_hits / self.prompt_lookups if self.prompt_lookups else 0.0
             ),

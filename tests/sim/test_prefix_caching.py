@@ -435,3 +435,26 @@ def test_preempted_requests_resume_finding_their_output():
     # No prompt is shared: every hit is a resumed request's own tokens.
     assert s["prefill_tokens_skipped"] > 0 and s["completed"] == 30
     assert s["prefix_hit_rate_tokens"] < 1 and s["prefix_evictions"] > 0
+
+
+def test_first_admission_hits_never_exceed_the_traces_ideal_reuse():
+    """Hits at first admissions are reuse across requests: at most what an unbounded cache
+    would find (the trace's ideal reuse). Hits on re-admissions after a preemption are the
+    request's own blocks found again, and are counted apart."""
+    from workloads import Workload
+    from workloads.stats import ideal_prefix_reuse
+
+    wl = mooncake(300)
+    alloc = make_allocator(
+        "prefix-caching", capacity=12 * 2**30, bytes_per_token=131072, max_model_len=131072,
+        block_size=16,
+    )
+    cfg = EngineConfig(max_num_seqs=64, chunked_prefill=True, max_num_batched_tokens=8192)
+    result = run(wl, alloc, cfg)
+    s, req = result.summary, result.requests
+    assert s["preemptions"] > 0  # a pool tight enough to re-admit
+    assert req["prefix_hit_tokens"].sum() == s["prefill_tokens_skipped_first"] > 0
+    assert s["prefill_tokens_skipped"] > s["prefill_tokens_skipped_first"]
+    _, ideal_tokens = ideal_prefix_reuse(Workload(wl, "mooncake"))
+    assert s["prefix_hit_rate_first_tokens"] <= ideal_tokens
+    assert s["prefill_tokens_skipped_first"] <= ideal_tokens * wl["prompt_tokens"].sum()
