@@ -46,12 +46,18 @@ PALETTE: dict[str, str] = {
     "usable_free": "#d9d9d9",
 }
 PALETTE["free"] = PALETTE["usable_free"]
+PALETTE["internal_overreservation"] = PALETTE["internal"]
+PALETTE["internal_rounding"] = "#f4a6a6"
+#: Hatching that tells internal fragmentation's rounding from its over-reservation.
+HATCH: dict[str, str] = {"internal_rounding": "///"}
 
 #: How each part is named in legends.
 PART_NAMES: dict[str, str] = {
     "token_states": "token states",
     "reserved": "reserved (not yet written)",
     "internal": "internal fragmentation",
+    "internal_overreservation": "internal: over-reservation",
+    "internal_rounding": "internal: rounding",
     "external": "external fragmentation",
     "usable_free": "free (usable)",
 }
@@ -141,6 +147,8 @@ _BASE_COLUMNS = {
     "memory_saved_by_sharing",
     "prefill_tokens_skipped",
     "prefill_tokens_skipped_first",
+    "internal_overreservation",
+    "internal_rounding",
     "prefix_hit_rate_tokens",
     "prefix_hit_rate_first_tokens",
     "compactions",
@@ -492,7 +500,22 @@ def _fractions(summary: pd.DataFrame) -> pd.DataFrame:
             out[p] = summary["free"].astype(float)
         else:
             out[p] = 0.0
+    for p in INTERNAL_SPLIT:  # results written before the split have none
+        if p in summary.columns:
+            out[p] = summary[p].astype(float)
     return out.fillna(0.0)
+
+
+#: internal fragmentation drawn as its two parts, when the summary has them.
+INTERNAL_SPLIT = ("internal_overreservation", "internal_rounding")
+
+
+def _drawn_parts(frac: pd.DataFrame) -> list[str]:
+    """The stacked parts, bottom up: internal split into over-reservation and rounding."""
+    if not all(p in frac.columns for p in INTERNAL_SPLIT):
+        return list(PARTS)
+    i = PARTS.index("internal")
+    return [*PARTS[:i], *INTERNAL_SPLIT, *PARTS[i + 1:]]
 
 
 def _breakdown_panels(summary: pd.DataFrame) -> list[tuple[str, list[str], pd.DataFrame, str]]:
@@ -543,7 +566,7 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         frac = _fractions(rows) * 100
         x = np.arange(len(names))
         bottom = np.zeros(len(names))
-        for p in PARTS:
+        for p in _drawn_parts(frac):
             ax.bar(
                 x,
                 frac[p].to_numpy(),
@@ -553,6 +576,7 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
                 edgecolor="white",
                 linewidth=0.6,
                 label=PART_NAMES[p],
+                hatch=HATCH.get(p),
             )
             bottom += frac[p].to_numpy()
         for xi, ts in zip(x, frac["token_states"].to_numpy(), strict=True):
@@ -584,7 +608,11 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         _finish_axes(ax)
     for ax in axes[::ncols]:
         ax.set_ylabel("share of the KV budget (time-averaged)")
-    handles = [Patch(color=PALETTE[p], label=PART_NAMES[p]) for p in reversed(PARTS)]
+    drawn = _drawn_parts(_fractions(summary))
+    handles = [
+        Patch(facecolor=PALETTE[p], edgecolor="white", hatch=HATCH.get(p), label=PART_NAMES[p])
+        for p in reversed(drawn)
+    ]
     legend = fig.legend(
         handles=handles,
         loc="outside right center",

@@ -230,6 +230,7 @@ class Engine:
         self.integrals = dict.fromkeys(PARTS, 0.0)
         self.busy_running = 0.0  # integral of running requests over time
         self.saved = 0.0  # integral of bytes saved by sharing
+        self.overreserved = 0.0  # integral of internal bytes that are over-reservation
         self.prompt_lookups = 0  # tokens to prefill at every admission (resumptions too)
         self.prefix_hits = 0  # of them found in the prefix cache
         self.first_lookups = 0  # prompt tokens looked up at first admissions
@@ -674,6 +675,7 @@ class Engine:
         for p, v in zip(PARTS, parts, strict=True):
             integrals[p] += v * dt
         self.saved += alloc.saved_by_sharing() * dt
+        self.overreserved += alloc.overreserved_bytes() * dt
         self._row(dt, iterations, parts, alloc.largest_hole())
 
     def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
@@ -682,6 +684,7 @@ class Engine:
         probe = self._probe()
         sums = [v * w0 for v in alloc.parts(probe)]
         self.saved += alloc.saved_by_sharing() * w0
+        self.overreserved += alloc.overreserved_bytes() * duration  # fixed in a stretch
         if n > 1:
             more = alloc.integrate(n - 1, probe, w0 + w1, w1)
             sums = [s + more[p] for s, p in zip(sums, PARTS, strict=True)]
@@ -750,9 +753,11 @@ class Engine:
         if total:
             # (a part that is 0 can come out as -1e-18 after float sums: clamp the round-off)
             frac = {p: max(self.integrals[p] / (cap * total), 0.0) for p in PARTS}
+            over = min(self.overreserved / (cap * total), frac["internal"])
         else:
             now = self.alloc.parts(self._probe())
             frac = {p: v / cap for p, v in zip(PARTS, now, strict=True)}
+            over = self.alloc.overreserved_bytes() / cap
         allocated = self.integrals["token_states"] + self.integrals["reserved"] + self.integrals[
             "internal"
         ]
@@ -774,6 +779,10 @@ class Engine:
             "sim_time_s": total,
             **frac,
             "free": frac["usable_free"],
+            # internal = over-reservation (room for tokens never reached) + rounding (the
+            # allocation granularity past the reservation): see Allocator.overreserved_bytes.
+            "internal_overreservation": over,
+            "internal_rounding": max(frac["internal"] - over, 0.0),
             "kv_utilization": self.integrals["token_states"] / allocated if allocated else math.nan,
             # Of the memory separate copies would have needed, the share sharing saved.
             "memory_saved_by_sharing": self.saved / (allocated + self.saved) if self.saved else 0.0,

@@ -74,6 +74,7 @@ def reference(
     running: list = []
     prefilling: list = []
     integrals = dict.fromkeys(PARTS, 0.0)
+    overreserved = 0.0  # integral of the over-reserved part of internal
     t, total = 0.0, 0.0
     preempted = [False]  # in this iteration
     counts = {"preempted": 0, "admitted": 0, "prefix_hit_tokens": 0}  # in this iteration
@@ -207,6 +208,7 @@ def reference(
         acc.check()
         for p in PARTS:
             integrals[p] += getattr(acc, p) * dt
+        overreserved += alloc.overreserved_bytes() * dt
         total += dt
         t += dt
         for r in done_prefill:
@@ -241,7 +243,9 @@ def reference(
     cap = alloc.capacity
     if total:
         fractions = {p: integrals[p] / (cap * total) for p in PARTS}
+        fractions["internal_overreservation"] = overreserved / (cap * total)
     else:  # no time passed: the allocator's state at that instant
         acc = alloc.account(ref)
         fractions = {p: getattr(acc, p) / cap for p in PARTS}
+        fractions["internal_overreservation"] = alloc.overreserved_bytes() / cap
     return {"requests": by_rid, "fractions": fractions, "time": total}

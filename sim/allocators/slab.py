@@ -67,6 +67,7 @@ class SlabAllocator(Allocator):
         self.reserve = parse_enum(Reserve, reserve, "reservation policy")
         self._held = 0  # sum of slab bytes
         self._written = 0  # sum of min(A, b*F): bytes that will hold tokens
+        self._over = 0  # sum of min(A, b*R) - min(A, b*F): reserved past the final length
 
     def reservation_tokens(self, req: Request) -> int:
         mml = self.max_model_len
@@ -123,6 +124,7 @@ class SlabAllocator(Allocator):
         live.extra = offsets[1:] or None
         self._held += nbytes
         self._written += copies * min(one, self.bytes_per_token * live.final)
+        self._over += copies * self._overreserved(one, live)
         return Grant(rid, nbytes, live.cap, offset=offsets[0])
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
@@ -134,6 +136,15 @@ class SlabAllocator(Allocator):
             self._unplace(offset, one)
         self._held -= live.nbytes
         self._written -= live.req.n * min(one, self.bytes_per_token * live.final)
+        self._over -= live.req.n * self._overreserved(one, live)
+
+    def _overreserved(self, one: int, live: Live) -> int:
+        """Bytes of one slab of `one` bytes reserved for tokens its request never reaches."""
+        b = self.bytes_per_token
+        return min(one, b * live.cap) - min(one, b * live.final)
+
+    def overreserved_bytes(self) -> int:
+        return self._over
 
     def allocated_bytes(self, rid: int) -> int:
         return self._get(rid).nbytes

@@ -338,6 +338,7 @@ class TorchCachingAllocator(SlabAllocator):
         live.offset, live.nbytes = offset, size
         self._held += size
         self._written += min(size, self.bytes_per_token * live.final)
+        self._over += self._overreserved(size, live)
         return Grant(rid, size, live.cap, offset=offset)
 
     def _place(self, nbytes: int) -> int | None:

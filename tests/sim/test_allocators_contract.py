@@ -98,8 +98,10 @@ def refusal_free(a: Allocator) -> int:
 
 
 def checked(a: Allocator, probe: Request | None = None) -> None:
-    """The accounting identity, judged without a probe and with one."""
+    """The accounting identity, judged without a probe and with one; the over-reserved part
+    of internal fragmentation within it."""
     a.account(None).check()
+    assert 0 <= a.overreserved_bytes() <= a.account(None).internal
     if probe is not None:
         a.account(probe).check()
 

@@ -187,6 +187,11 @@ def check_invariants(a: Allocator, m: Model, probe: Request | None, tables: bool
     internal = sum(held[r] - written[r] for r in m.reqs)
     reserved = sum(written.values()) - token_states
     free = cap - sum(held.values())
+    # internal = over-reservation (room for tokens never reached) + rounding (granularity).
+    over = 0 if m.paged else sum(
+        min(held[r], b * m.reservation(m.reqs[r])) - written[r] for r in m.reqs
+    )
+    assert a.overreserved_bytes() == over and 0 <= over <= internal
     assert a.free_bytes() == free
     hole = largest_hole(a, m)
     for p in (None, probe):

@@ -133,9 +133,11 @@ def test_fast_engine_matches_per_iteration_reference(
         if r["status"] == "completed":
             assert row["generated_tokens"] == r["generated"]
     assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
-    for p in PARTS:
+    for p in [*PARTS, "internal_overreservation"]:
         assert fast.summary[p] == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
     assert sum(fast.summary[p] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
+    split = fast.summary["internal_overreservation"] + fast.summary["internal_rounding"]
+    assert split == pytest.approx(fast.summary["internal"], abs=1e-12)
 
 
 def at_once(n: int, prompt: int, output: int) -> pd.DataFrame:
