@@ -198,10 +198,17 @@ def test_breakdown_stacks_the_palette_in_order(results):
     summary = pd.read_csv(results / "summary.csv")
     fig = plots.breakdown_figure(summary, META)
     ax = fig.axes[0]
-    assert len(ax.containers) == len(plots.PARTS)
-    for container, part in zip(ax.containers, plots.PARTS, strict=True):
+    # internal fragmentation is drawn as its two parts: over-reservation, then rounding
+    drawn = ["token_states", "reserved", "internal_overreservation", "internal_rounding",
+             "external", "usable_free"]
+    assert len(ax.containers) == len(drawn)
+    for container, part in zip(ax.containers, drawn, strict=True):
         face = container.patches[0].get_facecolor()
         assert np.allclose(face[:3], matplotlib_rgb(plots.PALETTE[part]))
+    assert ax.containers[3].patches[0].get_hatch() == "///"
+    # Results written before the split draw internal whole.
+    old = plots.breakdown_figure(summary.drop(columns=list(plots.INTERNAL_SPLIT)), META)
+    assert len(old.axes[0].containers) == len(plots.PARTS)
     assert plots.PALETTE["token_states"] == "#2ca02c"
     # Each bar is annotated with its token-states share.
     texts = [t.get_text() for t in ax.texts]
