@@ -75,11 +75,18 @@ class Busy(Exception):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP: stop as for Ctrl-C, cleaning up on the way out."""
+    """SIGTERM or SIGHUP: stop as for Ctrl-C, cleaning up on the way out.
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    Its only argument is the signal's number: code that re-raises an exception by rebuilding
+    it from its args (SimPy does, for one raised inside a process) gets the same exception.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(int(signum))
+        self.signum = int(signum)
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 # ------------------------------------------------------------------------ ownership

@@ -497,3 +497,22 @@ def test_swept_mappings_get_short_labels():
                             "token_states": [0.5, -4.8e-18]})
     table = format_table(summary, ["engine.step_time"])
     assert "base_s=0.02" in table and "{" not in table and "-0.0%" not in table
+
+
+def test_sigterm_inside_the_simulation_stops_the_run(tmp_path, monkeypatch, capsys):
+    """SimPy rebuilds an exception raised in a process from its args: a SIGTERM that lands
+    while a point is simulated must still stop the run (not fail the point)."""
+    import sim.engine
+
+    serve = sim.engine.Engine._serve
+
+    def terminated(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises inside SimPy's loop
+        yield from serve(self)
+
+    monkeypatch.setattr(sim.engine.Engine, "_serve", terminated)
+    assert _run(tmp_path / "r") == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "failed" not in err and "Traceback" not in err and "interrupted" in err
+    rebuilt = type(outdir.Terminated(signal.SIGHUP))(*outdir.Terminated(signal.SIGHUP).args)
+    assert rebuilt.signum == signal.SIGHUP and str(rebuilt) == "SIGHUP"
