@@ -149,6 +149,7 @@ _BASE_COLUMNS = {
     "prefill_tokens_skipped_first",
     "internal_overreservation",
     "internal_rounding",
+    *(f"{stat}_{col}" for col in ("ttft_s", "tpot_s") for stat in ("mean", "p50", "p90", "p99")),
     "prefix_hit_rate_tokens",
     "prefix_hit_rate_first_tokens",
     "compactions",

@@ -737,6 +737,13 @@ class Engine:
         requests["generated_tokens"] = [r.generated for r in reqs]
         requests["queueing_s"] = requests["admitted_s"] - requests["arrival_s"]
         requests["latency_s"] = requests["finished_s"] - requests["arrival_s"]
+        # Time to first token, and time per output token after it (each sequence's tokens).
+        requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
+        per_seq = [r.generated / r.req.n if r.status == "completed" else 0 for r in reqs]
+        requests["tpot_s"] = [
+            (r.finished - r.first_token) / (k - 1) if k >= 2 else math.nan
+            for r, k in zip(reqs, per_seq, strict=True)
+        ]
         timeseries = pd.DataFrame(self.rows, columns=list(_SERIES))
         log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
         return RunResult(self._summary(requests, timeseries), timeseries, requests, log)
@@ -820,8 +827,22 @@ class Engine:
             "mean_latency_s": float(done["latency_s"].mean()) if len(done) else math.nan,
             "p50_latency_s": pct("latency_s", 50),
             "p99_latency_s": pct("latency_s", 99),
+            **{
+                f"{stat}_{col}": value
+                for col in ("ttft_s", "tpot_s")
+                for stat, value in _stats(done[col]).items()
+            },
             "events": len(ts),
         }
+
+
+def _stats(values: pd.Series) -> dict[str, float]:
+    """mean, p50, p90 and p99 of the values that are defined (NaN when none is)."""
+    v = values.dropna().to_numpy(dtype=float)
+    if not len(v):
+        return dict.fromkeys(("mean", "p50", "p90", "p99"), math.nan)
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 def _iterations_to_reach(delta: float, w0: float, w1: float) -> int:

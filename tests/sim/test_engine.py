@@ -477,3 +477,20 @@ def test_config_errors_are_clear():
     alloc = make_allocator("paged", capacity=1000, bytes_per_token=8, max_model_len=512)
     with pytest.raises(ValueError, match="chunked_prefill"):
         run(at_once(1, 5, 5), alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256))
+
+
+def test_time_to_first_token_and_per_output_token():
+    """With 1 s iterations and room for everybody: the prefill iteration gives the first
+    token at 1 s, then one token a second (TPOT 1 s); a one-token answer has no TPOT."""
+    alloc = make_allocator("paged", capacity=10_000 * 8, bytes_per_token=8, max_model_len=512,
+                           block_size=16)
+    wl = at_once(3, 10, 5)
+    wl.loc[2, "output_tokens"] = 1
+    result = run(wl, alloc, EngineConfig(step_time=StepTime(base_s=1.0)))
+    req = result.requests.set_index("request_id")
+    assert req["ttft_s"].tolist() == [1.0, 1.0, 1.0]
+    assert req.loc[0, "tpot_s"] == req.loc[1, "tpot_s"] == 1.0
+    assert np.isnan(req.loc[2, "tpot_s"])
+    s = result.summary
+    assert (s["mean_ttft_s"], s["p99_ttft_s"], s["mean_tpot_s"], s["p90_tpot_s"]) == (
+        1.0, 1.0, 1.0, 1.0)
