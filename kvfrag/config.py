@@ -11,7 +11,6 @@ as `file:line: sweep.KEY: point N (KEY=VALUE): problem`.
 
 from __future__ import annotations
 
-import difflib
 import stat
 import types
 import typing
@@ -23,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kvfrag import __version__
+from sim.presets import nearest
 from sim.scenario import (
     FieldError,
     Scenario,
@@ -263,8 +263,8 @@ def _first_error(exc: ValidationError, data: Any) -> tuple[list, str]:
         loc = [*loc, *cause.loc]
     if err["type"] == "extra_forbidden":
         valid = _valid_fields(loc[:-1], data)
-        hint = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-        msg = f"unknown key {loc[-1]!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+        hint = nearest(str(loc[-1]), valid)
+        msg = f"unknown key {loc[-1]!r}" + (f"; did you mean {hint!r}?" if hint else "")
         if valid:
             msg += f" (valid: {', '.join(valid)})"
     elif err["type"] == "missing":

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.geometry import KVGeometry
+from sim.presets import lookup
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,7 @@ PRESETS: dict[str, Architecture] = {
 
 def architecture(name: str) -> Architecture:
     """Look up a preset by name; the error lists the valid names."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model architecture {name!r} (presets: {', '.join(sorted(PRESETS))}; "
-            "or give hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, gated_mlp)"
-        ) from None
+    return lookup(
+        PRESETS, name, "model architecture",
+        "hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, gated_mlp",
+    )

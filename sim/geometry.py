@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sim.presets import lookup
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -57,10 +59,4 @@ PRESETS: dict[str, KVGeometry] = {
 
 def preset(name: str) -> KVGeometry:
     """Look up a preset by name; the error lists the valid names."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model {name!r} (presets: {', '.join(sorted(PRESETS))}; "
-            "or give layers, kv_heads, head_dim, dtype_bytes)"
-        ) from None
+    return lookup(PRESETS, name, "model", "layers, kv_heads, head_dim, dtype_bytes")

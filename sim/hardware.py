@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from sim.presets import lookup
+
 _GIB = 2**30
 
 
@@ -80,13 +82,10 @@ PRESETS: dict[str, GPU] = {
 
 def gpu(name: str) -> GPU:
     """Look up a preset by name; the error lists the valid names."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown gpu {name!r} (presets: {', '.join(sorted(PRESETS))}; or give name, "
-            "memory_bytes, hbm_bandwidth_bytes_s, fp16_dense_flops, interconnect_bytes_s)"
-        ) from None
+    return lookup(
+        PRESETS, name, "gpu",
+        "name, memory_bytes, hbm_bandwidth_bytes_s, fp16_dense_flops, interconnect_bytes_s",
+    )
 
 
 def batch_defaults(hardware: GPU | None) -> tuple[int, int]:

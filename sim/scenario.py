@@ -39,6 +39,7 @@ from sim.engine import run as run_engine
 from sim.geometry import PRESETS, KVGeometry, preset
 from sim.hardware import PRESETS as GPUS
 from sim.hardware import batch_defaults, gpu
+from sim.presets import lookup, nearest
 from sim.units import check_size, format_size, parse_size
 from workloads import Workload, WorkloadSpec, build_workload
 
@@ -173,7 +174,7 @@ class AllocatorSpec(BaseModel):
         valid = options_of(self.kind)  # raises with the list of valid kinds
         for name in self.options:
             if name not in valid:
-                hint = _nearest(name, valid)
+                hint = nearest(name, valid)
                 raise ValueError(
                     f"allocator {self.label!r} ({self.kind}) has no option {name!r}"
                     + (f"; did you mean {hint!r}?" if hint else "")
@@ -211,23 +212,15 @@ class Scenario(_Frozen):
     @field_validator("hardware")
     @classmethod
     def _hardware(cls, value: str | None) -> str | None:
-        if value is not None and value not in GPUS:
-            hint = _nearest(value, list(GPUS))
-            raise ValueError(
-                f"unknown hardware {value!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                + f" (presets: {', '.join(sorted(GPUS))})"
-            )
+        if value is not None:
+            lookup(GPUS, value, "hardware")
         return value
 
     @field_validator("model")
     @classmethod
     def _preset(cls, value: str | ModelSpec) -> str | ModelSpec:
-        if isinstance(value, str) and value not in PRESETS:
-            hint = _nearest(value, list(PRESETS))
-            raise ValueError(
-                f"unknown model {value!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                + f" (presets: {', '.join(sorted(PRESETS))}; or give layers, kv_heads, head_dim)"
-            )
+        if isinstance(value, str):
+            lookup(PRESETS, value, "model", "layers, kv_heads, head_dim")
         return value
 
     @field_validator("kv_budget")
@@ -362,7 +355,7 @@ def set_path(data: dict[str, Any], key: str, value: Any) -> None:
             labels = [el.get("label") for el in node if isinstance(el, dict)]
             matches = [el for el in node if isinstance(el, dict) and el.get("label") == part]
             if not matches:
-                hint = _nearest(part, [x for x in labels if x])
+                hint = nearest(part, [x for x in labels if x])
                 raise ValueError(
                     f"{key}: no allocator labelled {part!r}"
                     + (f"; did you mean {hint!r}?" if hint else "")
@@ -397,13 +390,6 @@ def _non_finite(node: Any, loc: tuple[str | int, ...]) -> tuple[tuple, float] | 
         if found is not None:
             return found
     return None
-
-
-def _nearest(name: str, valid: list[str]) -> str | None:
-    import difflib
-
-    found = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-    return found[0] if found else None
 
 
 # ------------------------------------------------------------------------ running
