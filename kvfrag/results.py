@@ -32,9 +32,6 @@ from kvfrag.outdir import VALIDATE_DIR, replace_dir, temp_dir, writing
 from sim.engine import RunResult
 from sim.scenario import ScenarioResult
 
-__all__ = ["VALIDATE_DIR", "PointStore", "format_table", "replace_dir", "write_results"]
-
-
 
 def write_results(
     result: ScenarioResult,
@@ -124,7 +121,7 @@ class PointStore:
     def __init__(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
         self.dir = out_dir.parent / f".{out_dir.name}.points"
-        self.digests: dict[str, str] = {}
+        self.inputs: dict[str, dict[str, Any]] = {}  # path -> size, mtime_ns, sha256
         self.rerun: dict[str, list[str]] = {}  # staged keys dropped: inputs that changed
 
     def open(
@@ -154,11 +151,11 @@ class PointStore:
             if not resume or not scenario_file.exists():
                 shutil.rmtree(self.dir)  # (no scenario file: killed before any point was staged)
         cache = self._read_inputs() if self.dir.exists() else {}
-        self.digests = self._digests(inputs, cache)
+        self.inputs = self._digests(inputs, cache)
         if not self.dir.exists():
             self.dir.mkdir(parents=True)
             _write_atomic(self.dir / self.CODE, code + "\n")
-            self._write_inputs(inputs)
+            self._write_inputs()
             _write_atomic(scenario_file, yaml.safe_dump(resolved, sort_keys=False))
             return set()
         staged = yaml.safe_load(scenario_file.read_text(encoding="utf-8"))
@@ -176,7 +173,7 @@ class PointStore:
                 f"--resume: the points in {self.dir} were computed by other simulator code "
                 "(it changed since); run without --resume to start over"
             )
-        self._write_inputs(inputs)
+        self._write_inputs()
         for stale in self.dir.glob(".*.tmp-*"):  # points being written when it was killed
             shutil.rmtree(stale, ignore_errors=True)
         keys = set()
@@ -207,8 +204,11 @@ class PointStore:
             return {}
 
     @staticmethod
-    def _digests(inputs: list[Path], cache: dict[str, dict[str, Any]]) -> dict[str, str]:
-        """Digest of each input; a file whose size and mtime are as cached is not re-read."""
+    def _digests(
+        inputs: list[Path], cache: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        """Size, mtime and digest of each input; a file whose size and mtime are as cached is
+        not read again."""
         out = {}
         for path in inputs:
             key = str(path)
@@ -217,24 +217,20 @@ class PointStore:
             except FileNotFoundError:  # its points fail to build their workload, and say so
                 continue
             known = cache.get(key, {})
-            if known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns:
-                out[key] = known["sha256"]
-            else:
-                out[key] = file_digest(path)
-        return out
-
-    def _write_inputs(self, inputs: list[Path]) -> None:
-        data = {}
-        for path in inputs:
-            if str(path) not in self.digests:
-                continue
-            st = path.stat()
-            data[str(path)] = {
+            same = known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns
+            out[key] = {
                 "size": st.st_size,
                 "mtime_ns": st.st_mtime_ns,
-                "sha256": self.digests[str(path)],
+                "sha256": known["sha256"] if same else file_digest(path),
             }
-        _write_atomic(self.dir / self.INPUTS, json.dumps(data, indent=1))
+        return out
+
+    def _write_inputs(self) -> None:
+        _write_atomic(self.dir / self.INPUTS, json.dumps(self.inputs, indent=1))
+
+    def _digest(self, path: str) -> str | None:
+        record = self.inputs.get(path)
+        return None if record is None else record["sha256"]
 
     def _changed_inputs(self, folder: Path) -> list[str]:
         try:
@@ -242,7 +238,7 @@ class PointStore:
             read = record["inputs"]
         except (OSError, ValueError, KeyError):
             return ["(inputs not recorded)"]
-        return sorted(p for p, d in read.items() if self.digests.get(p) != d)
+        return sorted(p for p, d in read.items() if self._digest(p) != d)
 
     def put(
         self, key: str, meta: dict[str, Any], result: RunResult, inputs: Iterable[Path] = ()
@@ -255,7 +251,7 @@ class PointStore:
              ) -> None:
         tmp = temp_dir(self.dir / key)
         try:
-            read = {str(p): self.digests.get(str(p)) or file_digest(p) for p in inputs}
+            read = {str(p): self._digest(str(p)) or file_digest(p) for p in inputs}
             record = {**meta, "key": key, "inputs": read, "summary": result.summary}
             (tmp / "summary.json").write_text(
                 json.dumps(record, default=_json_default, indent=1), encoding="utf-8"

@@ -20,7 +20,7 @@ import pandas as pd
 import yaml
 
 from kvfrag import outdir
-from kvfrag.results import json_value, replace_dir
+from kvfrag.results import json_value
 from validate.outcome import FAILING, Outcome
 
 META = (
@@ -69,7 +69,7 @@ def write_report(
     try:
         with outdir.writing(tmp):
             _write_files(outcomes, tmp, resolved)
-        replace_dir(tmp, out_dir)
+        outdir.replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
