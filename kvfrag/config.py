@@ -14,6 +14,7 @@ from __future__ import annotations
 import stat
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,26 +200,36 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node | None) -> None:
-    """Every file the workload names must exist, so a run never fails half-way for it."""
-    from workloads import samples
-
+def workload_paths(node: Any, loc: list) -> Iterator[tuple[list, str]]:
+    """(location, value) of every file a workload's data names (`path`: a trace, an arrival
+    replay, an empirical length table), `sample:NAME` included."""
     if isinstance(node, dict):
         for key, value in node.items():
             here = [*loc, key]
             if key == "path" and isinstance(value, str):
-                if value.startswith("sample:"):
-                    ok = value.removeprefix("sample:") in samples.names()
-                    problem = f"no shipped sample {value!r} (samples: {', '.join(samples.names())})"
-                else:
-                    ok = (base / value).exists()
-                    problem = f"no such file {value!r} (relative to {base})"
-                if not ok:
-                    line = _line_of(root, here)
-                    where = f"{path}:{line}" if line else str(path)
-                    raise ScenarioError(f"{where}: {'.'.join(here)}: {problem}")
+                yield here, value
             else:
-                _check_paths(value, here, base, path, root)
+                yield from workload_paths(value, here)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from workload_paths(value, [*loc, i])
+
+
+def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node | None) -> None:
+    """Every file the workload names must exist, so a run never fails half-way for it."""
+    from workloads import samples
+
+    for here, value in workload_paths(node, loc):
+        if value.startswith("sample:"):
+            ok = value.removeprefix("sample:") in samples.names()
+            problem = f"no shipped sample {value!r} (samples: {', '.join(samples.names())})"
+        else:
+            ok = (base / value).exists()
+            problem = f"no such file {value!r} (relative to {base})"
+        if not ok:
+            line = _line_of(root, here)
+            where = f"{path}:{line}" if line else str(path)
+            raise ScenarioError(f"{where}: {_field(here)}: {problem}")
 
 
 def _describe(

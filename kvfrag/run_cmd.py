@@ -195,8 +195,8 @@ def _run(
     failures = _failures(tasks, failed, list(scenario.sweep))
     workload = workloads.get(tasks[0].workload)
     spec = scenario.workload
-    seeds = [v for k, v in scenario.sweep.items() if k == "workload.seed"]
-    seed = f"seeds {', '.join(map(str, seeds[0]))}" if seeds else f"seed {spec.seed}"
+    seeds = scenario.sweep.get("workload.seed")
+    seed = f"seeds {', '.join(map(str, seeds))}" if seeds else f"seed {spec.seed}"
     source = spec.trace.path if spec.trace else f"synthetic, {seed}"
     notes = []
     if workload is not None:
@@ -237,26 +237,14 @@ def _run(
 def input_files(spec: Any, base_dir: Path) -> list[Path]:
     """Every file a workload reads (traces, empirical length tables, shipped samples):
     staged points are reused only while these are byte for byte the same."""
-    from workloads import samples
+    from kvfrag.config import workload_paths
+    from workloads import resolve_path, samples
 
-    found: set[Path] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "path" and isinstance(value, str):
-                    if value.startswith("sample:"):
-                        if value.removeprefix("sample:") in samples.names():
-                            found.add(samples.path(value.removeprefix("sample:")))
-                    else:
-                        found.add((base_dir / value).resolve())
-                else:
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(spec.model_dump(mode="json"))
+    found = set()
+    for _, value in workload_paths(spec.model_dump(mode="json"), []):
+        if value.startswith("sample:") and value.removeprefix("sample:") not in samples.names():
+            continue  # (a sweep point's bad sample: its workload fails to build, and says so)
+        found.add(resolve_path(value, base_dir).resolve())
     return sorted(found)
 
 
@@ -266,8 +254,7 @@ def rejection_warnings(summary: pd.DataFrame, share: float = 0.5) -> list[str]:
 
     lines = []
     for rec in summary.to_dict("records"):
-        rejected = int(rec.get("rejected") or 0)
-        total = rejected + int(rec.get("completed") or 0) + int(rec.get("unfinished") or 0)
+        rejected, total = int(rec["rejected"]), int(rec["requests"])
         if total and rejected > share * total:
             reasons = [
                 f"{why}: {int(rec[f'rejected_{why}']):,}"
