@@ -127,35 +127,20 @@ def limit_parts(
         long |= prompt > max_prompt
     if max_output is not None:
         long |= output > max_output
-    count = int(long.sum())
-    if not count:
-        return workload
     bounds = ", ".join(
         f"{name} <= {value}"
         for name, value in (("prompt", max_prompt), ("output", max_output))
         if value is not None
     )
-    if mode == "reject":
-        _open_loop(workload, "rejecting requests")
-        if count == len(df):
-            raise WorkloadError(f"{workload.source}: no request has {bounds}")
-        note = f"rejected {count} request(s) beyond {bounds}"
-        return workload.with_requests(
-            finish_table(df[~long]), note=note, rejected_long=count
-        )
-    clipped = df.copy()
-    new_prompt = prompt if max_prompt is None else np.minimum(prompt, max_prompt)
-    clipped["prompt_tokens"] = new_prompt
-    if max_output is not None:
-        clipped["output_tokens"] = np.minimum(output, max_output)
-        if "max_tokens" in clipped.columns:
-            clipped["max_tokens"] = np.minimum(clipped["max_tokens"], max_output)
-    if "hash_ids" in clipped.columns and max_prompt is not None:
-        block = df.attrs["hash_block_tokens"]
-        keep_blocks = -(-new_prompt // block)
-        clipped["hash_ids"] = [h[:b] for h, b in zip(df["hash_ids"], keep_blocks, strict=True)]
-    note = f"clipped {count} request(s) to {bounds}"
-    return workload.with_requests(clipped, note=note, clipped=count)
+    return _limit(
+        workload, long, mode,
+        rejected=f"beyond {bounds}",
+        everyone=f"no request has {bounds}",
+        clipped=bounds,
+        prompt=prompt if max_prompt is None else np.minimum(prompt, max_prompt),
+        output=output if max_output is None else np.minimum(output, max_output),
+        max_tokens=max_output,
+    )
 
 
 def limit_length(
@@ -172,29 +157,54 @@ def limit_length(
     df = workload.requests
     prompt = df["prompt_tokens"].to_numpy()
     output = df["output_tokens"].to_numpy()
-    long = prompt + output > max_model_len
+    new_prompt = np.minimum(prompt, max_model_len - 1)
+    return _limit(
+        workload, prompt + output > max_model_len, mode,
+        rejected=f"longer than max_model_len {max_model_len}",
+        everyone=f"every request is longer than max_model_len {max_model_len}",
+        clipped=f"max_model_len {max_model_len}",
+        prompt=new_prompt,
+        output=np.minimum(output, max_model_len - new_prompt),
+        max_tokens=max_model_len - new_prompt,
+    )
+
+
+def _limit(
+    workload: Workload,
+    long: np.ndarray,
+    mode: Literal["clip", "reject"],
+    *,
+    rejected: str,
+    everyone: str,
+    clipped: str,
+    prompt: np.ndarray,
+    output: np.ndarray,
+    max_tokens: np.ndarray | int | None,
+) -> Workload:
+    """Reject the requests flagged `long`, or clip every request to `prompt` / `output`
+    tokens (a declared max_tokens to `max_tokens`, hash_ids to the blocks the prompt still
+    covers); counted, with a note (`rejected` and `clipped` name the bound)."""
     count = int(long.sum())
     if not count:
         return workload
+    df = workload.requests
     if mode == "reject":
         _open_loop(workload, "rejecting requests")
         if count == len(df):
-            raise WorkloadError(f"{workload.source}: every request is longer than "
-                                f"max_model_len {max_model_len}")
-        note = f"rejected {count} request(s) longer than max_model_len {max_model_len}"
+            raise WorkloadError(f"{workload.source}: {everyone}")
+        note = f"rejected {count} request(s) {rejected}"
         return workload.with_requests(finish_table(df[~long]), note=note, rejected_long=count)
-    clipped = df.copy()
-    new_prompt = np.minimum(prompt, max_model_len - 1)
-    clipped["prompt_tokens"] = new_prompt
-    clipped["output_tokens"] = np.minimum(output, max_model_len - new_prompt)
-    if "max_tokens" in clipped.columns:
-        clipped["max_tokens"] = np.minimum(clipped["max_tokens"], max_model_len - new_prompt)
-    if "hash_ids" in clipped.columns:
+    out = df.copy()
+    out["prompt_tokens"] = prompt
+    out["output_tokens"] = output
+    if "max_tokens" in out.columns and max_tokens is not None:
+        out["max_tokens"] = np.minimum(out["max_tokens"], max_tokens)
+    if "hash_ids" in out.columns:
         block = df.attrs["hash_block_tokens"]
-        keep_blocks = -(-new_prompt // block)
-        clipped["hash_ids"] = [h[:b] for h, b in zip(df["hash_ids"], keep_blocks, strict=True)]
-    note = f"clipped {count} request(s) to max_model_len {max_model_len}"
-    return workload.with_requests(clipped, note=note, clipped=count)
+        keep_blocks = -(-prompt // block)
+        out["hash_ids"] = [h[:b] for h, b in zip(df["hash_ids"], keep_blocks, strict=True)]
+    return workload.with_requests(out, note=f"clipped {count} request(s) to {clipped}",
+                                  clipped=count)
 
 
 def with_beam_width(workload: Workload, width: int) -> Workload:
