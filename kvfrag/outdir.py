@@ -223,8 +223,10 @@ def _umask() -> int:
 
 
 #: The mode of every folder kvfrag makes: what `mkdir` would give (0755 with the usual
-#: umask), so that a report, a staged point and a results folder read alike.
+#: umask), so that a report, a staged point and a results folder read alike; and of a file it
+#: makes through a private temporary (0644).
 DIR_MODE = 0o777 & ~_umask()
+FILE_MODE = 0o666 & ~_umask()
 
 
 def make_dirs(path: Path) -> None:

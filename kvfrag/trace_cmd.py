@@ -151,9 +151,7 @@ def write_plot(workload: Workload, out: Path) -> None:
     try:
         with os.fdopen(fd, "wb") as fh, outdir.writing(out, exact=True):
             fig.savefig(fh, format="png", dpi=100, metadata={"Software": PLOT_SOFTWARE})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
+        os.chmod(tmp, outdir.FILE_MODE)  # mkstemp creates 0600; give the usual permissions
         with outdir.writing(out, exact=True):
             os.replace(tmp, out)
     except BaseException:
@@ -178,23 +176,11 @@ def check_plot_target(out: Path) -> None:
 
 
 def png_software(path: Path) -> str | None:
-    """The `Software` tEXt chunk of a PNG file (read up to its image data), if any."""
+    """The `Software` text of a PNG file, if any (Pillow reads it: matplotlib depends on it)."""
+    from PIL import Image
+
     try:
-        with path.open("rb") as fh:
-            if fh.read(8) != b"\x89PNG\r\n\x1a\n":
-                return None
-            for _ in range(64):
-                head = fh.read(8)
-                if len(head) < 8:
-                    return None
-                size, kind = int.from_bytes(head[:4], "big"), head[4:]
-                if kind == b"IDAT" or size > 1 << 20:
-                    return None
-                data = fh.read(size)
-                fh.read(4)  # CRC
-                key, _, value = data.partition(b"\0")
-                if kind == b"tEXt" and key == b"Software":
-                    return value.decode("latin-1")
-    except OSError:
+        with Image.open(path) as image:
+            return image.info.get("Software") if image.format == "PNG" else None
+    except (OSError, ValueError):  # not an image (Pillow's UnidentifiedImageError), unreadable
         return None
-    return None

@@ -98,3 +98,25 @@ def test_ideal_prefix_reuse_by_hand() -> None:
     df.attrs["hash_block_tokens"] = 10
     # Request 1 finds both of its blocks (20 tokens), request 2 its first (10 of 10 tokens).
     assert ideal_prefix_reuse(Workload(df, "t")) == (3 / 6, 30 / 50)
+
+
+def test_plot_replaces_only_its_own_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--plot writes over a PNG it wrote (its Software text says so), and nothing else."""
+    ours = tmp_path / "ours.png"
+    assert main(["trace", "stats", "sample:azure-conv", "--plot", str(ours)]) == 0
+    assert main(["trace", "stats", "sample:azure-code", "--plot", str(ours)]) == 0
+    theirs = tmp_path / "theirs.png"
+    theirs.write_bytes(b"\x89PNG\r\n\x1a\n not ours")
+    folder = tmp_path / "folder.png"
+    folder.mkdir()
+    capsys.readouterr()
+    for target in (theirs, folder):
+        assert main(["trace", "stats", "sample:azure-conv", "--plot", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert str(target) in err and err.count("\n") == 1
+    assert theirs.read_bytes() == b"\x89PNG\r\n\x1a\n not ours" and folder.is_dir()
+    (tmp_path / "afile").write_text("x")
+    assert main(["trace", "stats", "sample:azure-conv", "--plot",
+                 str(tmp_path / "afile" / "p.png")]) == 3  # cannot write under a file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder.png", "ours.png",
+                                                           "theirs.png"]
