@@ -323,6 +323,10 @@ TABLE = (
     ("frag_refusals", "frag ref", "{:d}"),
     ("throughput_tok_s", "tok/s", "{:,.0f}"),
     ("p99_latency_s", "p99 lat s", "{:.2f}"),
+    ("mean_ttft_s", "ttft s", "{:.2f}"),
+    ("p99_ttft_s", "p99 ttft", "{:.2f}"),
+    ("mean_tpot_s", "tpot ms", "ms"),
+    ("p99_tpot_s", "p99 tpot", "ms"),
 )
 
 
@@ -369,6 +373,8 @@ def format_table(summary: pd.DataFrame, sweep_keys: list[str]) -> str:
                 row.append("-")
             elif fmt == "pct":
                 row.append(f"{100 * value:.1f}%".replace("-0.0%", "0.0%"))  # (round-off)
+            elif fmt == "ms":
+                row.append(f"{1e3 * value:.1f}")
             elif key in labels and value in labels[key]:
                 row.append(labels[key][value])
             elif fmt is str:

@@ -152,12 +152,16 @@ def _run(
     todo = [t for t in unique if t.key not in staged]
     geo = scenario.geometry
     if not args.quiet:
+        gpus = "" if scenario.gpu is None else f" on {scenario.tp} x {scenario.gpu.name}" if (
+            scenario.tp > 1) else f" on {scenario.gpu.name}"
         print(
-            f"{scenario.name}: {geo.name} ({format_size(geo.bytes_per_token)}/token), "
-            f"KV budget {format_size(scenario.budget_bytes)}, max_model_len "
+            f"{scenario.name}: {geo.name}{gpus} ({format_size(geo.bytes_per_token)}/token"
+            f"{' per GPU' if scenario.tp > 1 else ''}), KV budget "
+            f"{format_size(scenario.budget_bytes)}{_derived(scenario)}, max_model_len "
             f"{scenario.max_model_len}, {len(tasks)} run(s)",
             file=sys.stderr,
         )
+        print(f"step time: {scenario.engine_config().step_time.source}", file=sys.stderr)
         if args.resume:
             print(
                 f"resuming: {len(unique) - len(todo)} of {len(unique)} point(s) already "
@@ -232,6 +236,18 @@ def _run(
         return 1
     store.remove()
     return 0
+
+
+def _derived(scenario: Any) -> str:
+    """How a derived KV budget was reached (empty when the scenario gives one)."""
+    from sim.units import format_size
+
+    if scenario.kv_budget is not None:
+        return ""
+    b = scenario.budget_breakdown()
+    return (f" (derived: {format_size(b['usable'])} usable - weights "
+            f"{format_size(b['weights'])} - activations {format_size(b['activations'])} - "
+            f"non-torch {format_size(b['non_torch'])})")
 
 
 def input_files(spec: Any, base_dir: Path) -> list[Path]:

@@ -38,6 +38,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
 import numpy as np
 import pandas as pd
@@ -53,13 +54,51 @@ TOO_MANY_SEQUENCES = "too_many_sequences"
 REJECT_REASONS = (Reason.PROMPT_TOO_LONG.value, Reason.TOO_LARGE.value, TOO_MANY_SEQUENCES)
 
 
+class IterationTime(Protocol):
+    """How long one iteration takes: base + per_kv_token_s x KV tokens read + the prefill
+    chunks' attention. `StepTime` (linear coefficients) and sim/timing.py's `TableTime` (from
+    the hardware) are the two kinds."""
+
+    #: True: the KV read is the decoding sequences' tokens, prefill chunks pay `prefill_s`;
+    #: False: every token running requests hold, and `prefill_s` is 0.
+    decode_kv_only: ClassVar[bool]
+
+    def affine(self, num_tokens: int, num_logits: int, decoding: bool) -> tuple[float, float]:
+        """(base_s, per_kv_token_s) of an iteration with `num_tokens` batched tokens that
+        samples `num_logits` positions; `decoding`: some sequence decodes in it."""
+        ...
+
+    def prefill_s(self, new_tokens: int, context: int) -> float:
+        """Attention of one prefill chunk of `new_tokens` after `context` cached tokens."""
+        ...
+
+    @property
+    def source(self) -> str:
+        """What the figures come from, in a few words (for the summary)."""
+        ...
+
+
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds per iteration: base + per_batched_token x batched + per_kv_token x KV read."""
+    """Seconds per iteration: base + per_batched_token x batched + per_kv_token x KV read,
+    where the KV read is every token running requests hold (prefills' included)."""
+
+    decode_kv_only: ClassVar[bool] = False
 
     base_s: float = 0.02
     per_batched_token_s: float = 0.0
     per_kv_token_s: float = 0.0
+
+    def affine(self, num_tokens: int, num_logits: int, decoding: bool) -> tuple[float, float]:
+        return self.base_s + self.per_batched_token_s * num_tokens, self.per_kv_token_s
+
+    def prefill_s(self, new_tokens: int, context: int) -> float:
+        return 0.0
+
+    @property
+    def source(self) -> str:
+        return (f"linear base_s={self.base_s:g} per_batched_token_s={self.per_batched_token_s:g}"
+                f" per_kv_token_s={self.per_kv_token_s:g}")
 
     def __post_init__(self) -> None:
         if min(self.base_s, self.per_batched_token_s, self.per_kv_token_s) < 0:
@@ -79,7 +118,7 @@ class EngineConfig:
     admission: str = "fcfs"  # or "skip"
     lookahead: int = 64  # with admission="skip": how deep into the queue to look
     watermark: float = 0.0  # fraction of the budget an admission leaves free while others run
-    step_time: StepTime = field(default_factory=StepTime)
+    step_time: IterationTime = field(default_factory=StepTime)
     max_time_s: float | None = None  # stop the simulation here (None: run to the end)
     log_allocations: bool = False  # record every allocation for `validate` (costs O(running))
 
@@ -208,6 +247,8 @@ class Engine:
         self.alloc = allocator
         self.cfg = config
         self.st = config.step_time
+        self.chunk_cost = self.st.decode_kv_only  # prefill chunks' attention is timed apart
+        self.prefill_attn_s = 0.0  # this iteration's prefill chunks' attention
         self.env = simpy.Environment()
         self.reqs = _requests_from(workload)
         self.by_rid = {r.req.rid: r for r in self.reqs}
@@ -282,6 +323,7 @@ class Engine:
                 yield env.timeout(wait)
                 continue
             self.preempted_now = False
+            self.prefill_attn_s = 0.0
             self._ensure_decode_room()
             decoders = self.alloc.decoding_weight  # sequences: n samples of a request count n
             if decoders:
@@ -423,6 +465,8 @@ class Engine:
                 continue  # preempted by an earlier chunk this iteration
             chunk = min(r.prefill_left, budget - used)
             last = chunk == r.prefill_left
+            if self.chunk_cost:  # (its attention runs even when a preemption discards it)
+                self.prefill_attn_s += self.st.prefill_s(chunk, r.prefill - r.prefill_left)
             while not (grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0))):
                 victim = next(reversed(self.running))
                 self._preempt(victim)
@@ -458,6 +502,8 @@ class Engine:
             if grant.reason is Reason.FRAGMENTED:
                 r.frag_refused = True
             return grant.reason
+        if self.chunk_cost:
+            self.prefill_attn_s += self.st.prefill_s(chunk, hit)
         self._log_op("admit", r.req.rid, grant.nbytes, grant.offset, grant.blocks)
         if math.isnan(r.admitted):
             r.admitted = self.env.now
@@ -487,21 +533,24 @@ class Engine:
 
     # ----------------------------------------------------------------- timing
     def _kv_read_tokens(self) -> int:
+        if self.chunk_cost:
+            return self.alloc.decoding_sequence_tokens()
         return self.alloc.sequence_tokens() - self.held_done_tokens
 
     def _iteration_time(self, batched: int) -> float:
-        st = self.st
-        return (
-            st.base_s
-            + st.per_batched_token_s * batched
-            + st.per_kv_token_s * self._kv_read_tokens()
-        )
+        """This iteration's time (its prefill chunks' attention is in prefill_attn_s)."""
+        decoders = self.alloc.decoding_weight
+        # Sampled positions: one per decoding sequence and per prompt whose prefill ends now.
+        logits = min(decoders + len(self.prefilled), batched)
+        base, per_kv = self.st.affine(batched, logits, decoders > 0)
+        return base + per_kv * self._kv_read_tokens() + self.prefill_attn_s
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
         """How many decode-only iterations run before the next event, and their timing."""
-        alloc, st = self.alloc, self.st
+        alloc = self.alloc
         w0 = self._iteration_time(decoders)
-        w1 = st.per_kv_token_s * decoders  # each iteration adds one token per decoding sequence
+        # each iteration adds one token per decoding sequence
+        w1 = self.st.affine(decoders, decoders, True)[1] * decoders
         n = 1 + alloc.steps_until_done()
         if self.preempted_now and self.queue:
             n = 1  # admissions were skipped this iteration: the next one tries them

@@ -125,6 +125,7 @@ def reference(
             assert alloc.step(1)
         budget = cfg.max_num_batched_tokens - decoders
         used = 0
+        attention = 0.0  # prefill chunks' attention, when the step time counts it apart
         done_prefill = []
         for r in list(prefilling):
             if used >= budget:
@@ -133,6 +134,7 @@ def reference(
                 continue
             chunk = min(r["left"], budget - used)
             last = chunk == r["left"]
+            attention += st_.prefill_s(chunk, r["prefill"] - r["left"])
             ok = True
             while not alloc.grow(r["rid"], chunk + r["lead"] * last):
                 victim = running[-1]
@@ -179,6 +181,7 @@ def reference(
                 if grant:
                     del queue[i]
                     used += chunk
+                    attention += st_.prefill_s(chunk, hit)
                     counts["admitted"] += 1
                     counts["prefix_hit_tokens"] += hit
                     r["hits"].append(hit)
@@ -199,11 +202,10 @@ def reference(
         if not decoders and not used:
             assert (not running and not queue) or preempted[0]
             continue  # everything waiting was rejected, or it only preempted: no iteration
-        dt = (
-            st_.base_s
-            + st_.per_batched_token_s * (decoders + used)
-            + st_.per_kv_token_s * alloc.sequence_tokens()
-        )
+        tokens = decoders + used
+        base, per_kv = st_.affine(tokens, min(decoders + len(done_prefill), tokens), decoders > 0)
+        kv = alloc.decoding_sequence_tokens() if st_.decode_kv_only else alloc.sequence_tokens()
+        dt = base + per_kv * kv + attention
         acc = alloc.account(queue[0]["req"] if queue else ref)
         acc.check()
         for p in PARTS:

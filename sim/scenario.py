@@ -18,28 +18,34 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pandas as pd
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PositiveInt,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from sim.allocators import Allocator, make_allocator, options_of
-from sim.engine import EngineConfig, RunResult, StepTime
+from sim.architecture import PRESETS as ARCHITECTURES
+from sim.architecture import Architecture
+from sim.engine import EngineConfig, IterationTime, RunResult, StepTime
 from sim.engine import run as run_engine
 from sim.geometry import PRESETS, KVGeometry, preset
+from sim.hardware import GPU, batch_defaults, gpu
 from sim.hardware import PRESETS as GPUS
-from sim.hardware import batch_defaults, gpu
+from sim.memory import kv_budget
 from sim.presets import lookup, nearest
+from sim.timing import OVERHEAD_S, from_profile, read_profile, roofline
 from sim.units import check_size, format_size, parse_size
 from workloads import Workload, WorkloadSpec, build_workload
 
@@ -93,13 +99,46 @@ class _Frozen(BaseModel):
 
 
 class ModelSpec(_Frozen):
-    """A custom KV geometry; a preset is named by a plain string instead."""
+    """A custom model; a preset is named by a plain string instead. The KV geometry (layers,
+    kv_heads, head_dim) is all memory needs; timing from `hardware` and a derived kv_budget
+    also need the matrices (hidden, intermediate, heads, vocab, gated_mlp)."""
 
     name: str = "custom"
     layers: PositiveInt
     kv_heads: PositiveInt
     head_dim: PositiveInt
     dtype_bytes: PositiveInt = 2
+    hidden: PositiveInt | None = None
+    intermediate: PositiveInt | None = None  # width of one MLP matrix
+    heads: PositiveInt | None = None
+    vocab: PositiveInt | None = None
+    gated_mlp: bool = True
+
+    def architecture(self) -> Architecture | None:
+        """The architecture, or None when its matrices are not given."""
+        if None in (self.hidden, self.intermediate, self.heads, self.vocab):
+            return None
+        return Architecture(self.name, self.hidden, self.intermediate, self.layers, self.heads,
+                            self.kv_heads, self.head_dim, self.vocab, self.gated_mlp)
+
+
+class HardwareSpec(_Frozen):
+    """A custom GPU: the fields of sim.hardware.GPU (a preset is named by a string)."""
+
+    name: str = "custom-gpu"
+    memory_bytes: int | str
+    hbm_bandwidth_bytes_s: float = Field(gt=0)
+    fp16_dense_flops: float = Field(gt=0)
+    interconnect_bytes_s: float = Field(gt=0)
+
+    @field_validator("memory_bytes")
+    @classmethod
+    def _memory(cls, value: int | str) -> int:
+        return check_size(parse_size(value), "memory_bytes")
+
+    def gpu(self) -> GPU:
+        return GPU(self.name, int(self.memory_bytes), self.hbm_bandwidth_bytes_s,
+                   self.fp16_dense_flops, self.interconnect_bytes_s)
 
 
 class GpuBudget(_Frozen):
@@ -126,9 +165,42 @@ class GpuBudget(_Frozen):
 
 
 class StepTimeSpec(_Frozen):
+    """Linear coefficients (sim.engine.StepTime); `kvfrag calibrate` fits them to a server."""
+
     base_s: float = Field(default=0.02, ge=0)
     per_batched_token_s: float = Field(default=0.0, ge=0)
     per_kv_token_s: float = Field(default=0.0, ge=0)
+
+
+class ProfileSpec(_Frozen):
+    """Token-wise layer times measured per operator (Vidur's `mlp.csv` layout), interpolated;
+    attention and the LM head from the roofline of the scenario's `hardware`."""
+
+    profile: str
+    overhead_s: float = Field(default=OVERHEAD_S, ge=0)
+
+
+class RooflineSpec(_Frozen):
+    """The roofline of the scenario's `hardware` (the default when it names one); written
+    out to change its per-iteration CPU overhead."""
+
+    roofline: Literal[True] = True
+    overhead_s: float = Field(default=OVERHEAD_S, ge=0)
+
+
+def _step_time_form(value: Any) -> str:
+    """Which step_time form a mapping is, by its keys (so errors speak of that form only)."""
+    if isinstance(value, dict):
+        return "profile" if "profile" in value else "roofline" if "roofline" in value else "linear"
+    return {ProfileSpec: "profile", RooflineSpec: "roofline"}.get(type(value), "linear")
+
+
+StepTimeForm = Annotated[
+    Annotated[StepTimeSpec, Tag("linear")]
+    | Annotated[ProfileSpec, Tag("profile")]
+    | Annotated[RooflineSpec, Tag("roofline")],
+    Discriminator(_step_time_form),
+]
 
 
 class EngineSpec(_Frozen):
@@ -143,7 +215,8 @@ class EngineSpec(_Frozen):
     admission: str = "fcfs"
     lookahead: PositiveInt = 64
     watermark: float = Field(default=0.0, ge=0, lt=1)
-    step_time: StepTimeSpec = StepTimeSpec()
+    # None: the roofline of `hardware` when the scenario names one, else a flat 20 ms
+    step_time: StepTimeForm | None = None
     max_time_s: float | None = Field(default=None, gt=0)
 
 
@@ -186,9 +259,13 @@ class AllocatorSpec(BaseModel):
 class Scenario(_Frozen):
     name: str = "scenario"
     description: str = ""
-    hardware: str | None = None  # a GPU preset (sim.hardware): sets vLLM's batch defaults
+    # A GPU (sim.hardware preset or custom): vLLM's batch defaults, the step time, and the
+    # kv_budget when none is given. Budget and time are per GPU of `tp`.
+    hardware: str | HardwareSpec | None = None
+    tp: PositiveInt = 1  # tensor parallelism: KV heads and weights split across tp GPUs
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # for a derived kv_budget
     model: str | ModelSpec
-    kv_budget: int | str | GpuBudget
+    kv_budget: int | str | GpuBudget | None = None  # per GPU; None: derived from hardware
     max_model_len: PositiveInt
     workload: WorkloadSpec
     engine: EngineSpec = EngineSpec()
@@ -211,9 +288,11 @@ class Scenario(_Frozen):
 
     @field_validator("hardware")
     @classmethod
-    def _hardware(cls, value: str | None) -> str | None:
-        if value is not None:
+    def _hardware(cls, value: str | HardwareSpec | None) -> str | HardwareSpec | None:
+        if isinstance(value, str):
             lookup(GPUS, value, "hardware")
+        elif value is not None:
+            value.gpu()
         return value
 
     @field_validator("model")
@@ -225,7 +304,9 @@ class Scenario(_Frozen):
 
     @field_validator("kv_budget")
     @classmethod
-    def _budget(cls, value: int | str | GpuBudget) -> int | GpuBudget:
+    def _budget(cls, value: int | str | GpuBudget | None) -> int | GpuBudget | None:
+        if value is None:
+            return None
         if isinstance(value, GpuBudget):
             value.bytes()
             return value
@@ -241,27 +322,49 @@ class Scenario(_Frozen):
         dupes = sorted({x for x in labels if labels.count(x) > 1})
         if dupes:
             raise ValueError(f"allocator labels must be unique; repeated: {', '.join(dupes)}")
-        data = info.data
-        if {"model", "kv_budget", "max_model_len"} <= data.keys():
-            kv = data["kv_budget"]
-            model = data["model"]
-            geo = preset(model) if isinstance(model, str) else KVGeometry(
-                model.name, model.layers, model.kv_heads, model.head_dim, model.dtype_bytes
-            )
-            # Build each once, so option values are checked now, not later.
-            for i, spec in enumerate(value):
-                try:
-                    make_allocator(
-                        spec.kind,
-                        capacity=kv.bytes() if isinstance(kv, GpuBudget) else kv,
-                        bytes_per_token=geo.bytes_per_token,
-                        max_model_len=data["max_model_len"],
-                        geometry=geo,
-                        **spec.options,
-                    )
-                except (TypeError, ValueError, OverflowError) as exc:
-                    raise FieldError((i,), f"allocator {spec.label!r}: {exc}") from None
         return value
+
+    @model_validator(mode="after")
+    def _hardware_needs(self) -> Scenario:
+        """What timing from the hardware, tp and a derived budget need, said once at load."""
+        step = self.engine.step_time
+        if isinstance(step, ProfileSpec | RooflineSpec) and self.hardware is None:
+            raise FieldError(("engine", "step_time"), "a profile or roofline step time needs "
+                             "`hardware` (the attention and LM head are timed on it)")
+        if self.kv_budget is None and self.hardware is None:
+            raise FieldError(("kv_budget",), "give a size (e.g. 12GiB), or name `hardware` "
+                             "to derive it from the GPU's memory and the model's weights")
+        geo = self.full_geometry
+        if self.tp > 1 and geo.kv_heads % self.tp and self.tp % geo.kv_heads:
+            raise FieldError(("tp",), f"tp={self.tp} must divide the model's kv_heads "
+                             f"({geo.kv_heads}) or be a multiple of it")
+        if (self.hardware is not None and self._timed_by_hardware) or self.kv_budget is None:
+            arch = self.architecture
+            if arch is None:
+                raise FieldError(("model",), "timing on `hardware` and a derived kv_budget "
+                                 "need the model's hidden, intermediate, heads and vocab")
+            if arch.heads % self.tp:
+                raise FieldError(("tp",), f"tp={self.tp} must divide the model's heads "
+                                 f"({arch.heads})")
+        return self
+
+    @model_validator(mode="after")
+    def _allocators(self) -> Scenario:
+        """Build each allocator once, so option values are checked now, not later."""
+        geo, capacity = self.geometry, self.budget_bytes
+        for i, spec in enumerate(self.allocators):
+            try:
+                make_allocator(
+                    spec.kind,
+                    capacity=capacity,
+                    bytes_per_token=geo.bytes_per_token,
+                    max_model_len=self.max_model_len,
+                    geometry=geo,
+                    **spec.options,
+                )
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise FieldError(("allocators", i), f"allocator {spec.label!r}: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _engine(self) -> Scenario:
@@ -293,31 +396,88 @@ class Scenario(_Frozen):
 
     # ----------------------------------------------------------- derived
     @property
-    def geometry(self) -> KVGeometry:
+    def full_geometry(self) -> KVGeometry:
+        """The model's KV shape over all its GPUs."""
         if isinstance(self.model, str):
             return preset(self.model)
         m = self.model
         return KVGeometry(m.name, m.layers, m.kv_heads, m.head_dim, m.dtype_bytes)
 
     @property
+    def geometry(self) -> KVGeometry:
+        """The KV shape one GPU stores: KV heads split `tp` ways (replicated when fewer)."""
+        geo = self.full_geometry
+        if self.tp == 1:
+            return geo
+        return replace(geo, kv_heads=max(geo.kv_heads // self.tp, 1))
+
+    @property
+    def gpu(self) -> GPU | None:
+        if self.hardware is None:
+            return None
+        return gpu(self.hardware) if isinstance(self.hardware, str) else self.hardware.gpu()
+
+    @property
+    def architecture(self) -> Architecture | None:
+        """The model's matrices (a preset's, or a custom model's when given)."""
+        if isinstance(self.model, str):
+            return ARCHITECTURES.get(self.model)
+        return self.model.architecture()
+
+    @property
+    def _timed_by_hardware(self) -> bool:
+        return self.engine.step_time is None or isinstance(
+            self.engine.step_time, ProfileSpec | RooflineSpec
+        )
+
+    @property
     def budget_bytes(self) -> int:
+        """Bytes of KV cache on one GPU: as given, or derived the way vLLM does it."""
         kv = self.kv_budget
+        if kv is None:
+            return self.budget_breakdown()["kv_budget"]
         return kv.bytes() if isinstance(kv, GpuBudget) else int(kv)
+
+    def budget_breakdown(self) -> dict[str, int]:
+        """A derived budget and its terms, per GPU (sim.memory.kv_budget)."""
+        seqs, tokens = self._batch_limits()
+        return kv_budget(self.gpu, self.architecture, self.tp, self.gpu_memory_utilization,
+                         tokens, seqs, self.full_geometry.dtype_bytes)
+
+    def _batch_limits(self) -> tuple[int, int]:
+        e = self.engine
+        seqs, tokens = batch_defaults(self.gpu)
+        if not e.chunked_prefill:
+            tokens = max(tokens, self.max_model_len)  # a whole prompt must fit one iteration
+        return e.max_num_seqs or seqs, e.max_num_batched_tokens or tokens
+
+    def step_time(self, max_tokens: int) -> IterationTime:
+        """The step-time model: linear coefficients, a profile, or the hardware's roofline."""
+        spec, hw = self.engine.step_time, self.gpu
+        if isinstance(spec, StepTimeSpec):
+            return StepTime(**spec.model_dump())
+        if hw is None:
+            return StepTime()  # a flat 20 ms: no hardware to time on
+        arch = self.architecture
+        assert arch is not None  # checked at validation
+        if isinstance(spec, ProfileSpec):
+            return from_profile(read_profile(spec.profile), arch, hw, self.tp, max_tokens,
+                                spec.overhead_s)
+        overhead = spec.overhead_s if spec is not None else OVERHEAD_S
+        return roofline(arch, hw, self.tp, max_tokens, overhead_s=overhead)
 
     def engine_config(self) -> EngineConfig:
         e = self.engine
-        seqs, tokens = batch_defaults(gpu(self.hardware) if self.hardware else None)
-        if not e.chunked_prefill:
-            tokens = max(tokens, self.max_model_len)  # a whole prompt must fit one iteration
+        seqs, tokens = self._batch_limits()
         return EngineConfig(
-            max_num_seqs=e.max_num_seqs or seqs,
-            max_num_batched_tokens=e.max_num_batched_tokens or tokens,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=tokens,
             batching=e.batching,
             chunked_prefill=e.chunked_prefill,
             admission=e.admission,
             lookahead=e.lookahead,
             watermark=e.watermark,
-            step_time=StepTime(**e.step_time.model_dump()),
+            step_time=self.step_time(tokens),
             max_time_s=e.max_time_s,
         )
 
@@ -435,6 +595,9 @@ class ScenarioResult:
                     "point": r.point,
                     **{k: _scalar(v) for k, v in r.sweep.items()},
                     "model": s.geometry.name,
+                    "hardware": s.gpu.name if s.gpu is not None else "",
+                    "tp": s.tp,
+                    "step_time": s.engine_config().step_time.source,
                     "kv_budget_bytes": s.budget_bytes,
                     **r.result.summary,
                     "options": json.dumps(_allocator(s, r.label).options, sort_keys=True),

@@ -239,6 +239,10 @@ class Allocator(ABC):
         """Tokens over every sequence, shared ones once per sequence: what attention reads."""
         return self._fixed_seq + self._seq_phase_sum + self._dec_weight * self._clock
 
+    def decoding_sequence_tokens(self) -> int:
+        """Tokens over every decoding sequence: what decode attention reads this step."""
+        return self._seq_phase_sum + self._dec_weight * self._clock
+
     def _linear_tokens(self) -> int:
         return self._fixed_tokens + self._phase_sum + self._dec_weight * self._clock
 

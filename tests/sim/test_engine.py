@@ -18,6 +18,7 @@ from sim.allocators import PARTS, Reason, Request, make_allocator
 from sim.engine import REJECT_REASONS, EngineConfig, StepTime, run
 from sim.geometry import KVGeometry, preset
 from sim.reference import reference
+from sim.timing import TableTime
 from sim.units import parse_size
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
@@ -71,6 +72,21 @@ ALLOCATORS = [
 ]
 
 
+#: A hardware-shaped step time (sim/timing.py): non-linear in the batch, LM head per sampled
+#: position, decode KV read apart from the prefill chunks' attention.
+TABLE = TableTime(
+    source="test",
+    body=0.03 + 1e-3 * np.sqrt(np.arange(161.0)),
+    head=2e-4 * np.arange(161.0),
+    overhead_s=1e-3,
+    decode_fixed_s=2e-3,
+    per_kv_token_s=1e-4,
+    prefill_fixed_s=1e-3,
+    prefill_pair_s=1e-6,
+    prefill_token_s=3e-5,
+)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -80,6 +96,7 @@ ALLOCATORS = [
     chunked=st.booleans(),
     skip=st.booleans(),
     linear=st.booleans(),
+    table=st.booleans(),
     samples=st.sampled_from([1, 1, 3]),
     beams=st.booleans(),
     max_seqs=st.sampled_from([8, 8, 2]),  # 2: groups of 3 never fit a batch
@@ -88,9 +105,10 @@ ALLOCATORS = [
 # Beams hold more blocks at their fork than at their end: a prompt whose fork exceeds the pool
 # must be rejected, not wait forever (the engine stalled here once).
 @example(seed=54, which=0, n=5, capacity_tokens=64, chunked=True, skip=False, linear=False,
-         samples=3, beams=True, max_seqs=8, watermark=0.0)
+         table=False, samples=3, beams=True, max_seqs=8, watermark=0.0)
 def test_fast_engine_matches_per_iteration_reference(
-    seed, which, n, capacity_tokens, chunked, skip, linear, samples, beams, max_seqs, watermark
+    seed, which, n, capacity_tokens, chunked, skip, linear, table, samples, beams, max_seqs,
+    watermark,
 ):
     kind, opts = ALLOCATORS[which]
     if kind == "vattention" and opts["page_size"] % 24:
@@ -107,7 +125,7 @@ def test_fast_engine_matches_per_iteration_reference(
         admission="skip" if skip else "fcfs",
         lookahead=3,
         watermark=watermark,
-        step_time=StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
+        step_time=TABLE if table else StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
     )
 
     def fresh():
