@@ -93,6 +93,7 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
                 f"{path}: the file name {path.stem!r} is not a valid scenario name (letters, "
                 "digits, '.', '_' and '-'); give the scenario a name: line"
             ) from None
+    _resolve_profile(data, path.resolve().parent, origins)
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
@@ -198,6 +199,18 @@ def _load_yaml(text: str) -> tuple[yaml.Node | None, Any]:
 
 def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
+
+
+def _resolve_profile(data: dict, base_dir: Path, origins: dict[str, str]) -> None:
+    """A step-time profile's path, made absolute: relative to the scenario's folder, or to the
+    current one when a --set gave it (as a user typing it on the command line means)."""
+    engine = data.get("engine")
+    step = engine.get("step_time") if isinstance(engine, dict) else None
+    if not isinstance(step, dict) or not isinstance(step.get("profile"), str):
+        return
+    keys = ("engine", "engine.step_time", "engine.step_time.profile")
+    base = Path.cwd() if any(k in origins for k in keys) else base_dir
+    step["profile"] = str((base / Path(step["profile"]).expanduser()).resolve())
 
 
 def workload_paths(node: Any, loc: list) -> Iterator[tuple[list, str]]:

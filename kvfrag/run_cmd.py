@@ -146,7 +146,10 @@ def _run(
     resolved = loaded.resolved()
     tasks = plan(scenario)
     unique = distinct(tasks)
-    inputs = {t.key: input_files(t.scenario.workload, loaded.base_dir) for t in unique}
+    inputs = {
+        t.key: input_files(t.scenario.workload, loaded.base_dir) + profile_files(t.scenario)
+        for t in unique
+    }
     every_input = sorted({p for files in inputs.values() for p in files})
     staged = store.open(resolved, args.resume, code_fingerprint(), every_input)
     todo = [t for t in unique if t.key not in staged]
@@ -248,6 +251,15 @@ def _derived(scenario: Any) -> str:
     return (f" (derived: {format_size(b['usable'])} usable - weights "
             f"{format_size(b['weights'])} - activations {format_size(b['activations'])} - "
             f"non-torch {format_size(b['non_torch'])})")
+
+
+def profile_files(scenario: Any) -> list[Path]:
+    """The step-time profile a point reads, if any (its path is absolute by now)."""
+    from sim.scenario import ProfileSpec
+    from sim.timing import read_profile
+
+    step = scenario.engine.step_time
+    return [read_profile(step.profile).path] if isinstance(step, ProfileSpec) else []
 
 
 def input_files(spec: Any, base_dir: Path) -> list[Path]:

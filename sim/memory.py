@@ -46,7 +46,9 @@ def activation_peak_bytes(arch: Architecture, tp: int, max_tokens: int, max_seqs
 
 def kv_budget(gpu: GPU, arch: Architecture, tp: int, utilization: float, max_tokens: int,
               max_seqs: int, dtype_bytes: int = 2) -> dict[str, int]:
-    """The derived KV budget of one GPU and its terms, in bytes."""
+    """The derived KV budget of one GPU and its terms, in bytes (weights and activations of
+    `dtype_bytes`: 16-bit unless the weights are quantized; the KV cache's own dtype does not
+    enter)."""
     parts = {
         "usable": int(gpu.memory_bytes * utilization),
         "weights": -(-arch.weight_bytes(dtype_bytes) // tp),

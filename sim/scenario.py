@@ -368,7 +368,13 @@ class Scenario(_Frozen):
 
     @model_validator(mode="after")
     def _engine(self) -> Scenario:
-        cfg = self.engine_config()
+        try:
+            cfg = self.engine_config()
+        except (OSError, ValueError) as exc:
+            if not isinstance(self.engine.step_time, ProfileSpec):
+                raise
+            # (the profile is read here, once, so a bad one is reported at its line)
+            raise FieldError(("engine", "step_time", "profile"), str(exc)) from None
         if not cfg.chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"engine.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= "
@@ -442,7 +448,7 @@ class Scenario(_Frozen):
         """A derived budget and its terms, per GPU (sim.memory.kv_budget)."""
         seqs, tokens = self._batch_limits()
         return kv_budget(self.gpu, self.architecture, self.tp, self.gpu_memory_utilization,
-                         tokens, seqs, self.full_geometry.dtype_bytes)
+                         tokens, seqs)
 
     def _batch_limits(self) -> tuple[int, int]:
         e = self.engine
@@ -460,11 +466,13 @@ class Scenario(_Frozen):
             return StepTime()  # a flat 20 ms: no hardware to time on
         arch = self.architecture
         assert arch is not None  # checked at validation
+        kv_dtype = self.full_geometry.dtype_bytes
         if isinstance(spec, ProfileSpec):
             return from_profile(read_profile(spec.profile), arch, hw, self.tp, max_tokens,
-                                spec.overhead_s)
+                                spec.overhead_s, kv_dtype)
         overhead = spec.overhead_s if spec is not None else OVERHEAD_S
-        return roofline(arch, hw, self.tp, max_tokens, overhead_s=overhead)
+        return roofline(arch, hw, self.tp, max_tokens, overhead_s=overhead,
+                        kv_dtype_bytes=kv_dtype)
 
     def engine_config(self) -> EngineConfig:
         e = self.engine

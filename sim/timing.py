@@ -112,16 +112,19 @@ def _at(table: np.ndarray, n: int) -> float:
     return float(table[last] + (n - last) * (table[last] - table[last - 1]))
 
 
-def _attention_terms(model: StepModel) -> dict[str, float]:
+def _attention_terms(model: StepModel, kv_dtype_bytes: int) -> dict[str, float]:
+    """Attention reads the KV cache in its own dtype (fp8 KV with bf16 weights is common)."""
     a, g, e, tp = model.arch, model.gpu, model.eff, model.tp
+    per_token = kv_bytes_per_token(a, tp, kv_dtype_bytes) / (
+        g.hbm_bandwidth_bytes_s * e.attention_mem
+    )
     return {
         "decode_fixed_s": a.layers * e.attention_overhead_s,
-        "per_kv_token_s": model.per_kv_token_s,
+        "per_kv_token_s": per_token,
         "prefill_fixed_s": a.layers * e.attention_overhead_s,
         "prefill_pair_s": 4 * a.layers * a.heads * a.head_dim / tp
         / (g.fp16_dense_flops * e.attention_flops),
-        "prefill_token_s": kv_bytes_per_token(a, tp, model.dtype_bytes)
-        / (g.hbm_bandwidth_bytes_s * e.attention_mem),
+        "prefill_token_s": per_token,
     }
 
 
@@ -148,8 +151,10 @@ def roofline(
     max_tokens: int,
     efficiency: Efficiency | None = None,
     overhead_s: float = OVERHEAD_S,
+    kv_dtype_bytes: int = 2,
 ) -> TableTime:
-    """Every term from the roofline model (sim/steptime.py), tables up to `max_tokens`."""
+    """Every term from the roofline model (sim/steptime.py), tables up to `max_tokens`.
+    Weights and activations are 16-bit; the KV cache is `kv_dtype_bytes` per element."""
     model = StepModel(arch, gpu, tp, efficiency)
     e, d = model.eff, model.dtype_bytes
     n = np.arange(max(max_tokens, 1) + 1, dtype=float)
@@ -162,7 +167,7 @@ def roofline(
         body=body,
         head=_head_table(model, len(n) - 1),
         overhead_s=overhead_s,
-        **_attention_terms(model),
+        **_attention_terms(model, kv_dtype_bytes),
     )
 
 
@@ -173,6 +178,7 @@ def from_profile(
     tp: int,
     max_tokens: int,
     overhead_s: float = OVERHEAD_S,
+    kv_dtype_bytes: int = 2,
 ) -> TableTime:
     """The token-wise layers from a measured table, the rest from the roofline on `gpu`."""
     model = StepModel(arch, gpu, tp, efficiency_for(gpu))
@@ -185,19 +191,22 @@ def from_profile(
         body=body,
         head=_head_table(model, len(n) - 1),
         overhead_s=overhead_s,
-        **_attention_terms(model),
+        **_attention_terms(model, kv_dtype_bytes),
     )
 
 
 def _interp(points: tuple[np.ndarray, np.ndarray], n: np.ndarray) -> np.ndarray:
-    """Piecewise-linear in the token count; past the last point, the last segment's slope
-    (compute-bound kernels grow linearly); below the first, its value."""
+    """Piecewise-linear in the token count; below the first point, its value. Past the last,
+    linear (large batches are compute-bound) with the slope from the point nearest half the
+    last one's tokens: neighbouring points are a few tokens apart, and the slope between them
+    is mostly measurement noise (flat, or several times too steep)."""
     x, y = points
     out = np.interp(n, x, y)
     if len(x) > 1:
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        k = min(int(np.argmin(np.abs(x - x[-1] / 2))), len(x) - 2)
+        slope = max((y[-1] - y[k]) / (x[-1] - x[k]), 0.0)
         beyond = n > x[-1]
-        out[beyond] = y[-1] + (n[beyond] - x[-1]) * max(slope, 0.0)
+        out[beyond] = y[-1] + (n[beyond] - x[-1]) * slope
     return out
 
 
