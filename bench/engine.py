@@ -1,15 +1,26 @@
-"""Engine speed: 100,000 requests of ~1,000 tokens under paged-16 and worst-case slabs.
+"""Engine speed and memory per allocator kind: wall, events, µs per event, peak RSS.
 
-Prints wall seconds, events, events/s, simulated tokens/s and the ratio of the engine's
-per-event cost to a bare SimPy loop doing the same number of timeouts, measured in the same
-run. Targets (one core): under 10 s each; per-event cost within 3x of bare SimPy.
+The workload: N requests of ~1,000 tokens (prompt 200-800, Poisson at 40 req/s: a saturated
+server), llama-3-8b, 50 GB of KV, max_model_len 8192, a linear step time. Each allocator runs
+in its own process (fork), so its peak RSS is its own: the workload table, the engine, the
+records and the result frames. The ratio column is the per-event cost over that of a bare
+SimPy loop doing the same number of timeouts, measured in the same process.
 
-    python bench/engine.py [--requests N] [--seed S]
+Prefix caching is also run on the shipped Mooncake sample (long shared prefixes: the case where
+its bookkeeping used to cost 100x per event), and `--preempt` adds a memory-bound variant
+(20,000-token outputs in 50 GB): events then grow with preemptions, not only with requests.
+
+Targets (issue 16; one core): 1,000,000 requests in <= 20 s for paged-16 and slabs, peak RSS
+<= 1 GiB, <= 12 µs per event, every kind within 3x of paged-16 per event.
+
+    python bench/engine.py [--requests N] [--only LABEL ...] [--preempt]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import resource
 import time
 
 import numpy as np
@@ -21,20 +32,51 @@ from sim.engine import EngineConfig, StepTime, run
 from sim.geometry import preset
 from sim.units import parse_size
 
+GEO = preset("llama-3-8b")
+CONFIG = EngineConfig(
+    max_num_seqs=512,
+    max_num_batched_tokens=8192,
+    step_time=StepTime(base_s=0.01, per_batched_token_s=2e-6, per_kv_token_s=1e-8),
+)
+#: (label, kind, options, workload): "bench" is `workload(N)`, "mooncake" the shipped sample.
+KINDS = (
+    ("paged-16", "paged", {"block_size": 16}, "bench"),
+    ("slab max_model_len", "contiguous", {"reserve": "max_model_len"}, "bench"),
+    ("slab oracle", "contiguous", {"reserve": "oracle"}, "bench"),
+    ("buddy pow2", "buddy", {"reserve": "pow2"}, "bench"),
+    ("paged-1024", "paged", {"block_size": 1024}, "bench"),
+    ("prefix-16 (no hits)", "prefix-caching", {"block_size": 16}, "bench"),
+    ("torch-caching oracle", "torch-caching", {"reserve": "oracle"}, "bench"),
+    ("vattention 2MiB", "vattention", {"page_size": 2 * 2**20}, "bench"),
+    ("prefix-16 mooncake", "prefix-caching", {"block_size": 16}, "mooncake"),
+    ("prefix-512 mooncake", "prefix-caching", {"block_size": 512}, "mooncake"),
+    ("paged-16 mooncake", "paged", {"block_size": 16}, "mooncake"),
+)
 
-def workload(n: int, seed: int) -> pd.DataFrame:
+
+def workload(n: int, seed: int, output: int = 1000) -> pd.DataFrame:
+    """N requests of about `output` tokens in all (prompt 200-800 for the default)."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(200, 801, n)
-    output = 1000 - prompt + rng.integers(-100, 101, n)
+    out = output - prompt + rng.integers(-100, 101, n) if output == 1000 else np.full(n, output)
     arrival = np.cumsum(rng.exponential(1 / 40.0, n))  # 40 req/s: a saturated server
     return pd.DataFrame(
         {
             "request_id": np.arange(n),
             "arrival_s": arrival - arrival[0],
             "prompt_tokens": prompt,
-            "output_tokens": np.maximum(output, 1),
+            "output_tokens": np.maximum(out, 1),
         }
     )
+
+
+def mooncake() -> pd.DataFrame:
+    from workloads import WorkloadSpec, build_workload
+
+    spec = WorkloadSpec.model_validate({"trace": {"path": "sample:mooncake-conv"}})
+    wl = build_workload(spec, None, None, 131072).requests
+    wl.attrs["hash_block_tokens"] = 512
+    return wl
 
 
 def bare_simpy(events: int) -> float:
@@ -50,43 +92,60 @@ def bare_simpy(events: int) -> float:
     return time.perf_counter() - start
 
 
+def _one(args: tuple) -> dict:
+    label, kind, opts, which, n, seed, output, capacity, mml = args
+    wl = mooncake() if which == "mooncake" else workload(n, seed, output)
+    alloc = make_allocator(kind, capacity=capacity, bytes_per_token=GEO.bytes_per_token,
+                           max_model_len=mml, geometry=GEO, **opts)
+    start = time.perf_counter()
+    result = run(wl, alloc, CONFIG)
+    wall = time.perf_counter() - start
+    events = int(result.summary["events"])
+    return {
+        "label": label,
+        "requests": len(wl),
+        "wall": wall,
+        "events": events,
+        "us_per_event": 1e6 * wall / events,
+        "events_per_request": events / len(wl),
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "bare": bare_simpy(events),
+        "completed": int(result.summary["completed"]),
+        "preemptions": int(result.summary["preemptions"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    parser.add_argument("--preempt", action="store_true",
+                        help="also 20,000-token outputs on paged-16: memory-bound, preempting")
     args = parser.parse_args()
-    wl = workload(args.requests, args.seed)
-    tokens = int((wl["prompt_tokens"] + wl["output_tokens"]).sum())
-    geo = preset("llama-3-8b")
-    config = EngineConfig(
-        max_num_seqs=512,
-        max_num_batched_tokens=8192,
-        step_time=StepTime(base_s=0.01, per_batched_token_s=2e-6, per_kv_token_s=1e-8),
-    )
-    print(f"workload: {len(wl):,} requests, {tokens:,} tokens, llama-3-8b, 50GB, mml 8192")
-    header = f"{'allocator':<22}{'wall s':>8}{'events':>10}{'events/s':>11}"
-    print(header + f"{'sim tok/s':>13}{'bare simpy s':>14}{'ratio':>7}{'completed':>11}")
-    for label, kind, opts in (
-        ("paged-16", "paged", {"block_size": 16}),
-        ("slab max_model_len", "contiguous", {"reserve": "max_model_len"}),
-    ):
-        alloc = make_allocator(
-            kind,
-            capacity=parse_size("50GB"),
-            bytes_per_token=geo.bytes_per_token,
-            max_model_len=8192,
-            **opts,
-        )
-        start = time.perf_counter()
-        result = run(wl, alloc, config)
-        wall = time.perf_counter() - start
-        events = int(result.summary["events"])
-        bare = bare_simpy(events)
-        print(
-            f"{label:<22}{wall:>8.2f}{events:>10,}{events / wall:>11,.0f}"
-            f"{tokens / wall:>13,.0f}{bare:>14.3f}{wall / bare:>7.1f}"
-            f"{result.summary['completed']:>11,}"
-        )
+    cap = parse_size("50GB")
+    jobs = [(label, kind, opts, which, args.requests, args.seed, 1000, cap, 8192)
+            for label, kind, opts, which in KINDS if not args.only or label in args.only]
+    if args.preempt:
+        n = max(args.requests // 50, 100)
+        jobs.append(("paged-16 20k-token outputs", "paged", {"block_size": 16}, "bench", n,
+                     args.seed, 20_000, cap, 32768))
+    print(f"bench workload: {args.requests:,} requests of ~1,000 tokens, llama-3-8b, 50GB, "
+          "mml 8192; mooncake: the shipped sample (1,000 requests)")
+    print(f"{'allocator':<28}{'requests':>10}{'wall s':>8}{'events':>11}{'ev/req':>7}"
+          f"{'µs/event':>9}{'× paged':>8}{'RSS MiB':>9}{'× simpy':>8}{'preempt':>9}")
+    ctx = mp.get_context("fork")
+    base = None
+    for job in jobs:
+        with ctx.Pool(1, maxtasksperchild=1) as pool:  # a fresh process: its own peak RSS
+            r = pool.apply(_one, (job,))
+        if r["label"] == "paged-16":
+            base = r["us_per_event"]
+        rel = f"{r['us_per_event'] / base:.2f}" if base else "-"
+        print(f"{r['label']:<28}{r['requests']:>10,}{r['wall']:>8.2f}{r['events']:>11,}"
+              f"{r['events_per_request']:>7.2f}{r['us_per_event']:>9.1f}{rel:>8}"
+              f"{r['rss_mib']:>9,.0f}{r['wall'] / r['bare']:>8.1f}{r['preemptions']:>9,}",
+              flush=True)
 
 
 if __name__ == "__main__":

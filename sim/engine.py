@@ -426,7 +426,10 @@ class Engine:
             hit = self.alloc.cached_prefix_tokens(r.req, r.prefill)
             work = r.prefill - hit
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
-            reason = self._try_admit(r, hit, chunk) if chunk <= budget - used else None
+            if chunk > budget - used and r.req.prompt >= self.alloc.max_model_len:
+                reason = Reason.PROMPT_TOO_LONG  # (it would wait for a token budget forever)
+            else:
+                reason = self._try_admit(r, hit, chunk) if chunk <= budget - used else None
             if reason is None and chunk <= budget - used:
                 del self.queue[i]
                 used += chunk

@@ -167,7 +167,7 @@ def reference(
             keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and running else 0
             gate = cfg.chunked_prefill or keep
             if chunk > budget - used:
-                reason = None
+                reason = Reason.PROMPT_TOO_LONG if r["req"].prompt >= alloc.max_model_len else None
             elif gate and (
                 alloc.too_large(r["req"])
                 or alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) > alloc.watermark_bytes(1.0)

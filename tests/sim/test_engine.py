@@ -512,3 +512,23 @@ def test_time_to_first_token_and_per_output_token():
     s = result.summary
     assert (s["mean_ttft_s"], s["p99_ttft_s"], s["mean_tpot_s"], s["p90_tpot_s"]) == (
         1.0, 1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prompt_over_max_model_len_is_rejected_not_waited_for(chunked):
+    """Without chunked prefill the token budget only has to cover max_model_len: a longer
+    prompt never fits it, and must be rejected rather than block the queue forever."""
+    wl = pd.DataFrame({"request_id": [0, 1, 2], "arrival_s": [0.0, 0.0, 0.0],
+                       "prompt_tokens": [50, 300, 40], "output_tokens": [5, 5, 5]})
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, chunked_prefill=chunked)
+    alloc = make_allocator("paged", capacity=4096 * 96, bytes_per_token=96, max_model_len=128,
+                           block_size=16)
+    result = run(wl, alloc, cfg)
+    rows = result.requests.set_index("request_id")
+    assert rows.loc[1, "status"] == "rejected"
+    assert rows.loc[1, "reason"] == "prompt_too_long"
+    assert (rows.loc[[0, 2], "status"] == "completed").all()
+    slow = reference(wl, make_allocator("paged", capacity=4096 * 96, bytes_per_token=96,
+                                        max_model_len=128, block_size=16), cfg)
+    assert slow["requests"][1]["status"] == "rejected"
+    assert slow["time"] == pytest.approx(result.summary["sim_time_s"], rel=1e-12)
