@@ -22,6 +22,7 @@ import argparse
 import multiprocessing as mp
 import resource
 import time
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -94,11 +95,13 @@ def bare_simpy(events: int) -> float:
 
 def _one(args: tuple) -> dict:
     label, kind, opts, which, n, seed, output, capacity, mml = args
+    chunked = mml > CONFIG.max_num_batched_tokens  # (long contexts: as vLLM, chunked prefill)
+    config = replace(CONFIG, chunked_prefill=True) if chunked else CONFIG
     wl = mooncake() if which == "mooncake" else workload(n, seed, output)
     alloc = make_allocator(kind, capacity=capacity, bytes_per_token=GEO.bytes_per_token,
                            max_model_len=mml, geometry=GEO, **opts)
     start = time.perf_counter()
-    result = run(wl, alloc, CONFIG)
+    result = run(wl, alloc, config)
     wall = time.perf_counter() - start
     events = int(result.summary["events"])
     return {
@@ -124,14 +127,15 @@ def main() -> None:
                         help="also 20,000-token outputs on paged-16: memory-bound, preempting")
     args = parser.parse_args()
     cap = parse_size("50GB")
-    jobs = [(label, kind, opts, which, args.requests, args.seed, 1000, cap, 8192)
+    jobs = [(label, kind, opts, which, args.requests, args.seed, 1000, cap,
+             131072 if which == "mooncake" else 8192)
             for label, kind, opts, which in KINDS if not args.only or label in args.only]
     if args.preempt:
         n = max(args.requests // 50, 100)
         jobs.append(("paged-16 20k-token outputs", "paged", {"block_size": 16}, "bench", n,
                      args.seed, 20_000, cap, 32768))
     print(f"bench workload: {args.requests:,} requests of ~1,000 tokens, llama-3-8b, 50GB, "
-          "mml 8192; mooncake: the shipped sample (1,000 requests)")
+          "mml 8192; mooncake: the shipped sample (1,000 requests, mml 131072, chunked prefill)")
     print(f"{'allocator':<28}{'requests':>10}{'wall s':>8}{'events':>11}{'ev/req':>7}"
           f"{'µs/event':>9}{'× paged':>8}{'RSS MiB':>9}{'× simpy':>8}{'preempt':>9}")
     ctx = mp.get_context("fork")
