@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
@@ -221,6 +222,8 @@ class _Req:
         self.think = 0.0
 
 
+#: Time-series rows gathered before they are put into a frame (bounds their Python objects).
+_ROWS_PER_FRAME = 65536
 _SERIES = (
     "t",
     "dt",
@@ -250,11 +253,14 @@ class Engine:
         self.chunk_cost = self.st.decode_kv_only  # prefill chunks' attention is timed apart
         self.prefill_attn_s = 0.0  # this iteration's prefill chunks' attention
         self.env = simpy.Environment()
-        self.reqs = _requests_from(workload)
-        self.by_rid = {r.req.rid: r for r in self.reqs}
-        if len(self.by_rid) != len(self.reqs):
-            raise ValueError("workload request ids are not unique")
-        self.reference = _reference_request(self.reqs)
+        # Requests as columns; engine state (`_Req`) exists only from arrival to retirement,
+        # when its figures move into the result columns: memory follows the requests in
+        # flight, not the workload's length.
+        self.inputs = _Inputs(workload)
+        self.made: dict[int, _Req] = {}  # idx -> state of requests arrived and not retired
+        self.by_rid: dict[int, _Req] = {}  # rid -> state, for the requests made
+        self.out = _Outcomes(self.inputs)
+        self.reference = self.inputs.reference_request()
         self.queue: deque[_Req] = deque()
         # Running requests in admission order (the last one is the victim): a dict, so that a
         # completion leaves in O(1).
@@ -267,7 +273,8 @@ class Engine:
         self.arrivals: list[tuple[float, int]] = []  # heap of (time, idx)
         self.next_of_user: dict[int, deque[int]] = {}
         self._init_arrivals()
-        self.rows: list[tuple] = []
+        self.rows: list[tuple] = []  # the time series' rows not yet put into a frame
+        self.row_frames: list[pd.DataFrame] = []  # ... and those already (columns, compact)
         self.integrals = dict.fromkeys(PARTS, 0.0)
         self.busy_running = 0.0  # integral of running requests over time
         self.saved = 0.0  # integral of bytes saved by sharing
@@ -284,7 +291,7 @@ class Engine:
         self.head_reason: Reason | None = None
         # (request, frees, evictions) at a memory refusal of the FCFS head
         self.blocked_head: tuple[int, int, int] | None = None
-        self.groups = any(r.req.n > 1 for r in self.reqs)
+        self.groups = self.inputs.groups
         self.stopped = False
         self.log: list[tuple] | None = [] if config.log_allocations else None
         # rid -> (tokens, blocks, bytes, ids) when last logged; ids: the block ids of a request
@@ -293,12 +300,27 @@ class Engine:
 
     # ------------------------------------------------------------------ set-up
     def _init_arrivals(self) -> None:
-        for r in self.reqs:
-            if r.user >= 0 and math.isnan(r.arrival):
-                self.next_of_user.setdefault(r.user, deque()).append(r.idx)
+        inp = self.inputs
+        for idx, (arrival, user) in enumerate(zip(inp.arrival, inp.users, strict=True)):
+            if user >= 0 and math.isnan(arrival):
+                self.next_of_user.setdefault(user, deque()).append(idx)
             else:
-                self.arrivals.append((r.arrival, r.idx))
+                self.arrivals.append((arrival, idx))
         heapq.heapify(self.arrivals)
+
+    def _req(self, idx: int) -> _Req:
+        """The engine state of request `idx`, made on its first use."""
+        r = self.made.get(idx)
+        if r is None:
+            r = self.made[idx] = self.inputs.make(idx)
+            self.by_rid[r.req.rid] = r
+        return r
+
+    def _retire(self, r: _Req) -> None:
+        """`r` is over (completed and released, or rejected): its figures go to the result."""
+        self.out.store(r)
+        del self.made[r.idx]
+        del self.by_rid[r.req.rid]
 
     # -------------------------------------------------------------------- loop
     def run(self) -> RunResult:
@@ -355,7 +377,7 @@ class Engine:
         arrivals = self.arrivals
         while arrivals and arrivals[0][0] <= now:
             _, idx = heapq.heappop(arrivals)
-            r = self.reqs[idx]
+            r = self._req(idx)
             r.status = "waiting"
             self.queue.append(r)
 
@@ -363,7 +385,7 @@ class Engine:
         """Closed loop: the user's next request comes `think` seconds after this one ends."""
         pending = self.next_of_user.get(r.user)
         if pending:
-            nxt = self.reqs[pending.popleft()]
+            nxt = self._req(pending.popleft())
             nxt.arrival = now + nxt.think
             heapq.heappush(self.arrivals, (nxt.arrival, nxt.idx))
 
@@ -533,6 +555,7 @@ class Engine:
         r.finished = self.env.now
         if r.user >= 0:
             self._next_of(r, self.env.now)
+        self._retire(r)
 
     # ----------------------------------------------------------------- timing
     def _kv_read_tokens(self) -> int:
@@ -600,6 +623,7 @@ class Engine:
             r.released = self.env.now
             self._log_free(r)
             alloc.free(r.req.rid)
+            self._retire(r)
         self.batch_done.clear()
         self.held_done_tokens = 0
 
@@ -621,6 +645,8 @@ class Engine:
             alloc.free(rid)
         if r.user >= 0:
             self._next_of(r, now)
+        if self.cfg.batching != "static":
+            self._retire(r)
 
     # ---------------------------------------------------------- allocation log
     def _log_op(
@@ -751,52 +777,29 @@ class Engine:
         blocked = self.head_reason is Reason.FRAGMENTED and bool(self.queue)
         if blocked:
             self.frag_blocked_s += dt
-        self.rows.append(
+        rows = self.rows
+        rows.append(
             (self.env.now, dt, iterations, running, len(self.queue), *parts, largest_hole, blocked)
         )
+        if len(rows) == _ROWS_PER_FRAME:  # as columns: a tuple of Python numbers per row costs
+            self.row_frames.append(pd.DataFrame(rows, columns=list(_SERIES)))  # ~10x the bytes
+            self.rows = []
 
     # ------------------------------------------------------------------ result
     def _result(self) -> RunResult:
-        reqs = self.reqs
-        alloc = self.alloc
-        at_end = dict.fromkeys(alloc.rids(), 0)
-        for rid in at_end:  # still holding memory when the run stopped
+        alloc, out = self.alloc, self.out
+        at_end = np.zeros(len(self.inputs), dtype=np.int64)
+        for rid in alloc.rids():  # still holding memory when the run stopped
             r = self.by_rid[rid]
-            at_end[rid] = alloc.tokens(rid)
+            at_end[r.idx] = alloc.tokens(rid)
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
-        requests = pd.DataFrame(
-            {
-                "request_id": [r.req.rid for r in reqs],
-                "arrival_s": [r.arrival for r in reqs],
-                "prompt_tokens": [r.req.prompt for r in reqs],
-                "output_tokens": [r.output for r in reqs],
-                "status": [r.status for r in reqs],
-                "reason": [r.reason for r in reqs],
-                "admitted_s": [r.admitted for r in reqs],
-                "first_token_s": [r.first_token for r in reqs],
-                "finished_s": [r.finished for r in reqs],
-                "released_s": [r.released for r in reqs],
-                "tokens_at_end": [at_end.get(r.req.rid, 0) for r in reqs],
-                "preemptions": [r.preemptions for r in reqs],
-                "recomputed_tokens": [r.recomputed for r in reqs],
-                "peak_bytes": [r.peak for r in reqs],
-                "offset_bytes": [r.offset for r in reqs],
-                "final_tokens": [r.final for r in reqs],
-                "frag_refused": [r.frag_refused for r in reqs],
-                "prefix_hit_tokens": [r.hits for r in reqs],
-            }
-        )
-        requests["generated_tokens"] = [r.generated for r in reqs]
-        requests["queueing_s"] = requests["admitted_s"] - requests["arrival_s"]
-        requests["latency_s"] = requests["finished_s"] - requests["arrival_s"]
-        # Time to first token, and time per output token after it (each sequence's tokens).
-        requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
-        per_seq = [r.generated / r.req.n if r.status == "completed" else 0 for r in reqs]
-        requests["tpot_s"] = [
-            (r.finished - r.first_token) / (k - 1) if k >= 2 else math.nan
-            for r, k in zip(reqs, per_seq, strict=True)
-        ]
-        timeseries = pd.DataFrame(self.rows, columns=list(_SERIES))
+        for r in list(self.made.values()):  # running, waiting, or held when the run stopped
+            out.store(r)
+        requests = out.frame(at_end)
+        if self.rows or not self.row_frames:
+            self.row_frames.append(pd.DataFrame(self.rows, columns=list(_SERIES)))
+        frames, self.row_frames, self.rows = self.row_frames, [], []
+        timeseries = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
         return RunResult(self._summary(requests, timeseries), timeseries, requests, log)
 
@@ -914,50 +917,176 @@ def _iterations_to_reach(delta: float, w0: float, w1: float) -> int:
     return n
 
 
-def _requests_from(workload: pd.DataFrame) -> list[_Req]:
-    """Engine state for every row of a request table (see `workloads` for its columns)."""
-    for col in ("arrival_s", "prompt_tokens", "output_tokens"):
-        if col not in workload.columns:
-            raise ValueError(f"workload has no column {col!r}")
-    n = len(workload)
+class _Inputs:
+    """A request table as compact columns (see `workloads` for its columns): what `_Req`s
+    are made of when each request arrives."""
 
-    def column(name: str, dtype=None) -> list | None:
-        """A column as a Python list (None when absent): per-row numpy scalars are slow."""
-        if name not in workload:
-            return None
-        return workload[name].to_numpy(dtype=dtype).tolist()
+    def __init__(self, workload: pd.DataFrame) -> None:
+        for col in ("arrival_s", "prompt_tokens", "output_tokens"):
+            if col not in workload.columns:
+                raise ValueError(f"workload has no column {col!r}")
+        n = self.n = len(workload)
 
-    rid = column("request_id") or list(range(n))
-    arrival = column("arrival_s", float)
-    prompt = column("prompt_tokens")
-    output = column("output_tokens")
-    max_tokens = column("max_tokens")
-    users = column("user_id")
-    think = column("think_s", float)
-    samples = column("n")
-    beams = column("beam_width")
-    hashes = workload["hash_ids"].to_numpy() if "hash_ids" in workload else None
-    chunk = int(workload.attrs.get("hash_block_tokens", 0) or 0)
-    reqs = []
-    for i in range(n):
+        def ints(name: str, default: int) -> array:
+            """An integer column (missing values: `default`) as an array: its items come out
+            as Python ints, fast, and take 8 bytes each."""
+            if name not in workload:
+                return array("q", bytes(8 * n)) if default == 0 else array("q", [default] * n)
+            col = workload[name]
+            col = col.fillna(default) if col.hasnans else col
+            return array("q", col.to_numpy(dtype=np.int64).tobytes())
+
+        self.rid = ints("request_id", 0) if "request_id" in workload else array("q", range(n))
+        if len(set(self.rid)) != n:
+            raise ValueError("workload request ids are not unique")
+        self.arrival = array("d", workload["arrival_s"].to_numpy(dtype=float).tobytes())
+        self.prompt = ints("prompt_tokens", 0)
+        self.output = ints("output_tokens", 0)
+        self.max_tokens = workload.get("max_tokens")
+        self.users = ints("user_id", -1)
+        self.think = (array("d", workload["think_s"].to_numpy(dtype=float).tobytes())
+                      if "think_s" in workload else None)
+        samples, beams = ints("n", 1), ints("beam_width", 1)
+        for i in range(n):
+            if samples[i] > 1 and beams[i] > 1:
+                raise ValueError(f"request {self.rid[i]}: n and beam_width are both above 1")
+        self.samples, self.beams = samples, beams
+        self.hashes = workload["hash_ids"].to_numpy() if "hash_ids" in workload else None
+        self.chunk = int(workload.attrs.get("hash_block_tokens", 0) or 0)
+        self.groups = any(k > 1 for k in samples) or any(w > 1 for w in beams)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def make(self, i: int) -> _Req:
         mt = None
-        if max_tokens is not None and not pd.isna(max_tokens[i]):
-            mt = int(max_tokens[i])
-        k = 1 if samples is None or pd.isna(samples[i]) else int(samples[i])
-        width = 1 if beams is None or pd.isna(beams[i]) else int(beams[i])
-        if k > 1 and width > 1:
-            raise ValueError(f"request {rid[i]}: n and beam_width are both above 1")
+        if self.max_tokens is not None and not pd.isna(self.max_tokens.iat[i]):
+            mt = int(self.max_tokens.iat[i])
+        k, width = self.samples[i], self.beams[i]
+        hashes, chunk = self.hashes, self.chunk
         prefix = tuple(int(h) for h in hashes[i]) if hashes is not None and chunk else ()
         req, lead = slot_request(
-            int(rid[i]), int(prompt[i]), int(output[i]), mt, max(k, width), width > 1, prefix,
+            self.rid[i], self.prompt[i], self.output[i], mt, max(k, width), width > 1, prefix,
             chunk if prefix else 0,
         )
-        r = _Req(i, req, float(arrival[i]), int(output[i]), lead)
-        if users is not None:
-            r.user = int(users[i])
-            r.think = float(think[i]) if think is not None else 0.0
-        reqs.append(r)
-    return reqs
+        r = _Req(i, req, self.arrival[i], self.output[i], lead)
+        if self.users[i] >= 0:
+            r.user = self.users[i]
+            r.think = self.think[i] if self.think is not None else 0.0
+        return r
+
+    def reference_request(self) -> Request:
+        """The workload's median request: what free space is judged by when nobody waits."""
+        if not self.n:
+            return Request(-1, 1, 1)
+        prompt = int(np.median(np.frombuffer(self.prompt, dtype=np.int64)))
+        groups = np.maximum(np.frombuffer(self.samples, dtype=np.int64),
+                            np.frombuffer(self.beams, dtype=np.int64)) > 1
+        stored = np.frombuffer(self.output, dtype=np.int64) - 1 + groups  # (slot_request)
+        return Request(-1, max(prompt, 1), max(int(np.median(stored)), 1))
+
+
+#: Request states and refusal reasons, in the codes the result columns hold them by.
+_STATUS = ("pending", "waiting", "running", "completed", "rejected")
+
+
+class _Outcomes:
+    """The per-request result columns, filled as requests retire (and, at the end, from those
+    still in flight); a request never made keeps the defaults of a fresh `_Req`."""
+
+    _FLOATS = ("admitted", "first_token", "finished", "released", "offset")
+    _INTS = ("preemptions", "recomputed", "peak", "final", "hits", "generated")
+
+    def __init__(self, inputs: _Inputs) -> None:
+        n = len(inputs)
+        self.inputs = inputs
+        self.arrival = array("d", inputs.arrival)  # (closed loop: set when the user sends it)
+        nan = array("d", [math.nan]) * n
+        for name in self._FLOATS:
+            setattr(self, name, array("d", nan))
+        for name in self._INTS:
+            setattr(self, name, array("q", bytes(8 * n)))
+        self.status = bytearray(n)  # codes into _STATUS: 0, pending
+        self.reasons: dict[int, str] = {}  # idx -> reason, for the rejected
+        self.frag_refused = bytearray(n)
+        self.int_offsets = True  # every offset an int (slab allocators): an integer column
+
+    def store(self, r: _Req) -> None:
+        i = r.idx
+        self.arrival[i] = r.arrival
+        self.admitted[i] = r.admitted
+        self.first_token[i] = r.first_token
+        self.finished[i] = r.finished
+        self.released[i] = r.released
+        if isinstance(r.offset, float):
+            self.int_offsets = False
+        self.offset[i] = r.offset
+        self.preemptions[i] = r.preemptions
+        self.recomputed[i] = r.recomputed
+        self.peak[i] = r.peak
+        self.final[i] = r.final
+        self.hits[i] = r.hits
+        self.generated[i] = r.generated
+        self.status[i] = _STATUS.index(r.status)
+        if r.reason:
+            self.reasons[i] = r.reason
+        self.frag_refused[i] = r.frag_refused
+
+    def frame(self, at_end: np.ndarray) -> pd.DataFrame:
+        inp = self.inputs
+        n = len(inp)
+
+        def col(values: array, dtype: type) -> np.ndarray:
+            return np.frombuffer(values, dtype=dtype) if n else np.zeros(0, dtype=dtype)
+
+        status = np.array(_STATUS, dtype=object)[np.frombuffer(self.status, dtype=np.uint8)]
+        reason = np.full(n, "", dtype=object)
+        for i, why in self.reasons.items():
+            reason[i] = why
+        offset = col(self.offset, np.float64)
+        if self.int_offsets and n and self.made_all_offsets(offset):
+            offset = offset.astype(np.int64)
+        requests = pd.DataFrame(
+            {
+                "request_id": col(inp.rid, np.int64),
+                "arrival_s": col(self.arrival, np.float64),
+                "prompt_tokens": col(inp.prompt, np.int64),
+                "output_tokens": col(inp.output, np.int64),
+                "status": status,
+                "reason": reason,
+                "admitted_s": col(self.admitted, np.float64),
+                "first_token_s": col(self.first_token, np.float64),
+                "finished_s": col(self.finished, np.float64),
+                "released_s": col(self.released, np.float64),
+                "tokens_at_end": at_end,
+                "preemptions": col(self.preemptions, np.int64),
+                "recomputed_tokens": col(self.recomputed, np.int64),
+                "peak_bytes": col(self.peak, np.int64),
+                "offset_bytes": offset,
+                "final_tokens": col(self.final, np.int64),
+                "frag_refused": col(self.frag_refused, np.bool_),
+                "prefix_hit_tokens": col(self.hits, np.int64),
+            }
+        )
+        generated = col(self.generated, np.int64)
+        requests["generated_tokens"] = generated
+        requests["queueing_s"] = requests["admitted_s"] - requests["arrival_s"]
+        requests["latency_s"] = requests["finished_s"] - requests["arrival_s"]
+        # Time to first token, and time per output token after it (each sequence's tokens).
+        requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
+        seqs = np.maximum(col(inp.samples, np.int64), col(inp.beams, np.int64))
+        per_seq = np.where(status == "completed", generated / seqs, 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = (requests["finished_s"].to_numpy() - requests["first_token_s"].to_numpy()) / (
+                per_seq - 1
+            )
+        requests["tpot_s"] = np.where(per_seq >= 2, tpot, math.nan)
+        return requests
+
+    @staticmethod
+    def made_all_offsets(offset: np.ndarray) -> bool:
+        """Whether every request has an offset (else NaNs make the column float)."""
+        return not np.isnan(offset).any()
 
 
 def slot_request(
@@ -989,14 +1118,6 @@ def slot_request(
                   prefix_tokens=prefix_tokens)
     return req, lead
 
-
-def _reference_request(reqs: list[_Req]) -> Request:
-    """The workload's median request: what free space is judged by when nobody waits."""
-    if not reqs:
-        return Request(-1, 1, 1)
-    prompt = int(np.median([r.req.prompt for r in reqs]))
-    output = int(np.median([r.req.output for r in reqs]))
-    return Request(-1, max(prompt, 1), max(output, 1))
 
 
 def run(workload: pd.DataFrame, allocator: Allocator, config: EngineConfig | None = None):
