@@ -94,6 +94,7 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
                 "digits, '.', '_' and '-'); give the scenario a name: line"
             ) from None
     _resolve_profile(data, path.resolve().parent, origins)
+    _resolve_set_paths(data, origins)
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
@@ -199,6 +200,21 @@ def _load_yaml(text: str) -> tuple[yaml.Node | None, Any]:
 
 def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
+
+
+def _resolve_set_paths(data: dict, origins: dict[str, str]) -> None:
+    """A workload file named on the command line (`--set workload.trace.path=...`) is relative
+    to the current folder, as a shell user means it; those in the YAML stay relative to it."""
+    if not origins:
+        return
+    for loc, value in list(workload_paths(data.get("workload"), ["workload"])):
+        dotted = ".".join(map(str, loc))
+        given = any(dotted == k or dotted.startswith(k + ".") for k in origins)
+        if given and not value.startswith("sample:"):
+            node = data
+            for part in loc[:-1]:
+                node = node[part]
+            node[loc[-1]] = str((Path.cwd() / Path(value).expanduser()).resolve())
 
 
 def _resolve_profile(data: dict, base_dir: Path, origins: dict[str, str]) -> None:

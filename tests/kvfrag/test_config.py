@@ -188,6 +188,27 @@ def test_relative_trace_paths_resolve_from_the_scenario_folder(tmp_path):
     assert set(result.summary()["completed"]) == {2}
 
 
+def test_a_trace_path_given_with_set_is_relative_to_the_current_folder(tmp_path, monkeypatch):
+    """What a shell user means by `--set workload.trace.path=data/t.csv`; the YAML's own paths
+    stay relative to the YAML."""
+    here = tmp_path / "here"
+    (here / "data").mkdir(parents=True)
+    (here / "data" / "t.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.0,100,20\n2023-11-16 18:15:47.0,50,10\n"
+    )
+    (tmp_path / "scenarios").mkdir()
+    text = GOOD.replace("  synthetic:\n    count: 20\n", "  trace: {path: t.csv}\n  x:\n")
+    text = text.replace("  x:\n    prompt: {kind: uniform, low: 10, high: 200}\n"
+                        "    output: {kind: uniform, low: 10, high: 200}\n", "")
+    path = write(tmp_path / "scenarios", text)
+    monkeypatch.chdir(here)
+    loaded = load_scenario(path, ["workload.trace.path=data/t.csv"])
+    assert loaded.resolved()["workload"]["trace"]["path"] == str(here / "data" / "t.csv")
+    with pytest.raises(ScenarioError, match="no such file"):
+        load_scenario(path, ["workload.trace.path=nope.csv"])
+
+
 def test_set_path_walks_labels():
     data = {"allocators": [{"label": "a", "kind": "paged"}], "engine": None}
     set_path(data, "allocators.a.block_size", 8)
