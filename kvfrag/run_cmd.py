@@ -79,12 +79,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "(default: say which process holds it and stop)",
     )
     p.add_argument("--no-plots", action="store_true", help="write tables only")
+    p.add_argument(
+        "--svg",
+        action="store_true",
+        help="write the figures as SVG too (default: PNG only; the SVGs add about two thirds "
+        "to the drawing time)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("plot", help="redraw the figures of a results folder")
     p.add_argument("results", type=Path, help="a folder written by kvfrag run")
     p.add_argument("--wait", action="store_true", help="wait for a run writing that folder")
+    p.add_argument(
+        "--svg",
+        action="store_true",
+        help="write the figures as SVG too (default: PNG only; SVGs an earlier --svg wrote are "
+        "redrawn either way, so none is left stale)",
+    )
     p.set_defaults(func=cmd_plot)
 
 
@@ -216,9 +228,10 @@ def _run(
         from kvfrag.plots import plot_results
 
         meta = _meta(resolved, f"{source} ({len(workload.requests):,} requests)")
+        draw = functools.partial(plot_results, svg=True) if args.svg else plot_results
 
         def plot(folder: Path) -> None:
-            plot_results(folder, meta)
+            draw(folder, meta)
 
     write_results(result, out, resolved, plot, failures)
     for line in rejection_warnings(result.summary()):
@@ -418,7 +431,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{folder}: not a results folder (no summary.csv)")
     outdir.check_target(folder)  # it redraws plots/ in place: only in a folder kvfrag wrote
     with outdir.locked(folder, f"kvfrag plot {folder}", args.wait), outdir.writing(folder):
-        paths = redraw(folder)
+        paths = redraw(folder, svg=args.svg)
         outdir.add_to_manifest(folder, paths)
     for path in paths:
         print(path)

@@ -1,8 +1,10 @@
-"""The figures: every file written (PNG and SVG), decodable, not blank; the sweep variants;
-the geometry behind the address map; meta loading for `kvfrag plot`."""
+"""The figures: every file written (PNG, and SVG when asked for), decodable, not blank, listed
+in the folder's manifest, never a stale SVG; the sweep variants; the geometry behind the address
+map and the shapes its collections hold; meta loading for `kvfrag plot`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 import yaml
 
 from kvfrag import plots
+from kvfrag.outdir import MANIFEST
 from sim.allocators import make_allocator
 from sim.engine import EngineConfig, run
 
@@ -96,8 +99,8 @@ def _assert_drawn(path: Path) -> None:
 
 
 def test_plot_results_writes_every_figure(tmp_path):
-    """`kvfrag plot` (redraw): the scenario's meta in the caption, every figure, both formats,
-    each written atomically; a second call overwrites."""
+    """`kvfrag plot` (redraw): the scenario's meta in the caption, every figure as PNG (and as
+    SVG when asked for), each written atomically; a second call overwrites."""
     folder = _write_results(tmp_path / "tiny")
     (folder / "scenario.resolved.yaml").write_text(
         yaml.safe_dump(
@@ -119,6 +122,9 @@ def test_plot_results_writes_every_figure(tmp_path):
     (folder / "plots").mkdir()
     (folder / "plots" / "breakdown.png").write_bytes(b"stale")
     paths = plots.redraw(folder)
+    assert {p.name for p in paths} == {f"{f}.png" for f in plots.FIGURES}
+    assert not list((folder / "plots").glob("*.svg"))
+    paths = plots.redraw(folder, svg=True)
     names = {p.name for p in paths}
     assert names == {f"{f}.{ext}" for f in plots.FIGURES for ext in ("png", "svg")}
     for p in paths:
@@ -149,7 +155,7 @@ def test_sweep_results(tmp_path):
     fig = plots.capacity_figure(summary, META)
     assert fig.axes[0].get_xlabel() == "KV budget (GiB)"
     assert len(fig.axes[1].get_lines()) == 2  # a throughput line per allocator
-    paths = plots.plot_results(folder)
+    paths = plots.plot_results(folder, svg=True)
     assert {p.name for p in paths} >= {"capacity.png", "capacity.svg", "breakdown.png"}
     for p in paths:
         _assert_drawn(p)
@@ -194,29 +200,44 @@ def test_sweep_of_one_allocator_option():
     assert titles == ["block_size = 8", "block_size = 16", "block_size = 32"]
 
 
+def _rectangles(collection) -> np.ndarray:
+    """(left, bottom, right, top) of each rectangle in a collection of bars, in data units."""
+    corners = np.array([path.vertices[:4] for path in collection.get_paths()])
+    return np.column_stack([corners[..., 0].min(1), corners[..., 1].min(1),
+                            corners[..., 0].max(1), corners[..., 1].max(1)])
+
+
 def test_breakdown_stacks_the_palette_in_order(results):
+    """A collection per part, bottom up in the palette's colours, a rectangle per allocator in
+    each; the stacks fill the budget."""
     summary = pd.read_csv(results / "summary.csv")
     fig = plots.breakdown_figure(summary, META)
     ax = fig.axes[0]
+    assert not ax.patches and not ax.containers  # no artist per bar
     # internal fragmentation is drawn as its two parts: over-reservation, then rounding
     drawn = ["token_states", "reserved", "internal_overreservation", "internal_rounding",
              "external", "usable_free"]
-    assert len(ax.containers) == len(drawn)
-    for container, part in zip(ax.containers, drawn, strict=True):
-        face = container.patches[0].get_facecolor()
-        assert np.allclose(face[:3], matplotlib_rgb(plots.PALETTE[part]))
-    assert ax.containers[3].patches[0].get_hatch() == "///"
+    assert [c.get_label() for c in ax.collections] == [plots.PART_NAMES[p] for p in drawn]
+    for collection, part in zip(ax.collections, drawn, strict=True):
+        assert len(collection.get_paths()) == len(summary)  # one rectangle per allocator
+        face = collection.get_facecolor()
+        assert len(face) == 1 and np.allclose(face[0][:3], matplotlib_rgb(plots.PALETTE[part]))
+    assert ax.collections[3].get_hatch() == "///"
     # Results written before the split draw internal whole.
     old = plots.breakdown_figure(summary.drop(columns=list(plots.INTERNAL_SPLIT)), META)
-    assert len(old.axes[0].containers) == len(plots.PARTS)
+    assert len(old.axes[0].collections) == len(plots.PARTS)
     assert plots.PALETTE["token_states"] == "#2ca02c"
     # Each bar is annotated with its token-states share.
     texts = [t.get_text() for t in ax.texts]
     expected = [f"{100 * v:.0f}%" for v in summary["token_states"]]
     assert texts == expected
-    # The stacks add up to the whole budget.
-    tops = np.sum([[p.get_height() for p in c.patches] for c in ax.containers], axis=0)
-    assert np.allclose(tops, 100, atol=1e-6)
+    # Each part sits on the one below, at its share; the stacks add up to the whole budget.
+    rects = np.array([_rectangles(c) for c in ax.collections])  # (part, bar, ltrb)
+    assert np.allclose(rects[1:, :, 1], rects[:-1, :, 3])
+    shares = [summary[p].to_numpy(float) * 100 for p in drawn]
+    assert np.allclose(rects[..., 3] - rects[..., 1], shares, atol=1e-9)
+    assert np.allclose(rects[:, :, 2] - rects[:, :, 0], 0.7)
+    assert np.allclose(rects[-1, :, 3], 100, atol=1e-6)
 
 
 def matplotlib_rgb(color: str):
@@ -248,6 +269,24 @@ def test_address_map_geometry_and_truncation(results):
     assert [t.split(":")[0] for t in titles] == ["slab-oracle", "buddy-pow2"]
     assert all(f"first 5 of {n} slabs" in t for t in titles)
     assert plots.address_map_figure(requests[requests["label"] == "paged-16"], summary) is None
+
+
+def test_address_map_draws_every_slab_in_one_collection_per_part(results):
+    """The address map holds a polygon per admitted slab in each part's collection (stored,
+    reserved, internal, outline): as many as the run's records have slabs, no more artists."""
+    requests = pd.read_parquet(results / "requests.parquet")
+    summary = pd.read_csv(results / "summary.csv")
+    fig = plots.address_map_figure(requests, summary, META)
+    for ax in fig.axes:
+        label = ax.get_title(loc="left")
+        rows = requests[requests["label"] == label]
+        slabs = int((rows["admitted_s"].notna() & rows["offset_bytes"].notna()).sum())
+        assert slabs > 0
+        assert not ax.patches and len(ax.collections) == 4, label
+        assert [len(c.get_paths()) for c in ax.collections] == [slabs] * 4, label
+        colors = [tuple(c.get_facecolor()[0][:3]) for c in ax.collections[:3]]
+        expected = ["token_states", "reserved", "internal"]
+        assert np.allclose(colors, [matplotlib_rgb(plots.PALETTE[p]) for p in expected])
 
 
 def test_timeline_resampling_keeps_areas(results):
@@ -497,6 +536,65 @@ def test_a_run_that_rejected_everything_is_drawn(written, tmp_path, capsys):
     assert (summary["rejected_too_large"] == summary["requests"]).all()
     sums = summary[list(plots.PARTS)].sum(axis=1)
     assert np.allclose(sums, 1.0, rtol=0, atol=1e-12)
-    assert len(list((out / "plots").glob("breakdown.*"))) == 2
+    assert [p.name for p in (out / "plots").glob("breakdown.*")] == ["breakdown.png"]
     capsys.readouterr()
     assert main(["plot", str(out)]) == 0
+
+
+# ------------------------------------------------------------------ formats and the manifest
+def _manifest_files(folder: Path) -> set[str]:
+    """The files a folder's manifest lists, checked to be exactly the files in it."""
+    listed = set(json.loads((folder / MANIFEST).read_text())["files"])
+    on_disk = {
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    }
+    assert listed == on_disk
+    return listed
+
+
+@pytest.mark.parametrize("svg", [False, True], ids=["default", "--svg"])
+def test_run_writes_svg_only_when_asked_and_lists_it(written, tmp_path, svg):
+    """`kvfrag run`: PNG figures only by default, SVG too with --svg; the manifest lists
+    exactly what was written either way."""
+    from kvfrag.cli import main
+
+    out = tmp_path / "run"
+    args = ["run", str(written.parent / "tiny.yaml"), "-o", str(out), "-q", "-j", "1"]
+    assert main(args + (["--svg"] if svg else [])) == 0
+    files = _manifest_files(out)
+    pngs = {f"plots/{f}.png" for f in plots.FIGURES}
+    svgs = {f"plots/{f}.svg" for f in plots.FIGURES}
+    assert pngs <= files
+    assert {f for f in files if f.startswith("plots/")} == (pngs | svgs if svg else pngs)
+    for name in sorted(files & svgs):
+        _assert_drawn(out / name)
+
+
+def test_plot_never_leaves_a_stale_svg(written, tmp_path, capsys):
+    """`kvfrag plot --svg`, then `kvfrag plot`: the SVGs the first drew are drawn again by the
+    second (from the current files, as its PNGs are), listed in the manifest, and printed."""
+    from kvfrag.cli import main
+
+    folder = _copy(written, tmp_path / "r")
+    assert main(["plot", str(folder)]) == 0
+    assert not list((folder / "plots").glob("*.svg"))  # PNG only, unless asked
+    assert main(["plot", str(folder), "--svg"]) == 0
+    svgs = sorted((folder / "plots").glob("*.svg"))
+    assert {p.name for p in svgs} == {f"{f}.svg" for f in plots.FIGURES}
+    assert {f"plots/{p.name}" for p in svgs} <= _manifest_files(folder)
+    # Something the captions show changes; a plain `kvfrag plot` must not leave the SVGs
+    # showing the old scenario name beside PNGs that show the new one.
+    resolved = folder / "scenario.resolved.yaml"
+    doc = yaml.safe_load(resolved.read_text())
+    doc["name"] = "renamed-since"
+    resolved.write_text(yaml.safe_dump(doc, sort_keys=False))
+    capsys.readouterr()
+    assert main(["plot", str(folder)]) == 0
+    printed = capsys.readouterr().out.split("\n")
+    for svg in svgs:
+        assert str(svg) in printed
+        assert "renamed-since" in svg.read_text()
+    assert sorted((folder / "plots").glob("*.svg")) == svgs
+    assert {f"plots/{p.name}" for p in svgs} <= _manifest_files(folder)
