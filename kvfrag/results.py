@@ -52,10 +52,8 @@ def write_results(
             )
             summary = result.summary()
             summary.to_csv(tmp / "summary.csv", index=False)
-            records = [
-                {k: json_value(v) for k, v in row.items()} for row in summary.to_dict("records")
-            ]
-            (tmp / "summary.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
+            document = summary_document(result.scenario.name, summary)
+            (tmp / "summary.json").write_text(dumps_json(document) + "\n", encoding="utf-8")
             result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
             result.frames("requests").to_parquet(tmp / "requests.parquet", index=False)
             if failures is not None and len(failures):
@@ -80,6 +78,33 @@ def json_value(value: Any) -> Any:
     if hasattr(value, "item"):
         return json_value(value.item())
     return value
+
+
+#: The version of the layout of a results folder's files (summary.csv, summary.json,
+#: timeseries.parquet, requests.parquet) and of the `--json` outputs, as
+#: docs/data-dictionary.md describes them. Bumped when a documented column or key is renamed or
+#: removed, or changes its unit or meaning; adding one does not bump it.
+SCHEMA_VERSION = 1
+
+
+def summary_records(summary: pd.DataFrame) -> list[dict[str, Any]]:
+    """The summary's rows as JSON holds them: the columns of summary.csv, NaN as null."""
+    return [{k: json_value(v) for k, v in row.items()} for row in summary.to_dict("records")]
+
+
+def summary_document(scenario: str, summary: pd.DataFrame) -> dict[str, Any]:
+    """What summary.json holds: the schema version, the scenario's name and one row per
+    allocator x sweep point (`runs`)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "scenario": scenario,
+        "runs": summary_records(summary),
+    }
+
+
+def dumps_json(document: Any) -> str:
+    """`document` as strict JSON (indented; NaN or inf is an error, never a bare token)."""
+    return json.dumps(document, indent=2, allow_nan=False)
 
 
 class StagedScenarioMismatch(ValueError):

@@ -86,6 +86,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "to the drawing time)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as JSON on stdout instead of the table (schema_version, "
+        "scenario, results_dir, runs: the rows of summary.csv; see docs/data-dictionary.md)",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("plot", help="redraw the figures of a results folder")
@@ -149,7 +155,13 @@ def _run(
     executor: Executor,
     store: PointStore,
 ) -> int:
-    from kvfrag.results import format_table, write_results
+    from kvfrag.results import (
+        dumps_json,
+        format_table,
+        summary_document,
+        summary_records,
+        write_results,
+    )
     from sim.scenario import WORKLOAD_COUNTS
     from sim.sweep import SerialExecutor, assemble, build_workloads, distinct, plan
     from sim.units import format_size
@@ -236,12 +248,22 @@ def _run(
     write_results(result, out, resolved, plot, failures)
     for line in rejection_warnings(result.summary()):
         print(f"kvfrag: warning: {line}", file=sys.stderr)
+    human = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON only
     if not args.quiet:
         if notes:
-            print("; ".join(notes))
-        if result.runs:
+            print("; ".join(notes), file=human)
+        if result.runs and not args.json:
             print(format_table(result.summary(), list(scenario.sweep)))
-        print(f"wrote {out}/")
+        print(f"wrote {out}/", file=human)
+    if args.json:
+        doc = summary_document(scenario.name, result.summary())
+        print(dumps_json({
+            "schema_version": doc["schema_version"],
+            "scenario": doc["scenario"],
+            "results_dir": str(out),
+            "runs": doc["runs"],
+            "failures": summary_records(failures),  # the rows of failures.csv
+        }))
     if failed:
         print(
             f"kvfrag: {len(failures)} of {len(tasks)} run(s) failed (listed in "

@@ -8,10 +8,12 @@ rate over time), written atomically so a failed run never leaves half a file.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvfrag import outdir
 from workloads import samples
@@ -19,7 +21,7 @@ from workloads.names import FIELDS, FORMATS, TIME_UNITS
 
 if TYPE_CHECKING:  # read only when a trace is (`kvfrag --help` stays quick)
     from workloads import Workload
-    from workloads.stats import TraceStats
+    from workloads.stats import LengthStats, TraceStats
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="skip (and count) bad rows instead of stopping at the first")
     stats.add_argument("--plot", metavar="OUT", type=Path,
                        help="also write length CDFs and the arrival rate to this PNG")
+    stats.add_argument("--json", action="store_true",
+                       help="print the statistics as JSON on stdout instead of the table "
+                       "(see docs/data-dictionary.md)")
     stats.set_defaults(func=run_stats)
 
 
@@ -70,11 +75,49 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_plot_target(args.plot)  # before the table: refuse early, write nothing
         outdir.make_dirs(args.plot.parent)
-    print(format_stats(trace_stats(workload), workload))
+    stats = trace_stats(workload)
+    if not args.json:
+        print(format_stats(stats, workload))
     if args.plot is not None:
         write_plot(workload, args.plot)
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    if args.json:  # stdout holds the JSON only, printed once the plot is written
+        from kvfrag.results import dumps_json
+
+        print(dumps_json(stats_document(stats, workload)))
     return 0
+
+
+def stats_document(stats: TraceStats, workload: Workload) -> dict[str, Any]:
+    """What `trace stats --json` prints: the figures of the table, unrounded (seconds,
+    requests/s, tokens); those without arrival times (or prefix hashes) are null."""
+    from dataclasses import asdict
+
+    from kvfrag.results import SCHEMA_VERSION
+
+    def finite(value: float | None) -> float | None:
+        return None if value is None or not math.isfinite(value) else value
+
+    def lengths(s: LengthStats) -> dict[str, float | int | None]:
+        return {k: finite(v) if isinstance(v, float) else v for k, v in asdict(s).items()}
+
+    reuse = None
+    if stats.prefix_reuse is not None:
+        blocks, tokens = stats.prefix_reuse
+        reuse = {"blocks": blocks, "prompt_tokens": tokens}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "source": stats.source,
+        "rows": stats.rows,
+        "dropped_rows": workload.dropped_rows,
+        "span_s": finite(stats.span_s),
+        "mean_rate": finite(stats.mean_rate),
+        "interarrival_cv": finite(stats.interarrival_cv),
+        "prefix_reuse": reuse,
+        "prompt": lengths(stats.prompt),
+        "output": lengths(stats.output),
+        "notes": list(workload.notes),
+    }
 
 
 def format_stats(stats: TraceStats, workload: Workload) -> str:

@@ -54,6 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--wait", action="store_true", help="wait for another kvfrag writing the same results"
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or table")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the comparison as JSON on stdout instead of the table (the rows of "
+        "validate.json and the verdict; see docs/data-dictionary.md)",
+    )
     p.set_defaults(func=cmd_validate)
 
 
@@ -97,7 +103,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
         )
         outcomes += skipped
         write_report(outcomes, out, loaded.resolved())
-    if not args.quiet:
+    if not args.quiet and not args.json:
         print(format_table(outcomes))
-        print(f"wrote {out}/")
+    if not args.quiet:
+        print(f"wrote {out}/", file=sys.stderr if args.json else sys.stdout)
+    if args.json:  # stdout holds the JSON only
+        from kvfrag.results import dumps_json
+
+        print(dumps_json(report_document(scenario.name, out, outcomes)))
     return 1 if any(o.status in FAILING for o in outcomes) else 0
+
+
+def report_document(scenario: str, out: Path, outcomes: list) -> dict:
+    """What `validate --json` prints: the rows of validate.json (one per allocator, mode and
+    sweep point) and the verdict the exit status gives (fail: some replay failed or errored)."""
+    from kvfrag.results import SCHEMA_VERSION, summary_records
+    from validate.outcome import FAILING
+    from validate.report import table
+
+    failed = sum(o.status in FAILING for o in outcomes)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "scenario": scenario,
+        "report_dir": str(out),
+        "verdict": "fail" if failed else "pass",
+        "ok": len(outcomes) - failed,  # (as the table's last line: skipped ones count as ok)
+        "failed": failed,
+        "rows": summary_records(table(outcomes)),
+    }

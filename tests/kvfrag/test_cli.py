@@ -57,7 +57,7 @@ def test_summary_fractions_sum_to_one(quickstart):
     by = summary.set_index("label")["token_states"]
     assert by["paged-16"] > by["slab-oracle"] > by["slab-max"]
     assert summary.set_index("label").loc["slab-max", "max_running"] == 16
-    records = json.loads((quickstart / "summary.json").read_text())
+    records = json.loads((quickstart / "summary.json").read_text())["runs"]
     assert [r["label"] for r in records] == list(summary["label"])
 
 

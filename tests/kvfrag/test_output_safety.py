@@ -445,7 +445,7 @@ def test_workload_counts_are_on_record(tmp_path):
     args = ["--set", "workload.transforms.max_model_len=1024", "--set", "max_model_len=1024",
             "--set", "workload.transforms.long_requests=clip"]
     assert _run(tmp_path / "r", *args) == 0
-    records = json.loads((tmp_path / "r" / "summary.json").read_text())
+    records = json.loads((tmp_path / "r" / "summary.json").read_text())["runs"]
     clipped = {r["workload_clipped"] for r in records}
     assert len(clipped) == 1 and clipped.pop() > 0
     assert {r["workload_dropped_rows"] for r in records} == {0}
@@ -479,7 +479,7 @@ def test_validate_refuses_a_users_folder_and_a_file(tmp_path, capsys):
 
 def test_the_served_arrival_rate_is_on_record(tmp_path):
     assert _run(tmp_path / "r") == 0
-    records = json.loads((tmp_path / "r" / "summary.json").read_text())
+    records = json.loads((tmp_path / "r" / "summary.json").read_text())["runs"]
     arrivals = pd.read_parquet(tmp_path / "r" / "requests.parquet").query("label == 'paged-16'")
     expected = (len(arrivals) - 1) / arrivals["arrival_s"].max()
     assert [r["workload_arrival_rate"] for r in records] == [pytest.approx(expected)] * 4
