@@ -24,12 +24,16 @@ offsets and log them.
 from __future__ import annotations
 
 from enum import Enum
+from itertools import chain
 
 from sortedcontainers import SortedDict, SortedList
 
 from sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from sim.allocators.slab import Reserve, SlabAllocator, parse_enum
 from sim.units import parse_rate
+
+#: Fitting holes up to which `_find` picks among them rather than walking holes by address.
+_FEW = 32
 
 
 class Placement(str, Enum):
@@ -68,7 +72,7 @@ class ContiguousAllocator(SlabAllocator):
         self._holes = SortedDict({0: capacity})  # offset -> size
         self._by_size = SortedList([(capacity, 0)])  # (size, offset)
         self._rover = 0  # next-fit: where the last placement ended
-        self._usable: tuple[int, int] = (0, 0)  # (unit, usable bytes) while the holes stay
+        self._usable: tuple[int, int] = (0, 0)  # (unit, usable bytes), kept as holes change
 
     def slab_bytes(self, tokens: int) -> int:
         return tokens * self.bytes_per_token
@@ -152,15 +156,27 @@ class ContiguousAllocator(SlabAllocator):
             largest = self._by_size[-1][0]
             size, offset = self._by_size[self._by_size.bisect_left((largest, -1))]
             return offset, size
+        holes = self._holes
         start = self._rover if self.placement is Placement.NEXT_FIT else 0
         # Holes at or after `start` first (the one containing `start` included), then wrap.
-        first = max(self._holes.bisect_right(start) - 1, 0)
-        if first < len(self._holes) and sum(self._holes.peekitem(first)) <= start:
+        first = max(holes.bisect_right(start) - 1, 0)
+        if first < len(holes) and sum(holes.peekitem(first)) <= start:
             first += 1  # that hole ends before the rover
-        for i in (*range(first, len(self._holes)), *range(first)):
-            offset, size = self._holes.peekitem(i)
-            if size >= nbytes:
-                return offset, size
+        fit = self._by_size.bisect_left((nbytes, -1))  # the holes large enough: _by_size[fit:]
+        if fit == len(self._by_size):
+            return None
+        if len(self._by_size) - fit <= _FEW:
+            # Few fit (as among the many small holes oracle slabs leave): the first of them
+            # from `first` on by address, else the first of them.
+            offsets = [offset for _, offset in self._by_size.islice(fit)]
+            if first < len(holes):
+                after = holes.peekitem(first)[0]
+                offsets = [offset for offset in offsets if offset >= after] or offsets
+            offset = min(offsets)
+            return offset, holes[offset]
+        for offset in chain(holes.islice(first), holes.islice(0, first)):
+            if holes[offset] >= nbytes:
+                return offset, holes[offset]
         return None
 
     def _unplace(self, offset: int, nbytes: int) -> None:
@@ -178,19 +194,25 @@ class ContiguousAllocator(SlabAllocator):
         self._add_hole(offset, nbytes)
 
     def _take_hole(self, offset: int, size: int) -> None:
-        self._usable = (0, 0)
+        unit, usable = self._usable
+        if unit:
+            self._usable = (unit, usable - (size - size % unit))
         del self._holes[offset]
         self._by_size.remove((size, offset))
 
     def _add_hole(self, offset: int, size: int) -> None:
-        self._usable = (0, 0)
+        unit, usable = self._usable
+        if unit:
+            self._usable = (unit, usable + size - size % unit)
         self._holes[offset] = size
         self._by_size.add((size, offset))
 
     def _usable_free(self, probe: Request | None) -> int:
         unit = self._unit(probe)
-        if self._usable[0] != unit:  # recount only when the holes or the unit changed
-            self._usable = (unit, sum(size - size % unit for size in self._holes.values()))
+        if self._usable[0] != unit:  # count anew only for another unit
+            # (holes smaller than a unit hold none: only those from the unit's size up count)
+            fit = self._by_size.islice(self._by_size.bisect_left((unit, -1)))
+            self._usable = (unit, sum(size - size % unit for size, _ in fit))
         return self._usable[1]
 
     def _largest_hole(self) -> int:

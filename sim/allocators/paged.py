@@ -20,7 +20,8 @@ Speed: the decode cohort advances together, so per-request block counts are neve
 one by one. Every count above is a sum of terms coef * floor((c + K + o)/bs) in the decode
 clock K (c a request's phase, o an offset); writing c + o = q*bs + r that is
 q + floor((r + K)/bs), so each sum is kept as sum(coef*q) plus signed counts per residue r
-(`FloorSum`): O(block_size) per query, however many requests run.
+in use (`FloorSum`): O(log) per query and O(min(block_size, decoders)) per integral, however
+many requests run.
 Block ids are handed out lazily (at admission, `grow`, and `block_table`), from a LIFO free
 stack; the free-block count is always exact, and ids are fungible until someone asks for them.
 When they are named, a group's ids follow its sequences from the tokens of its last naming
@@ -37,16 +38,17 @@ they are not among the group's counted blocks.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 
 import numpy as np
 from sortedcontainers import SortedList
 
 from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
 
-#: Largest block (tokens) modeled: `FloorSum` keeps one count per residue of the block size,
-#: so a typo'd block size would exhaust memory. (vattention's 2 MiB pages of 1-byte token rows
-#: are 2**21-token blocks.)
+#: Largest block (tokens) modeled: larger is more likely a typo than a block size. (vattention's
+#: 2 MiB pages of 1-byte token rows are 2**21-token blocks.)
 MAX_BLOCK_SIZE = 2**22
 
 
@@ -60,73 +62,135 @@ def _prefix_sums(y: int, bs: int) -> tuple[int, int]:
 
 
 class FloorSum:
-    """sum_i coef_i * floor((x_i + K)/bs) over registered terms, as a function of the clock K."""
+    """sum_i coef_i * floor((x_i + K)/bs) over registered terms, as a function of the clock K.
+
+    Only the residues in use are kept (sorted, with their summed coefficients and the running
+    sums of those), so `value` and `steps_within` cost O(log residues) and `integrate`
+    O(residues in use), at most min(bs, terms): a 1,024-token block or a 2 MiB page costs
+    about what a 16-token block does."""
 
     def __init__(self, bs: int) -> None:
         self.bs = bs
-        self.cnt = [0] * bs  # signed coefficients per residue r of x
+        self.res: list[int] = []  # residues r of x with a nonzero coefficient, ascending
+        self.coef: list[int] = []  # the signed coefficient of each, summed over its terms
         self.q = 0  # sum of coef * floor(x / bs)
         self.per = 0  # sum of coef: what every bs steps add
-        self.nonzero = 0  # residues with a nonzero coefficient (0: the sum is constant)
-        self.negative = 0  # residues with a negative one (beams): steps can give blocks back
-        self._memo = (-1, 0)  # (k, value(k)) until the next add
+        self.negative = 0  # residues with a negative coefficient (beams): steps give back
+        self._cum: list[int] | None = None  # [0, c0, c0 + c1, ...] until the next add
+        self._memo_k = -1  # value(k) for this k, until the next add
+        self._memo = 0
+
+    @property
+    def nonzero(self) -> int:
+        """Residues in use (0: the sum is constant)."""
+        return len(self.res)
 
     def add(self, x: int, coef: int) -> None:
         q, r = divmod(x, self.bs)
-        before = self.cnt[r]
-        after = self.cnt[r] = before + coef
-        self.nonzero += (after != 0) - (before != 0)
+        res, coefs = self.res, self.coef
+        i = bisect_left(res, r)
+        if i < len(res) and res[i] == r:
+            before = coefs[i]
+            after = before + coef
+            if after:
+                coefs[i] = after
+            else:
+                del res[i], coefs[i]
+        else:
+            before, after = 0, coef
+            res.insert(i, r)
+            coefs.insert(i, coef)
         self.negative += (after < 0) - (before < 0)
         self.q += coef * q
         self.per += coef
-        self._memo = (-1, 0)
+        self._cum = None
+        self._memo_k = -1
+
+    def _sums(self) -> list[int]:
+        """Running sums of the coefficients in residue order, from 0."""
+        if self._cum is None:
+            self._cum = [0, *accumulate(self.coef)]
+        return self._cum
 
     def value(self, k: int) -> int:
-        if not self.nonzero:
+        if self._memo_k == k:
+            return self._memo
+        if not self.res:
             return self.q
-        if self._memo[0] == k:
-            return self._memo[1]
         q, m = divmod(k, self.bs)
-        value = self.q + self.per * q + (sum(self.cnt[self.bs - m :]) if m else 0)
-        self._memo = (k, value)
+        value = self.q + self.per * q
+        if m:  # the terms whose x + k crossed one more multiple of bs: r >= bs - m
+            cum = self._sums()
+            value += cum[-1] - cum[bisect_left(self.res, self.bs - m)]
+        self._memo_k, self._memo = k, value
         return value
 
     def integrate(self, k: int, n: int, w0: float, w1: float, weight: float) -> float:
-        """sum over j = 1..n of (w0 + w1*(j-1)) * value(k + j), exactly per residue class."""
+        """sum over j = 1..n of (w0 + w1*(j-1)) * value(k + j), exactly per residue class,
+        summed in ascending residue order (so the float result is the same either way: with
+        many residues numpy does the same operations, in the same order)."""
         bs = self.bs
         total = self.q * weight
-        if not self.nonzero:
-            return total
-        for r, count in enumerate(self.cnt):
-            if count:
-                whole, m0 = divmod(r + k + 1, bs)
-                # Both prefix sums vanish below bs (m0 < bs): the sums over [m0, m0 + n) are
-                # the ones over [0, m0 + n), the second shifted to count j - 1 from m0.
-                u1, p2 = _prefix_sums(m0 + n, bs)
-                total += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
+        # (numpy's int64 terms stay below 2 (bs + n)**3: exact within this bound)
+        if len(self.res) >= _VECTOR_RESIDUES and 2 * (bs + n) ** 3 < 2**62:
+            return self._integrate_vector(total, k, n, w0, w1, weight)
+        for r, count in zip(self.res, self.coef, strict=True):
+            whole, m0 = divmod(r + k + 1, bs)
+            # Both prefix sums vanish below bs (m0 < bs): the sums over [m0, m0 + n) are
+            # the ones over [0, m0 + n), the second shifted to count j - 1 from m0.
+            u1, p2 = _prefix_sums(m0 + n, bs)
+            total += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
         return total
+
+    def _integrate_vector(
+        self, total: float, k: int, n: int, w0: float, w1: float, weight: float
+    ) -> float:
+        """`integrate`'s loop over numpy arrays: the same integer terms (exact in int64 for
+        the sizes it is given), the same float operations in the same order, added one after
+        the other by cumsum (sequential, unlike sum's pairwise): the result is bit-identical."""
+        bs = self.bs
+        whole, m0 = np.divmod(np.array(self.res, dtype=np.int64) + (k + 1), bs)
+        q, m = np.divmod(m0 + n, bs)  # _prefix_sums(m0 + n, bs), elementwise
+        u1 = bs * q * (q - 1) // 2 + m * q
+        full = bs * bs * (q - 1) * q * (2 * q - 1) // 6 + bs * (bs - 1) * q * (q - 1) // 4
+        p2 = full + q * (m * q * bs + m * (m - 1) // 2)
+        count = np.array(self.coef, dtype=np.int64)
+        terms = count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
+        return float(np.cumsum(np.concatenate(([total], terms)))[-1])
 
     def steps_within(self, k: int, budget: int) -> int | None:
         """Most steps t such that value(k + t') - value(k) <= budget for every t' <= t."""
-        bs = self.bs
-        if not self.nonzero:
+        if not self.res:
             return None
-        if not self.negative:
-            # Every bs steps add `per`; walk the last, partial period step by step.
-            periods, left = divmod(budget, self.per)
-            base = k + periods * bs
-            taken = 0
-            cnt = self.cnt
-            for t in range(1, bs + 1):
-                taken += cnt[-(base + t) % bs]
-                if taken > left:
-                    return periods * bs + t - 1
-            raise AssertionError("unreachable: a full period adds `per` blocks")
-        # What step t of a period adds: the terms whose x + k + t crosses a multiple of bs.
-        idx = (-(k + np.arange(1, bs + 1))) % bs
-        prefix = np.cumsum(np.asarray(self.cnt, dtype=np.int64)[idx])
+        if self.negative:
+            return self._steps_within_negative(k, budget)
+        # Every bs steps add `per`; in the last, partial period step t adds the terms whose
+        # x + k + t is a multiple of bs: residues are met downwards from (-(k + 1)) mod bs,
+        # wrapping round. The first that takes the running sum past `left` ends the walk.
+        bs, res = self.bs, self.res
+        periods, left = divmod(budget, self.per)
+        start = -(k + periods * bs + 1) % bs
+        cum = self._sums()
+        i = bisect_right(res, start)  # res[:i] are met first (cum[i] in all), then res[i:]
+        # Meeting res[j] (j < i) takes cum[i] - cum[j]; past the wrap, cum[i] + cum[-1] - cum[j].
+        over = cum[i] - left
+        j = bisect_left(cum, over if over > 0 else over + cum[-1]) - 1
+        return periods * bs + (start - res[j]) % bs
+
+    def _steps_within_negative(self, k: int, budget: int) -> int | None:
+        """steps_within with negative coefficients: what steps 1..t of a period add (p) is
+        not monotone, but it changes only where a residue in use is met, and within a stretch
+        of equal p the first step exceeds the budget soonest."""
+        bs, res, coef = self.bs, self.res, self.coef
+        start = -(k + 1) % bs
+        i = bisect_right(res, start)
+        order = [*range(i - 1, -1, -1), *range(len(res) - 1, i - 1, -1)]
+        p, starts = 0, ([] if res[order[0]] == start else [(1, 0)])
+        for j in order:
+            p += coef[j]
+            starts.append(((start - res[j]) % bs + 1, p))
         best = None
-        for t, p in enumerate(prefix.tolist(), start=1):
+        for t, p in starts:
             if p > budget:
                 periods = 0
             elif self.per > 0:
@@ -137,6 +201,10 @@ class FloorSum:
             if best is None or steps < best:
                 best = steps
         return None if best is None else best - 1
+
+
+#: Residues in use from which `FloorSum.integrate` hands its loop to numpy (cheaper from there).
+_VECTOR_RESIDUES = 48
 
 
 class FreeIds:
@@ -199,7 +267,7 @@ class PagedAllocator(Allocator):
         super().__init__(capacity, bytes_per_token, max_model_len)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if block_size > MAX_BLOCK_SIZE:  # counts keep O(block_size) state per residue
+        if block_size > MAX_BLOCK_SIZE:
             raise ValueError(
                 f"blocks of {block_size} tokens are larger than kvfrag models "
                 f"(at most {MAX_BLOCK_SIZE} tokens a block)"
@@ -279,8 +347,7 @@ class PagedAllocator(Allocator):
         if not self._saved.nonzero:
             return None
         bs, k = self.block_size, self._clock
-        steps = [(-(r + k) % bs) or bs for r, count in enumerate(self._saved.cnt) if count]
-        return min(steps) if steps else None
+        return min((-(r + k) % bs) or bs for r in self._saved.res)
 
     # ------------------------------------------------------------ group counts
     def _count_blocks(self, req: Request, tokens: int, shared_blocks: int) -> int:
@@ -468,6 +535,8 @@ class PagedAllocator(Allocator):
 
     def _peak_blocks(self, live: Live, tokens: int) -> int:
         """Most blocks the request holds at once from `tokens` tokens to its final length."""
+        if live.req.n == 1:  # (its count only grows)
+            return self._count_blocks(live.req, live.final, 0)
         bs, kept = self.block_size, live.shared // self.block_size
         at = [tokens, live.final]
         if live.req.beam:  # beams peak just after their last block boundary
@@ -516,15 +585,15 @@ class PagedAllocator(Allocator):
                 self._fixed_blocks -= sign * (n - 1) * shared
                 self._fixed_saved += sign * (n - 1) * shared
         reach = self._last_block_at(live.final) - phase  # clock of entering the last block
-        if decoding:
-            if reach <= self._clock:
-                self._dec_internal += self._waste(live)
-            else:
+        # Pending: the decoders that have not reached their last block (`_stepped` moves the
+        # others on as the clock passes them).
+        if reach > self._clock:
+            if decoding:
                 self._pending.add((reach, rid))
-        elif (reach, rid) in self._pending:
-            self._pending.remove((reach, rid))
+            else:
+                self._pending.remove((reach, rid))
         else:
-            self._dec_internal -= self._waste(live)
+            self._dec_internal += (1 if decoding else -1) * self._waste(live)
 
     def _add_block_terms(self, phase: int, coef: int) -> None:
         """Add coef x the blocks one sequence of phase c holds at clock K: ceil((c + K)/bs)."""

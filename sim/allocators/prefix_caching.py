@@ -68,18 +68,52 @@ length), so that a replay can write (and check) the same bytes for the same toke
 Evictions change what a waiting request would need without a free: a group past its prompt
 that finds fewer tokens cached is admitted with fewer, n blocks less per block of them, so
 `steps_until_evict` tells the engine when the next idle block goes.
+
+Speed: on long contexts nearly every block is filled, cached, freed and evicted, hundreds per
+engine event, so those passes take a request's blocks in batches of plain dict and list
+operations, and little is kept per block: the oldest id under each key (`_first`; younger
+duplicates apart, in `_dups`), the blocks several requests use (`_shared`: one user is the
+rule and needs no entry), and the idle blocks in LRU order as the runs that frees gave back
+(`_Run`, found by id in `_run_of`), which evictions consume from the front. A block's key
+follows from its position in its request's chain; keys are ints (see `Key`). `_refs`, `_idle`,
+`_cached` and `_key` assemble the per-block maps, for checks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 
 from sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from sim.allocators.paged import PagedAllocator
 
-#: (hash chain up to the block's last chunk, block index) for the blocks a trace's hash chain
-#: names; (rid, block index, -1) for a request's blocks of its own (generated tokens).
-Key = tuple[int, ...]
+#: A block's key: (hash chain up to the block's last chunk h, block index j) for the blocks a
+#: trace's hash chain names, (rid, block index j) for a request's blocks of its own (generated
+#: tokens), each packed into one int, h*_J + j and _OWN + rid*_J + j: equal exactly when what
+#: they pack is (0 <= j < _J, |h| < 2**63, |rid| < 2**120). Ints, not tuples: a long context
+#: caches hundreds of thousands of keys, and every tuple is an object the garbage collector
+#: tracks. `prefix_keys` gives the digest of the tuple.
+Key = int
+#: Over 2**64, and odd, so that keys hash apart: an int hashes to itself mod 2**61 - 1, and a
+#: power of two would give (rid, j + 8) the hash of (rid + 1, j).
+_J = 2**64 + 0x9E3779B97F4A7C15
+_OWN = 2**256
+
+
+class _Run:
+    """Idle blocks that one free gave back, in LRU order, with their keys. Evictions take
+    them from `pos` on; a block found again by a lookup leaves the run (`gone` counts those
+    past `pos`, which the idle map no longer sends to this run)."""
+
+    __slots__ = ("gone", "ids", "keys", "pos")
+
+    def __init__(self, ids: list[int], keys: list[Key]) -> None:
+        self.ids = ids
+        self.keys = keys
+        self.pos = 0
+        self.gone = 0
+
+    def live(self) -> int:
+        return len(self.ids) - self.pos - self.gone
 
 
 class PrefixCachingAllocator(PagedAllocator):
@@ -99,10 +133,14 @@ class PrefixCachingAllocator(PagedAllocator):
         if not isinstance(cache_generated, bool):
             raise ValueError(f"cache_generated must be true or false, got {cache_generated!r}")
         self.cache_generated = cache_generated
-        self._cached: dict[Key, list[int]] = {}  # key -> ids cached under it, oldest first
-        self._key: dict[int, Key] = {}  # id of every cached block (in use or idle) -> key
-        self._refs: dict[int, int] = {}  # cached blocks in use: id -> users
-        self._idle: OrderedDict[int, None] = OrderedDict()  # unused cached blocks, LRU first
+        self._first: dict[Key, int] = {}  # key -> the oldest id cached under it
+        self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
+        self._in_use = 0  # cached blocks in use (held by a live request)
+        self._shared: dict[int, int] = {}  # those held by several: id -> users beyond one
+        self._run_of: list[_Run | None] = []  # by id: the run of an idle block (else None)
+        self._idle_blocks = 0  # cached blocks nobody uses
+        self._runs: deque[_Run] = deque()  # the runs holding idle blocks, LRU first
+        self._dead = 0  # runs in there left with none (all found again): dropped in bulk
         self._held: dict[int, list[int]] = {}  # rid -> cached blocks its table starts with
         self._keys_of: dict[int, list[Key]] = {}  # rid -> keys of its named prompt blocks
         self._evicted: dict[int, None] = {}  # ids of idle blocks evicted since last asked
@@ -122,16 +160,14 @@ class PrefixCachingAllocator(PagedAllocator):
         if self._last_keys[0] is req:  # the waiting head is looked up, gated, then admitted
             return self._last_keys[1]
         bs, chunk = self.block_size, req.prefix_tokens
-        chain, h = [], 0
-        for value in req.prefix:
+        blocks = req.prompt // bs
+        keys: list[Key] = []
+        h = 0
+        for c, value in enumerate(req.prefix):
             h = hash((h, value))
-            chain.append(h)
-        keys = []
-        for j in range(req.prompt // bs):
-            c = -(-(j + 1) * bs // chunk) - 1  # the chunk holding the block's last token
-            if c >= len(chain):
-                break
-            keys.append((chain[c], j))
+            # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
+            end = min((c + 1) * chunk // bs, blocks)
+            keys.extend(range(h * _J + c * chunk // bs, h * _J + end))
         self._last_keys = (req, keys)
         return keys
 
@@ -139,19 +175,22 @@ class PrefixCachingAllocator(PagedAllocator):
         """Whether the request's blocks the hash chain does not name are cached too."""
         return self.cache_generated and req.n == 1
 
-    def _key_at(self, rid: int, named: list[Key], j: int) -> Key:
-        return named[j] if j < len(named) else (rid, j, -1)
+    @staticmethod
+    def _keys_between(rid: int, named: list[Key], start: int, end: int) -> list[Key]:
+        """Keys of the request's blocks start..end-1: its named ones, then its own."""
+        own = _OWN + rid * _J
+        return named[start:end] + list(range(own + max(start, len(named)), own + end))
 
     def _walk(self, req: Request, named: list[Key], cap: int) -> list[int]:
         """Ids of the leading run of the request's first `cap` blocks found cached (for each,
         the oldest block cached under its key, as vLLM's lookup finds)."""
         found: list[int] = []
-        cached, rid = self._cached, req.rid
+        first, own = self._first, _OWN + req.rid * _J
         for j in range(cap):
-            ids = cached.get(named[j] if j < len(named) else (rid, j, -1))
-            if not ids:
+            block = first.get(named[j] if j < len(named) else own + j)
+            if block is None:
                 break
-            found.append(ids[0])
+            found.append(block)
         return found
 
     def _cap(self, req: Request, named: list[Key], tokens: int) -> int:
@@ -175,12 +214,12 @@ class PrefixCachingAllocator(PagedAllocator):
         """The paged blocks past the cached prefix, and the idle cached blocks of the prefix
         (taken back from the free memory, as vLLM counts them)."""
         found = self._walk(req, self.block_keys(req), hit // self.block_size)
-        revived = sum(1 for b in found if b in self._idle)
+        revived = sum(1 for b in found if self._idle_run(b))
         return super().admission_bytes(req, tokens, hit) + revived * self.block_bytes
 
     def idle_cached_blocks(self) -> int:
         """Cached blocks nobody uses (they count as free)."""
-        return len(self._idle)
+        return self._idle_blocks
 
     def block_table(self, rid: int) -> tuple[int, ...]:
         """The request's cached blocks (shared with whoever else holds them), then its own
@@ -196,7 +235,7 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
         live = self._get(rid)
-        keys = list(self._keys_of.get(rid, ()))
+        keys = [divmod(key, _J) for key in self._keys_of.get(rid, ())]  # (h, j)
         if self._caches_own(live.req):
             keys += [(rid, j, -1) for j in range(len(keys), live.final // self.block_size)]
         return tuple(hash(key) for key in keys)
@@ -207,7 +246,7 @@ class PrefixCachingAllocator(PagedAllocator):
             "prefix_hit_blocks": self.hits,
             "prefix_hit_rate_blocks": self.hits / self.lookups if self.lookups else 0.0,
             "prefix_evictions": self.evictions,
-            "prefix_cached_blocks": len(self._refs) + len(self._idle),
+            "prefix_cached_blocks": self._in_use + self._idle_blocks,
         }
 
     # ------------------------------------------------------------ the counts
@@ -232,7 +271,7 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def _cache_saved(self) -> int:
         """Blocks the cache spares: one copy per further request using a cached block."""
-        return self._uses - len(self._refs)
+        return self._uses - self._in_use
 
     def saved_by_sharing(self) -> int:
         return super().saved_by_sharing() + self._cache_saved() * self.block_bytes
@@ -242,18 +281,18 @@ class PrefixCachingAllocator(PagedAllocator):
         return within + self._cache_saved() * self.block_bytes * weight
 
     def _blocks_total(self) -> int:
-        return super()._blocks_total() + len(self._refs)
+        return super()._blocks_total() + self._in_use
 
     def _token_terms(self) -> int:
-        return super()._token_terms() + len(self._refs) * self.block_size
+        return super()._token_terms() + self._in_use * self.block_size
 
     def _integrate_token_terms(self, n: int, w0: float, w1: float, weight: float) -> float:
-        cached = len(self._refs) * self.block_size * weight
+        cached = self._in_use * self.block_size * weight
         return super()._integrate_token_terms(n, w0, w1, weight) + cached
 
     def _integrate_held(self, n: int, w0: float, w1: float, weight: float) -> tuple[float, float]:
         allocated, internal = super()._integrate_held(n, w0, w1, weight)
-        return allocated + len(self._refs) * self.block_bytes * weight, internal
+        return allocated + self._in_use * self.block_bytes * weight, internal
 
     # ------------------------------------------------------------ operations
     def _filled(self, live: Live, tokens: int) -> int:
@@ -263,9 +302,98 @@ class PrefixCachingAllocator(PagedAllocator):
         held = len(self._held[live.req.rid])
         return max(0, min(len(named), tokens // self.block_size) - held)
 
-    def _cache(self, block: int, key: Key) -> None:
-        self._key[block] = key
-        self._cached.setdefault(key, []).append(block)
+    # ------------------------------------------------------------ the cache
+    def _cache(self, blocks: list[int], keys: list[Key]) -> None:
+        """Blocks join the cache under their keys (distinct), each after any cached already."""
+        first = self._first
+        for block, key in zip(blocks, keys, strict=True):
+            if first.setdefault(key, block) != block:
+                self._dups.setdefault(key, []).append(block)
+
+    def _uncache(self, blocks: list[int], keys: list[Key]) -> None:
+        """Blocks leave the cache (evicted); a younger duplicate becomes the one found."""
+        first, dups = self._first, self._dups
+        if not dups or dups.keys().isdisjoint(keys):  # each is the only one under its key
+            for key in keys:
+                del first[key]
+            return
+        for block, key in zip(blocks, keys, strict=True):
+            younger = dups.get(key)
+            if first[key] == block:
+                if younger:
+                    first[key] = younger.pop(0)
+                else:
+                    del first[key]
+            else:
+                younger.remove(block)
+            if younger is not None and not younger:
+                del dups[key]
+
+    def _go_idle(self, blocks: list[int], keys: list[Key]) -> None:
+        """Cached blocks nobody uses any more join the LRU order, in this order."""
+        if blocks:
+            run = _Run(blocks, keys)
+            self._runs.append(run)
+            run_of = self._run_of
+            if len(run_of) < self._stack.fresh:  # (ids handed out are below it)
+                run_of.extend([None] * (self._stack.fresh - len(run_of)))
+            for block in blocks:
+                run_of[block] = run
+            self._idle_blocks += len(blocks)
+
+    def _idle_run(self, block: int) -> _Run | None:
+        """The run of an idle cached block; None for one in use (or not cached)."""
+        return self._run_of[block] if block < len(self._run_of) else None
+
+    def _revive(self, block: int) -> None:
+        """An idle block found by a lookup is in use again (its run no longer holds it)."""
+        run = self._run_of[block]
+        self._run_of[block] = None
+        self._idle_blocks -= 1
+        run.gone += 1
+        if not run.live():
+            self._dead += 1
+            if 2 * self._dead > len(self._runs) + 64:  # (evictions may never reach them)
+                self._runs = deque(r for r in self._runs if r.live())
+                self._dead = 0
+
+    @property
+    def _idle(self) -> dict[int, None]:
+        """The idle cached blocks in LRU order (assembled, for checks)."""
+        return {
+            block: None
+            for run in self._runs
+            for block in run.ids[run.pos :]
+            if self._idle_run(block) is run
+        }
+
+    @property
+    def _refs(self) -> dict[int, int]:
+        """id -> users of every cached block in use (assembled, for checks)."""
+        refs: dict[int, int] = {}
+        for held in self._held.values():
+            for block in held:
+                refs[block] = refs.get(block, 0) + 1
+        return refs
+
+    @property
+    def _cached(self) -> dict[Key, list[int]]:
+        """key -> every id cached under it, oldest first (assembled, for checks)."""
+        return {key: [b, *self._dups.get(key, ())] for key, b in self._first.items()}
+
+    @property
+    def _key(self) -> dict[int, Key]:
+        """id -> key of every cached block, in use or idle (assembled, for checks): a block
+        in use is at the same position in every table that holds it."""
+        keys: dict[int, Key] = {}
+        for rid, held in self._held.items():
+            named = self._keys_between(rid, self._keys_of[rid], 0, len(held))
+            keys.update(zip(held, named, strict=True))
+        for run in self._runs:
+            for block, key in zip(run.ids[run.pos :], run.keys[run.pos :], strict=True):
+                if self._idle_run(block) is run:
+                    keys[block] = key
+        return keys
 
     def _name(self, live: Live, k: int, private: int, tokens: int) -> tuple[int, ...]:
         """Block ids after `_evict`: the k named prompt blocks the request just filled join
@@ -278,13 +406,13 @@ class PrefixCachingAllocator(PagedAllocator):
         del table[:k]
         if k - len(own) > len(self._stack):
             self._reclaim(k - len(own), rid)  # ids beams pruned while nobody asked
-        fresh = [self._stack.pop() for _ in range(k - len(own))]
+        fresh = self._stack.take(k - len(own))
         held, named = self._held[rid], self._keys_of[rid]
-        for block in own + fresh:
-            self._cache(block, named[len(held)])
-            self._refs[block] = 1
-            held.append(block)
-        self._uses += len(own) + len(fresh)
+        blocks = own + fresh
+        self._cache(blocks, named[len(held) : len(held) + k])
+        held.extend(blocks)
+        self._in_use += k
+        self._uses += k
         return tuple(fresh) + self._materialize(live, private, tokens)
 
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
@@ -301,7 +429,7 @@ class PrefixCachingAllocator(PagedAllocator):
         # capping at tokens - 1 finds them again.
         cap = self._cap(req, named, tokens)
         found = self._walk(req, named, cap)
-        revived = sum(1 for b in found if b in self._idle)
+        revived = sum(1 for b in found if self._idle_run(b))
         need = super()._blocks_at(live, tokens) - len(found) + revived
         if need > self.free_blocks():
             return self._refusal(req.rid, need)
@@ -310,11 +438,11 @@ class PrefixCachingAllocator(PagedAllocator):
         self.hits += len(found)
         self._uses += len(found)
         for block in found:
-            if block in self._refs:
-                self._refs[block] += 1
+            if self._idle_run(block):
+                self._revive(block)  # an idle block counted as free is taken back
+                self._in_use += 1
             else:
-                del self._idle[block]  # an idle block counted as free is taken back
-                self._refs[block] = 1
+                self._shared[block] = self._shared.get(block, 0) + 1
         self._keys_of[req.rid] = named
         self._held[req.rid] = found
         k = self._filled(live, tokens)
@@ -358,16 +486,34 @@ class PrefixCachingAllocator(PagedAllocator):
         # vLLM frees a request's blocks last first, so that eviction (least recently freed
         # first) takes a prefix's tail before its head, which later requests are likelier to
         # share.
-        for j in range(len(held) + len(own) - 1, len(held) - 1, -1):
-            block = own[j - len(held)]
-            self._cache(block, self._key_at(rid, named, j))
-            self._idle[block] = None
+        blocks = own[::-1]
+        keys = self._keys_between(rid, named, len(held), len(held) + len(own))[::-1]
+        self._cache(blocks, keys)
         self._uses -= len(held)
-        for block in reversed(held):
-            self._refs[block] -= 1
-            if not self._refs[block]:
-                del self._refs[block]
-                self._idle[block] = None
+        held_keys = self._keys_between(rid, named, 0, len(held))
+        shared = self._shared
+        both = shared.keys() & held if shared else set()  # its blocks others use too
+        if both.issuperset(held[: len(both)]):  # (as usual, a leading run of them) stay
+            for block in held[: len(both)]:
+                if shared[block] > 1:
+                    shared[block] -= 1
+                else:
+                    del shared[block]
+            blocks += held[len(both) :][::-1]  # the others go, last first
+            keys += held_keys[len(both) :][::-1]
+            self._in_use -= len(held) - len(both)
+        else:
+            for block, key in zip(reversed(held), reversed(held_keys), strict=True):
+                extra = shared.get(block)
+                if extra is None:
+                    blocks.append(block)
+                    keys.append(key)
+                    self._in_use -= 1
+                elif extra > 1:
+                    shared[block] = extra - 1
+                else:
+                    del shared[block]
+        self._go_idle(blocks, keys)
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
@@ -375,10 +521,10 @@ class PrefixCachingAllocator(PagedAllocator):
         self._fixed_blocks -= (1 if decoding else -1) * (live.cached // self.block_size)
 
     def steps_until_evict(self) -> int | None:
-        if not self._idle:
+        if not self._idle_blocks:
             return None
         # Idle blocks count as free; one goes when the blocks in use outgrow the rest.
-        steps = self._blocks.steps_within(self._clock, self.free_blocks() - len(self._idle))
+        steps = self._blocks.steps_within(self._clock, self.free_blocks() - self._idle_blocks)
         return None if steps is None else steps + 1
 
     def _stepped(self) -> None:
@@ -388,8 +534,8 @@ class PrefixCachingAllocator(PagedAllocator):
             # Beams give blocks back at block boundaries: the steps since `start` may have
             # needed more blocks than the last, and idle blocks went at that peak.
             total = self._blocks_total() - self._blocks.value(self._clock)
-            while self._idle:
-                room = self.num_blocks - len(self._idle) - total - self._blocks.value(start)
+            while self._idle_blocks:
+                room = self.num_blocks - self._idle_blocks - total - self._blocks.value(start)
                 fits = self._blocks.steps_within(start, room)
                 if fits is None or start + fits >= self._clock:
                     break
@@ -400,14 +546,35 @@ class PrefixCachingAllocator(PagedAllocator):
         """Drop least recently freed idle blocks until the ones in use (and `extra` blocks
         about to join the cache) fit, or `over` of them."""
         if over is None:
-            over = self._blocks_total() + extra + len(self._idle) - self.num_blocks
-        for _ in range(max(0, over)):
-            block, _ = self._idle.popitem(last=False)
-            key = self._key.pop(block)
-            ids = self._cached[key]
-            ids.remove(block)
-            if not ids:
-                del self._cached[key]
-            self._stack.append(block)  # its bytes are dropped
-            self._evicted[block] = None
-            self.evictions += 1
+            over = self._blocks_total() + extra + self._idle_blocks - self.num_blocks
+        run_of, runs, evicted = self._run_of, self._runs, self._evicted
+        while over > 0:
+            run = runs[0]
+            if not run.live():  # every block of it was found again
+                runs.popleft()
+                self._dead -= 1
+                continue
+            start = run.pos
+            if not run.gone:  # the run's next `over` blocks
+                end = min(start + over, len(run.ids))
+                blocks, keys = run.ids[start:end], run.keys[start:end]
+            else:  # skipping the ones found again since
+                blocks, keys, end = [], [], start
+                while len(blocks) < over and end < len(run.ids):
+                    if run_of[run.ids[end]] is run:
+                        blocks.append(run.ids[end])
+                        keys.append(run.keys[end])
+                    else:
+                        run.gone -= 1
+                    end += 1
+            run.pos = end
+            if not run.live():
+                runs.popleft()
+            for block in blocks:
+                run_of[block] = None
+                evicted[block] = None
+            self._idle_blocks -= len(blocks)
+            self._uncache(blocks, keys)
+            self._stack.extend(blocks)  # their bytes are dropped
+            self.evictions += len(blocks)
+            over -= len(blocks)

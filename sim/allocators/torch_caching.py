@@ -70,6 +70,7 @@ and the free-space view may change while the allocated bytes do not.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sortedcontainers import SortedKeyList
@@ -175,13 +176,47 @@ class Block:
 
 
 class Pool:
-    """A BlockPool: free blocks by (size, address); unmapped expandable blocks by address."""
+    """A BlockPool: free blocks by (size, address); unmapped expandable blocks by address.
+
+    Once asked to (`count_units`), it also keeps what its free blocks serve allocations of
+    one size, as blocks come and go, so that the allocator's free-space view does not scan
+    them at every event (without expandable segments a free block's size and neighbours do
+    not change while it is in the pool)."""
 
     def __init__(self, small: bool) -> None:
         self.is_small = small
         self.name = "small_pool" if small else "large_pool"
         self.blocks = SortedKeyList(key=lambda b: (b.size, b.ptr))
         self.unmapped = SortedKeyList(key=lambda b: b.ptr)
+        self.unit = 0  # the allocation size counted (0: none)
+        self._units: Callable[[int, int], int] = lambda size, unit: 0
+        self.served = 0  # sum over the free blocks of the units each serves, x unit
+        self.whole_serving = 0  # bytes of those serving any that are whole segments
+
+    def add(self, block: Block) -> None:
+        self.blocks.add(block)
+        if self.unit:
+            self._count(block, 1)
+
+    def remove(self, block: Block) -> None:
+        self.blocks.remove(block)
+        if self.unit:
+            self._count(block, -1)
+
+    def count_units(self, unit: int, units: Callable[[int, int], int]) -> None:
+        """Count from now on what the free blocks serve allocations of `unit` bytes, by
+        `units(block size, unit)` (0 for blocks smaller than unit)."""
+        self.unit, self._units = unit, units
+        self.served = self.whole_serving = 0
+        for block in self.blocks.islice(self.blocks.bisect_key_left((unit, -1))):
+            self._count(block, 1)
+
+    def _count(self, block: Block, sign: int) -> None:
+        n = self._units(block.size, self.unit)
+        if n:
+            self.served += sign * n * self.unit
+            if not block.is_split():
+                self.whole_serving += sign * block.size
 
 
 @dataclass
@@ -408,7 +443,7 @@ class TorchCachingAllocator(SlabAllocator):
                 return None
             if size >= M and block.size >= size + kLargeBuffer:
                 return None
-        blocks.remove(block)
+        pool.remove(block)
         return block
 
     def should_split(self, block: Block, size: int) -> bool:
@@ -447,7 +482,7 @@ class TorchCachingAllocator(SlabAllocator):
             remaining.prev = block
             remaining.ptr += size
             remaining.size -= size
-            pool.blocks.add(remaining)
+            pool.add(remaining)
             if remaining.seg is None:
                 if already_split:
                     self._dec("inactive_split_bytes", pool, block.size)
@@ -488,7 +523,7 @@ class TorchCachingAllocator(SlabAllocator):
                 net_blocks -= 1
                 net_bytes -= subsumed
         block.requested = 0
-        pool.blocks.add(block)
+        pool.add(block)
         if block.is_split():
             net_blocks += 1
             net_bytes += block.size
@@ -517,7 +552,10 @@ class TorchCachingAllocator(SlabAllocator):
             dst.next = src.next
             if dst.next is not None:
                 dst.next.prev = dst
-        (pool.blocks if src.mapped else pool.unmapped).remove(src)
+        if src.mapped:
+            pool.remove(src)
+        else:
+            pool.unmapped.remove(src)
         dst.size += src.size
         return src.size
 
@@ -576,7 +614,7 @@ class TorchCachingAllocator(SlabAllocator):
         del self._segments[block.ptr]
         self._dec("segment", pool, 1)
         self._dec("reserved_bytes", pool, block.size)
-        pool.blocks.remove(block)
+        pool.remove(block)
 
     # ------------------------------------------------------------ expandable segments
     def find_expandable_block(self, pool: Pool, size: int) -> Block:
@@ -624,7 +662,7 @@ class TorchCachingAllocator(SlabAllocator):
             to_map.size = mapped_size
         self.try_merge_blocks(to_map, to_map.prev, pool)
         self.try_merge_blocks(to_map, to_map.next, pool)
-        pool.blocks.add(to_map)
+        pool.add(to_map)
         self._inc("reserved_bytes", pool, mapped_size)
         self.num_device_alloc += 1
         self._trace("segment_map", mapped_ptr, mapped_size)
@@ -638,7 +676,7 @@ class TorchCachingAllocator(SlabAllocator):
             assert nxt is not None and not nxt.mapped
             self.map_block(nxt, min(size - candidate.size, nxt.size))
             candidate = nxt
-        pool.blocks.remove(candidate)
+        pool.remove(candidate)
         return candidate
 
     def unmap_block(self, block: Block) -> None:
@@ -649,18 +687,18 @@ class TorchCachingAllocator(SlabAllocator):
         if begin >= end:
             return
         pool = block.pool
-        pool.blocks.remove(block)
+        pool.remove(block)
         uptr, usize = seg.ptr + begin * seg.page, (end - begin) * seg.page
         before = uptr - block.ptr
         if before > 0:
             before_free = Block(block.ptr, before, pool, seg)
             before_free.splice(block.prev, block)
-            pool.blocks.add(before_free)
+            pool.add(before_free)
         after = block.size - before - usize
         if after > 0:
             after_free = Block(uptr + usize, after, pool, seg)
             after_free.splice(block, block.next)
-            pool.blocks.add(after_free)
+            pool.add(after_free)
         block.ptr, block.size, block.mapped = uptr, usize, False
         self.try_merge_blocks(block, block.prev, pool)
         self.try_merge_blocks(block, block.next, pool)
@@ -785,6 +823,14 @@ class TorchCachingAllocator(SlabAllocator):
                 + st["inactive_split_bytes", "all"].current
                 + self.whole_free_segment_bytes()
             )
+        # the pools' running counts of what their free blocks serve
+        for pool in (self.small_pool, self.large_pool):
+            if pool.unit:
+                tally = Pool(pool.is_small)
+                for b in pool.blocks:
+                    tally.blocks.add(b)
+                tally.count_units(pool.unit, self.units)
+                assert (pool.served, pool.whole_serving) == (tally.served, tally.whole_serving)
         # live requests hold exactly their blocks
         for live in self._live.values():
             assert self._active[live.offset].size == live.nbytes
@@ -820,19 +866,29 @@ class TorchCachingAllocator(SlabAllocator):
         if self.expandable_segments:
             usable = self._usable_expandable(pool, other, s, g) * s
         else:
-            usable = 0
-            reclaim = 0
-            for b in pool.blocks:
-                n = self.units(b.size, s)
-                usable += n * s
-                if n == 0 and not b.is_split():
-                    reclaim += b.size
-            reclaim += sum(b.size for b in other.blocks if not b.is_split())
+            # What the pool's free blocks serve is kept as they change (`Pool.count_units`);
+            # the whole free segments that serve none (cudaFree'd first on the OOM path) are
+            # the pools' whole free segments less those that do.
+            if pool.unit != s:
+                pool.count_units(s, self.units)
+            usable = pool.served
+            reclaim = self._whole_free_segments(pool) + self._whole_free_segments(other)
+            reclaim -= pool.whole_serving
             headroom = max(0, self.capacity - self.reserved_bytes) + reclaim
             usable += headroom // g * self.units(g, s, fresh=True) * s
         usable = min(usable, self.capacity - self._held)
         self._usable_cache = (self._version, s, usable)
         return usable
+
+    def _whole_free_segments(self, pool: Pool) -> int:
+        """Bytes of the pool's free blocks that are whole segments, from torch's identity
+        reserved = allocated + inactive split + whole free segments (no expandable ones)."""
+        stats = self._stats
+        return (
+            stats["reserved_bytes", pool.name].current
+            - stats["allocated_bytes", pool.name].current
+            - stats["inactive_split_bytes", pool.name].current
+        )
 
     @staticmethod
     def _whole_pages(block: Block, start: int) -> int:
@@ -1029,8 +1085,10 @@ class TorchCachingAllocator(SlabAllocator):
                 while cur is not None and id(cur) not in copies:
                     c = Block(cur.ptr, cur.size, cpool, cur.seg)
                     c.allocated, c.mapped = cur.allocated, cur.mapped
-                    if not c.allocated:
-                        (cpool.blocks if c.mapped else cpool.unmapped).add(c)
+                    if not c.allocated and c.mapped:
+                        cpool.add(c)
+                    elif not c.allocated:
+                        cpool.unmapped.add(c)
                     c.splice(prev, None)
                     copies[id(cur)] = c
                     prev, cur = c, cur.next
