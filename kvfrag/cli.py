@@ -16,12 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvfrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from kvfrag import calibrate_cmd, run_cmd, trace_cmd, validate_cmd
+    from kvfrag import calibrate_cmd, run_cmd, snapshot_cmd, trace_cmd, validate_cmd
 
     run_cmd.add_parsers(sub)
     trace_cmd.add_parser(sub)
     validate_cmd.add_parser(sub)
     calibrate_cmd.add_parser(sub)
+    snapshot_cmd.add_parser(sub)
     return parser
 
 

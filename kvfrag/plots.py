@@ -8,10 +8,18 @@ Each figure also has its own function that takes DataFrames and returns a matplo
 so figures can be built (and tested) without files:
 
 - `breakdown_figure(summary)`: stacked bars, the budget split into its five parts per allocator
+  (and, when the parts that hold no tokens are small, a row that zooms in on them)
 - `timeline_figure(timeseries)`: the same split over time, with running and waiting requests
 - `address_map_figure(requests, summary)`: every slab of a contiguous or buddy allocator
-- `capacity_figure(summary)`: requests running at once and throughput (against a swept value)
+- `capacity_figure(summary)`: requests running at once, throughput and latency, and what a
+  scenario is about where its runs show it (prefix-cache hits, memory saved by sharing,
+  compaction stall); against the swept value for a sweep
 - `lengths_figure(requests)`: the workload's prompt and output length distributions
+
+The timeline and the address map draw every sweep point (a panel per allocator and point, up to
+MAX_PANELS), or one (`point`, `kvfrag plot --point N`). Sweep points are named as the printed
+table names them (`block_size=32`, `n=2`: `point_names`), byte axes in the unit that fits the
+budget (`byte_unit`), and a panel with nothing to draw says why.
 
 Figures are built on `matplotlib.figure.Figure` (Agg), never pyplot: no global state, safe to
 call from threads and from tests. One palette everywhere: token states are always green.
@@ -25,6 +33,7 @@ import csv
 import io
 import math
 import os
+import textwrap
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -40,7 +49,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from kvfrag.results import short_labels
 from sim.allocators.base import PARTS  # the five parts, bottom to top of every stack
+from sim.allocators.torch_caching import ADDRESS_BASE
 from sim.engine import REJECT_REASONS
 
 #: One colour per part of the budget, used by every figure. Green is always token states.
@@ -91,10 +102,11 @@ BAR_COLOR = "#4c72b0"
 #: Figure files written by `plot_results`, by figure (each as .png, and .svg when asked for).
 FIGURES = ("breakdown", "timeline", "address_map", "capacity", "lengths")
 
-#: More slabs than this in one address map: the first ones by admission time are drawn.
+#: More slabs than this in one address-map panel: the first ones by admission time are drawn.
 MAX_SLABS = 3000
-#: A single allocator swept over at most this many points: the timeline has a panel per point.
-_MAX_POINT_PANELS = 9
+#: At most this many panels (allocator x sweep point) in the timeline and in the address map:
+#: a larger sweep shows its first points, and `kvfrag plot --point N` draws any one.
+MAX_PANELS = 16
 #: More timeseries segments than this per allocator: time-averaged into this many bins.
 MAX_SEGMENTS = 2000
 
@@ -192,6 +204,35 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def byte_unit(top: float) -> tuple[str, float]:
+    """The unit an axis that reaches `top` bytes reads best in, and its size in bytes: GiB for
+    a 12 GiB budget, MiB for a 16 MiB one (ticks 0-16 rather than 0.000-0.014)."""
+    for name, size in _UNITS:
+        if top >= size:
+            return name, float(size)
+    return "B", 1.0
+
+
+def _say(ax: Axes, text: str, width: int = 60) -> None:
+    """An empty panel that says why it is empty, instead of being blank."""
+    ax.text(
+        0.5,
+        0.5,
+        textwrap.fill(text, width),
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=9,
+        color="#555555",
+        linespacing=1.4,
+    )
+    # (tick_params, not set_xticks: the panel may share its axes' tick locators with others)
+    ax.tick_params(left=False, labelleft=False, bottom=False, labelbottom=False)
+
+
 def _labels(df: pd.DataFrame) -> list[str]:
     """Allocator labels in the order the run wrote them (the scenario's order)."""
     if "label" not in df.columns:
@@ -243,17 +284,22 @@ def caption_parts(meta: Mapping | None = None, summary: pd.DataFrame | None = No
         model = model.get("name")
     if model:
         parts.append(f"model: {model}")
+    # The budget the runs used (summary.csv) rather than how the scenario gave it: a number,
+    # a size string or a GPU's terms (a mapping) all read `12 GiB`, as the axes do.
     budget = meta.get("kv_budget")
+    derived = isinstance(budget, Mapping)
     col = "kv_budget_bytes" if _first(summary, "kv_budget_bytes") is not None else "capacity_bytes"
     swept = _swept_range(summary, col, format_bytes)
     if swept:
         budget = swept
-    elif budget is None and _first(summary, col) is not None:
+    elif _first(summary, col) is not None:
         budget = format_bytes(float(_first(summary, col)))
-    if isinstance(budget, int | float) and not isinstance(budget, bool):
+    elif isinstance(budget, int | float) and not isinstance(budget, bool):
         budget = format_bytes(float(budget))
+    elif derived:
+        budget = _describe(budget)
     if budget is not None:
-        parts.append(f"KV budget: {budget}")
+        parts.append(f"KV budget: {budget}" + (" (derived)" if derived and not swept else ""))
     mml = (
         _swept_range(summary, "max_model_len", lambda v: f"{v:.0f}")
         or meta.get("max_model_len")
@@ -450,44 +496,44 @@ def sweep_columns(summary: pd.DataFrame) -> list[str]:
     return [c for c in _SETTING_COLUMNS if c in summary.columns and varies(c)]
 
 
-def _axis_name(col: str) -> str:
+def _axis_name(col: str, unit: str = "GiB") -> str:
     if col in ("kv_budget", "kv_budget_bytes"):
-        return "KV budget (GiB)"
-    return col
+        return f"KV budget ({unit})"
+    return col.split(".")[-1]
 
 
 def sweep_axis(summary: pd.DataFrame) -> tuple[str, dict[int, float], dict[int, str], bool]:
     """How the sweep is shown on an x axis: (axis label, x per point, tick text per point,
-    numeric?). Without a sweep column the points themselves are the x values."""
+    numeric?). Without a sweep column the points themselves are the x values. Swept mappings
+    (JSON in summary.csv) get the short labels the printed table shows (`n=2`, `beam_width=3`)."""
     points = sorted(int(p) for p in pd.unique(summary["point"]))
     cols = sweep_columns(summary)
-
-    def value(point: int, col: str):
-        vals = summary.loc[summary["point"] == point, col].dropna()
-        return vals.iloc[0] if len(vals) else None
-
     if len(cols) == 1 or (cols and set(cols) <= {"kv_budget", "kv_budget_bytes"}):
         col = cols[0]
         if col == "kv_budget" and "kv_budget_bytes" in summary.columns:
             col = "kv_budget_bytes"
-        vals = {p: value(p, col) for p in points}
+        vals = {p: _point_value(summary, p, col) for p in points}
         numeric = all(
             v is not None and not isinstance(v, bool) and _is_number(v) for v in vals.values()
         )
         if numeric:
-            scale = GIB if col == "kv_budget_bytes" else 1
+            unit, scale = "", 1.0
+            if col == "kv_budget_bytes":
+                unit, scale = byte_unit(max(float(v) for v in vals.values()))
             xs = {p: float(v) / scale for p, v in vals.items()}
             text = {p: f"{xs[p]:g}" for p in points}
-            return _axis_name(col), xs, text, True
-        text = {p: str(vals[p]) for p in points}
-        return _axis_name(cols[0]), {p: float(i) for i, p in enumerate(points)}, text, False
+            return _axis_name(col, unit), xs, text, True
+        names = point_names(summary, keys=False)
+        return _axis_name(cols[0]), {p: float(i) for i, p in enumerate(points)}, names, False
     if cols:
-        text = {
-            p: ", ".join(f"{c.split('.')[-1]}={_fmt_value(value(p, c))}" for c in cols)
-            for p in points
-        }
-        return "sweep point", {p: float(i) for i, p in enumerate(points)}, text, False
+        names = point_names(summary)
+        return "sweep point", {p: float(i) for i, p in enumerate(points)}, names, False
     return "sweep point", {p: float(p) for p in points}, {p: str(p) for p in points}, False
+
+
+def _point_value(summary: pd.DataFrame, point: int, col: str):
+    vals = summary.loc[summary["point"] == point, col].dropna()
+    return vals.iloc[0] if len(vals) else None
 
 
 def _fmt_value(v) -> str:
@@ -505,22 +551,57 @@ def _is_number(v) -> bool:
     return True
 
 
-def _point_title(summary: pd.DataFrame, point: int) -> str:
-    """What a sweep point is, for a panel title: `block_size = 32` or `point 3`."""
+#: Longest text a sweep point gets in a title or on a tick.
+_NAME_CHARS = 40
+
+
+def point_names(summary: pd.DataFrame | None, keys: bool = True) -> dict[int, str]:
+    """What each sweep point is, short, for titles and ticks: `block_size=32`, `n=2`,
+    `kv_budget=8 GiB`; a swept mapping (JSON in summary.csv) as the keys whose values differ
+    between the points (`kvfrag.results.short_labels`, as the printed table shows it); with
+    `keys=False` a single swept scalar is just its value (an axis label names it). `point N`
+    without a sweep."""
+    if summary is None or "point" not in summary.columns:
+        return {}
+    points = sorted(int(p) for p in pd.unique(summary["point"]))
     cols = sweep_columns(summary)
-    if not cols:
-        return f"point {point}"
-    rows = summary[summary["point"] == point]
-    bits = []
-    for c in cols:
-        vals = rows[c].dropna()
-        if not len(vals):
-            continue
-        v = vals.iloc[0]
-        if c == "kv_budget_bytes":
-            v = format_bytes(float(v))
-        bits.append(f"{c.split('.')[-1]} = {_fmt_value(v)}")
-    return ", ".join(bits) or f"point {point}"
+    values = {c: {p: _point_value(summary, p, c) for p in points} for c in cols}
+    short = {
+        c: short_labels([v for v in vals.values() if isinstance(v, str)])
+        for c, vals in values.items()
+    }
+    names = {}
+    for p in points:
+        bits = []
+        for c in cols:
+            v = values[c][p]
+            if v is None:
+                continue
+            if isinstance(v, str) and v in short[c]:
+                bits.append(short[c][v])
+                continue
+            if c == "kv_budget_bytes" and _is_number(v):
+                v = format_bytes(float(v))
+            name = c.split(".")[-1]
+            bits.append(f"{name}={_fmt_value(v)}" if keys or len(cols) > 1 else _fmt_value(v))
+        text = ", ".join(bits) or f"point {p}"
+        names[p] = text if len(text) <= _NAME_CHARS else text[: _NAME_CHARS - 1] + "…"
+    return names
+
+
+def _point_title(summary: pd.DataFrame, point: int) -> str:
+    """What a sweep point is, for a panel title: `block_size=32` or `point 3`."""
+    return point_names(summary).get(point, f"point {point}")
+
+
+def _pick_points(points: list[int], point: int | None, where: str = "") -> list[int]:
+    """`[point]`, checked to be one of `points`; all of them when `point` is None."""
+    if point is None:
+        return points
+    if point not in points:
+        known = ", ".join(map(str, points)) or "none"
+        raise ValueError(f"{where}no sweep point {point} (its points: {known})")
+    return [point]
 
 
 # ------------------------------------------------------------------------ 1. the breakdown
@@ -574,10 +655,18 @@ def _breakdown_panels(summary: pd.DataFrame) -> list[tuple[str, list[str], pd.Da
     return panels
 
 
+#: The parts that hold no tokens and are not free: a breakdown whose largest stack of them is
+#: at most ZOOM_BELOW % of the budget gets a second row of panels with just these, on an axis
+#: that fits them (a block-size sweep's 0-8 % would be a sliver on a 0-100 % bar).
+_NOT_TOKENS = ("reserved", "internal", "internal_overreservation", "internal_rounding", "external")
+ZOOM_BELOW = 30.0
+
+
 def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figure:
     """Stacked bars: the KV budget split into token states, reserved, internal, external and
     free (time-averaged, % of the budget), one bar per allocator and a panel per sweep point
-    (one allocator swept: a bar per sweep point)."""
+    (one allocator swept: a bar per sweep point). When the parts that hold no tokens (reserved,
+    internal, external) are small, a row below zooms in on them."""
     summary = _with_keys(summary)
     panels = _breakdown_panels(summary)
     npanels = len(panels)
@@ -591,13 +680,33 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
     panel_w = per_bar * nbars + 0.5
     ncols = max(1, min(npanels, int(13 / panel_w), 6))
     nrows = math.ceil(npanels / ncols)
+    drawn = _drawn_parts(_fractions(summary))
+    waste_parts = [p for p in drawn if p in _NOT_TOKENS]
+    waste_top = float((_fractions(summary)[waste_parts].sum(axis=1) * 100).max())
+    zoom = 0 < waste_top <= ZOOM_BELOW
     width = 1.0 + panel_w * ncols + 2.4
     height = (4.6 if nrows == 1 else 3.6) + (0.075 * longest if rotate else 0.0)
-    fig = _new_figure(max(min(width, 17), 6.0), 0.6 + height * nrows, meta, summary)
-    axes = fig.subplots(nrows, ncols, sharey=True, squeeze=False).ravel()
-    for ax in axes[npanels:]:
+    zoom_h = 1.7 if zoom else 0.0
+    fig = _new_figure(max(min(width, 17), 6.0), 0.6 + (height + zoom_h) * nrows, meta, summary)
+    if zoom:
+        gs = fig.add_gridspec(2 * nrows, ncols, height_ratios=[height - 0.6, zoom_h] * nrows)
+        axes, zooms = [], []
+        for i in range(nrows * ncols):
+            r, c = divmod(i, ncols)
+            ax = fig.add_subplot(gs[2 * r, c], sharey=axes[0] if axes else None)
+            axes.append(ax)
+        for i, ax in enumerate(axes):  # (after the main panels: fig.axes[:n] are those)
+            r, c = divmod(i, ncols)
+            zooms.append(
+                fig.add_subplot(gs[2 * r + 1, c], sharex=ax, sharey=zooms[0] if zooms else None)
+            )
+    else:
+        axes = list(fig.subplots(nrows, ncols, sharey=True, squeeze=False).ravel())
+        zooms = []
+    for ax in [*axes[npanels:], *zooms[npanels:]]:
         ax.set_visible(False)
-    for ax, (title, names, rows, xlabel) in zip(axes, panels, strict=False):
+    for i, (title, names, rows, xlabel) in enumerate(panels):
+        ax = axes[i]
         frac = _fractions(rows) * 100
         x = np.arange(len(names))
         bottom = np.zeros(len(names))
@@ -627,7 +736,11 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
                 fontweight="bold",
                 color="white" if inside else "#1a5e1a",
             )
-        ax.set_xticks(
+        ticks_on = zooms[i] if zoom else ax
+        if zoom:
+            ax.tick_params(labelbottom=False)
+            _zoom_bars(zooms[i], x, frac, waste_top)
+        ticks_on.set_xticks(
             x,
             names,
             rotation=35 if rotate else 0,
@@ -640,11 +753,12 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         if title:
             ax.set_title(title, fontsize=10, fontweight="bold" if xlabel else "normal")
         if xlabel:
-            ax.set_xlabel(xlabel)
+            ticks_on.set_xlabel(xlabel)
         _finish_axes(ax)
     for ax in axes[::ncols]:
         ax.set_ylabel("share of the KV budget (time-averaged)")
-    drawn = _drawn_parts(_fractions(summary))
+    for ax in zooms[::ncols]:
+        ax.set_ylabel("not holding tokens\n(zoomed)", fontsize=9)
     handles = [
         Patch(facecolor=PALETTE[p], edgecolor="white", hatch=HATCH.get(p), label=PART_NAMES[p])
         for p in reversed(drawn)
@@ -654,12 +768,42 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         loc="outside right center",
         fontsize=9,
         frameon=False,
-        title="% in the green bar:\ntoken states, the share\nof the budget holding KV",
+        title="% in the green bar:\ntoken states, the share\nof the budget holding KV"
+        + ("\n\nbelow: reserved, internal\nand external only, on an\naxis that fits them"
+           if zoom else ""),
         title_fontsize=8,
     )
     legend.get_title().set_color("#444444")
     fig.suptitle("Where the KV-cache budget goes, per allocator (time-averaged)", fontsize=11)
     return fig
+
+
+def _zoom_bars(ax: Axes, x: np.ndarray, frac: pd.DataFrame, top: float) -> None:
+    """The parts that hold no tokens, stacked on their own axis (0 to a little over `top` %),
+    each stack labelled with its total."""
+    bottom = np.zeros(len(x))
+    for p in _drawn_parts(frac):
+        if p not in _NOT_TOKENS:
+            continue
+        _bars(
+            ax,
+            x,
+            frac[p].to_numpy(),
+            0.7,
+            bottom=bottom,
+            facecolors=PALETTE[p],
+            edgecolors="white",
+            linewidths=0.6,
+            hatch=HATCH.get(p),
+        )
+        bottom += frac[p].to_numpy()
+    for xi, total in zip(x, bottom, strict=True):
+        ax.text(xi, total, f"{total:.1f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, top * 1.3)
+    decimals = 0 if top >= 5 else 1
+    ax.yaxis.set_major_locator(mticker.MaxNLocator(4))
+    ax.yaxis.set_major_formatter(mticker.PercentFormatter(decimals=decimals))
+    _finish_axes(ax)
 
 
 # ------------------------------------------------------------------------- 2. over time
@@ -689,28 +833,51 @@ def _steps(ts: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _timeline_panels(
     timeseries: pd.DataFrame, summary: pd.DataFrame | None, point: int | None
-) -> tuple[list[tuple[str, pd.DataFrame, int]], str]:
-    """(title, rows, point) per panel, and what the figure title adds: a panel per allocator
-    at one sweep point, or, for a single allocator swept over a few points, one per point."""
+) -> tuple[list[tuple[str, pd.DataFrame, int]], int, str, list[int]]:
+    """(title, rows, point) per panel, the number of columns, what the figure title adds, and
+    the sweep points left out (more panels than MAX_PANELS). Every sweep point is drawn (or
+    `point` alone): a single allocator gets a panel per point; several get a row per point
+    with a panel per allocator."""
     labels = _labels(summary) if summary is not None else _labels(timeseries)
     labels = [lb for lb in labels if (timeseries["label"].astype(str) == lb).any()]
     points = sorted(int(p) for p in pd.unique(timeseries["point"]))
+    if summary is not None and "point" in summary.columns:
+        points = sorted(set(points) | {int(p) for p in pd.unique(summary["point"])})
+    points = _pick_points(points, point)
     swept = summary is not None and "point" in summary.columns and summary["point"].nunique() > 1
-    if point is None and len(labels) == 1 and 1 < len(points) <= _MAX_POINT_PANELS:
-        rows = timeseries[timeseries["label"].astype(str) == labels[0]]
-        panels = [
-            (_point_title(summary, p) if swept else f"point {p}", rows[rows["point"] == p], p)
-            for p in points
-        ]
-        return panels, f" ({labels[0]})"
-    if point is None:
-        point = points[0] if points else 0
-    rows = timeseries[timeseries["point"] == point]
-    panels = [(lb, rows[rows["label"].astype(str) == lb], point) for lb in labels]
-    panels = [pn for pn in panels if len(pn[1])]
-    if not panels:
-        raise ValueError(f"no timeseries rows for point {point}")
-    return panels, f" ({_point_title(summary, point)})" if swept else ""
+    names = point_names(summary) if swept else {}
+
+    def rows(label: str, p: int) -> pd.DataFrame:
+        return timeseries[(timeseries["point"] == p) & (timeseries["label"].astype(str) == label)]
+
+    if len(labels) == 1 and len(points) > 1:
+        keep = points[:MAX_PANELS]
+        panels = [(names.get(p, f"point {p}"), rows(labels[0], p), p) for p in keep]
+        return panels, _columns(len(panels)), f" ({labels[0]})", points[len(keep):]
+    keep = points[: max(1, MAX_PANELS // max(len(labels), 1))]
+    if len(keep) == 1:
+        p = keep[0]
+        panels = [(lb, rows(lb, p), p) for lb in labels]
+        suffix = f" ({names.get(p, f'point {p}')})" if swept else ""
+        return panels, _columns(len(panels)), suffix, points[1:]
+    panels = [(f"{lb}  ·  {names.get(p, f'point {p}')}", rows(lb, p), p)
+              for p in keep for lb in labels]
+    ncols = len(labels) if len(labels) <= 5 else _columns(len(panels))
+    return panels, ncols, "", points[len(keep):]
+
+
+def _columns(n: int) -> int:
+    """Columns of a grid of `n` panels: up to three in a row, four as two by two."""
+    return n if n <= 3 else (2 if n == 4 else 3)
+
+
+def _left_out(points: list[int]) -> str:
+    """The figure title's note on sweep points not drawn."""
+    if not points:
+        return ""
+    which = f"{points[0]}" if len(points) == 1 else f"{points[0]}–{points[-1]}"
+    return (f"\n(sweep points {which} not drawn: more than {MAX_PANELS} panels; "
+            "kvfrag plot --point N draws any one)")
 
 
 def timeline_figure(
@@ -720,29 +887,29 @@ def timeline_figure(
     point: int | None = None,
     max_segments: int = MAX_SEGMENTS,
 ) -> Figure:
-    """The KV budget split into its five parts over time (GiB, stacked), per allocator, with
-    the requests running and waiting in a small panel above each. One sweep point (`point`, or
-    the first), except that a single allocator swept over a few points gets a panel per point.
-    Runs longer than `max_segments` segments are time-averaged into that many steps."""
+    """The KV budget split into its five parts over time (stacked, in the unit that fits the
+    budget), per allocator and sweep point, with the requests running and waiting in a small
+    panel above each. Every sweep point is drawn (`point`: that one only); a run with no
+    records says so. Runs longer than `max_segments` segments are time-averaged into that
+    many steps. Panels of one sweep point share their time axis."""
     timeseries = _with_keys(timeseries)
-    panels, suffix = _timeline_panels(timeseries, summary, point)
+    panels, ncols, suffix, left_out = _timeline_panels(timeseries, summary, point)
+    if not panels:
+        raise ValueError("no timeseries rows to draw")
     n = len(panels)
-    ncols = n if n <= 3 else (2 if n == 4 else 3)
     nrows = math.ceil(n / ncols)
-    fig = _new_figure(min(2.5 + 4.6 * ncols, 17), 0.9 + 4.0 * nrows, meta, summary)
+    panel_w = 4.6 if ncols <= 3 else max(3.3, 14.0 / ncols)
+    panel_h = 4.0 if nrows <= 2 else 3.3
+    fig = _new_figure(min(2.5 + panel_w * ncols, 17.5), 0.9 + panel_h * nrows, meta, summary)
     gs = fig.add_gridspec(2 * nrows, ncols, height_ratios=[1, 2.8] * nrows)
-    top0 = low0 = None
     resampled = any_blocked = False
-    ymax = 0.0
-    lows = []
-    peaks = {"running": 0.0, "waiting": 0.0}
-    for i, (title, ts, pt) in enumerate(panels):
-        r, c = divmod(i, ncols)
-        low = fig.add_subplot(gs[2 * r + 1, c], sharex=low0, sharey=low0)
-        top = fig.add_subplot(gs[2 * r, c], sharex=low, sharey=top0)
-        low0 = low0 or low
-        top0 = top0 or top
-        lows.append(low)
+    # First the series as drawn (sorted, resampled), and the top of the memory axis.
+    series: list[pd.DataFrame | None] = []
+    top_bytes = 0.0
+    for _, ts, pt in panels:
+        if not len(ts):
+            series.append(None)
+            continue
         ts = ts.sort_values("t", kind="stable")
         ts = ts[ts["dt"] > 0] if (ts["dt"] > 0).any() else ts
         if "frag_blocked" in ts.columns:
@@ -751,12 +918,45 @@ def timeline_figure(
             cols = [c for c in (*PARTS, "running", "waiting", "frag_blocked") if c in ts.columns]
             ts = resample(ts, max_segments, cols)
             resampled = True
+        series.append(ts)
+        parts = [p for p in PARTS if p in ts.columns]
+        if parts:
+            top_bytes = max(top_bytes, float(np.nanmax(ts[parts].to_numpy(float).sum(axis=1))))
+        if summary is not None and "kv_budget_bytes" in summary.columns:
+            cap = summary.loc[_with_keys(summary)["point"] == pt, "kv_budget_bytes"].dropna()
+            if len(cap):
+                top_bytes = max(top_bytes, float(cap.max()))
+    unit, scale = byte_unit(top_bytes)
+    low0 = None
+    by_point: dict[int, Axes] = {}
+    top_of: dict[int, Axes] = {}  # the requests panels of one point share their scale
+    lows, tops = [], []
+    peaks: dict[int, dict[str, float]] = {}
+    for i, ((title, _, pt), ts) in enumerate(zip(panels, series, strict=True)):
+        r, c = divmod(i, ncols)
+        low = fig.add_subplot(gs[2 * r + 1, c], sharex=by_point.get(pt), sharey=low0)
+        top = fig.add_subplot(gs[2 * r, c], sharex=low, sharey=top_of.get(pt))
+        by_point.setdefault(pt, low)
+        top_of.setdefault(pt, top)
+        peak = peaks.setdefault(pt, {"running": 0.0, "waiting": 0.0})
+        low0 = low0 or low
+        lows.append(low)
+        tops.append(top)
+        top.set_title(title, fontsize=10, fontweight="bold")
+        top.tick_params(labelbottom=False)
+        _finish_axes(top)
+        _finish_axes(low)
+        if ts is None:
+            top.set_visible(False)
+            low.set_title(title, fontsize=10, fontweight="bold")
+            _say(low, "no records of this run over time (did it fail? see failures.csv)", 36)
+            continue
         # Requests running and waiting.
         for col, color, z in (("waiting", WAITING_COLOR, 2), ("running", RUNNING_COLOR, 3)):
             if col in ts.columns:
                 x, y = _steps(ts, col)
                 top.plot(x, y, drawstyle="steps-post", color=color, lw=1.0, label=col, zorder=z)
-                peaks[col] = max(peaks[col], float(np.nanmax(y)))
+                peak[col] = max(peak[col], float(np.nanmax(y)))
         if "frag_blocked" in ts.columns:
             x, y = _steps(ts, "frag_blocked")
             mask = y >= 0.5
@@ -774,16 +974,13 @@ def timeline_figure(
                     transform=top.get_xaxis_transform(),
                     label="queue head refused: fragmented",
                 )
-        top.set_title(title, fontsize=10, fontweight="bold")
-        top.tick_params(labelbottom=False)
-        _finish_axes(top)
         # The budget, stacked.
         bottom = None
         for p in PARTS:
             if p not in ts.columns:
                 continue
             x, y = _steps(ts, p)
-            y = y / GIB
+            y = y / scale
             base = np.zeros_like(y) if bottom is None else bottom
             low.fill_between(
                 x,
@@ -796,28 +993,27 @@ def timeline_figure(
                 rasterized=len(x) > 500,
             )
             bottom = base + y
-        if bottom is not None:
-            ymax = max(ymax, float(np.nanmax(bottom)))
-        if summary is not None and "kv_budget_bytes" in summary.columns:
-            cap = summary.loc[_with_keys(summary)["point"] == pt, "kv_budget_bytes"].dropna()
-            if len(cap):
-                ymax = max(ymax, float(cap.max()) / GIB)
         low.set_xlabel("time (s)")
         low.margins(x=0)
-        _finish_axes(low)
-    low0.set_ylim(0, ymax * 1.001 if ymax > 0 else 1)
-    top0.set_ylim(0, max(peaks.values()) * 1.08 or 1)
-    log_queue = peaks["waiting"] > 10 * max(peaks["running"], 1.0)
-    if log_queue:  # a long queue would flatten the running line: show both on a symlog scale
-        top0.set_yscale("symlog", linthresh=10)
-        top0.set_ylim(0, peaks["waiting"] * 1.5)
-        top0.yaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    for i, ax in enumerate(lows):
+    low0.set_ylim(0, top_bytes / scale * 1.001 if top_bytes > 0 else 1)
+    # No 2.5 steps: tick labels of one width however tall the layout makes the panels (a
+    # locator that picks wider labels after the layout has sized the margins clips them).
+    low0.yaxis.set_major_locator(mticker.MaxNLocator(nbins=6, steps=[1, 2, 5, 10]))
+    log_queue = {}
+    for pt, top in top_of.items():
+        peak = peaks[pt]
+        top.set_ylim(0, max(peak.values()) * 1.08 or 1)
+        # A long queue would flatten the running line: show both on a symlog scale.
+        log_queue[pt] = peak["waiting"] > 10 * max(peak["running"], 1.0)
+        if log_queue[pt]:
+            top.set_yscale("symlog", linthresh=10)
+            top.set_ylim(0, peak["waiting"] * 1.5)
+            top.yaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    for i, ((_, _, pt), low, top) in enumerate(zip(panels, lows, tops, strict=True)):
+        if i % ncols == 0 or top.get_yscale() != tops[i - 1].get_yscale():
+            top.set_ylabel("requests" + ("\n(symlog)" if log_queue[pt] else ""))
         if i % ncols == 0:
-            ax.set_ylabel("KV memory (GiB)")
-    for ax in fig.axes:
-        if ax.get_subplotspec().colspan.start == 0 and ax not in lows:
-            ax.set_ylabel("requests" + ("\n(symlog)" if log_queue else ""))
+            low.set_ylabel(f"KV memory ({unit})")
     handles = [Patch(color=PALETTE[p], label=PART_NAMES[p]) for p in reversed(PARTS)]
     handles += [
         Line2D([], [], color=RUNNING_COLOR, label="requests running"),
@@ -831,6 +1027,7 @@ def timeline_figure(
     title = "KV-cache budget over time, per allocator" + suffix
     if resampled:
         title += f"\n(long runs: time-averaged in {max_segments} steps)"
+    title += _left_out(left_out)
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -840,13 +1037,16 @@ def slab_polygons(
     requests: pd.DataFrame,
     bytes_per_token: float,
     end_s: float | None = None,
+    scale: float = GIB,
+    base: float = 0.0,
 ) -> dict[str, np.ndarray]:
-    """Polygons (time s, address GiB) of each admitted slab's stored tokens, reserved and
-    internal parts, and its outline: arrays of shape (requests, corners, 2). Stored tokens grow
-    linearly from the prompt plus the first output token's slot (at the first token) to the
-    final length (at the finish); the slab is held until `released_s` (static batching frees a
-    batch together). A request still running at the end (`end_s`) is drawn as long as it was
-    then (`tokens_at_end`)."""
+    """Polygons (time s, address in units of `scale` bytes above `base`: GiB from 0 by
+    default) of each admitted slab's stored tokens, reserved and internal parts, and its
+    outline: arrays of shape (slabs, corners, 2); each row of `requests` is one slab (its
+    `peak_bytes`), at `offset_bytes`. Stored tokens grow linearly from the prompt plus the
+    first output token's slot (at the first token) to the final length (at the finish); the
+    slab is held until `released_s` (static batching frees a batch together). A request still
+    running at the end (`end_s`) is drawn as long as it was then (`tokens_at_end`)."""
     req = requests[requests["admitted_s"].notna() & requests["offset_bytes"].notna()]
     if end_s is None:
         end_s = (
@@ -861,9 +1061,9 @@ def slab_polygons(
     rel = np.where(np.isnan(rel), fin, np.maximum(rel, fin))
     f1 = req["first_token_s"].to_numpy(float)
     f1 = np.clip(np.where(np.isnan(f1), fin, f1), a, fin)
-    off = req["offset_bytes"].to_numpy(float) / GIB
-    peak = req["peak_bytes"].to_numpy(float) / GIB
-    b = float(bytes_per_token) / GIB
+    off = (req["offset_bytes"].to_numpy(float) - base) / scale
+    peak = req["peak_bytes"].to_numpy(float) / scale
+    b = float(bytes_per_token) / scale
     final = req["final_tokens"].to_numpy(float) * b
     # A request still running when the run stopped has no recorded slab size (peak 0): draw
     # the slab as its final length, since the reservation beyond that is unknown.
@@ -894,14 +1094,69 @@ def slab_polygons(
     return {"token_states": stored, "reserved": reserved, "internal": internal, "outline": outline}
 
 
+#: A column of requests.parquet that would list every sequence's slab offset of a request
+#: (n samples or beams; the first is `offset_bytes`), as the allocation log's `offsets` does.
+#: Results do not have it yet: without it only each request's first slab can be placed.
+SLAB_OFFSETS = "slab_offsets_bytes"
+
+
+def sequences(requests: pd.DataFrame) -> np.ndarray:
+    """Sequences per request (n samples, or beam_width beams), each with its own slab on a slab
+    allocator: a `sequences` column where results have one, else what a finished request's
+    sequences generated together over what one generates (`generated_tokens` over
+    `output_tokens`: exact, as each sequence generates `output_tokens`); 1 for the others."""
+    n = len(requests)
+    if "sequences" in requests.columns:
+        return np.maximum(np.nan_to_num(requests["sequences"].to_numpy(float), nan=1), 1).astype(
+            int
+        )
+    if "generated_tokens" not in requests.columns or "output_tokens" not in requests.columns:
+        return np.ones(n, dtype=int)
+    gen = requests["generated_tokens"].to_numpy(float)
+    out = requests["output_tokens"].to_numpy(float)
+    if "status" in requests.columns:
+        done = (requests["status"].astype(str) == "completed").to_numpy()
+    else:
+        done = requests["finished_s"].notna().to_numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(done & (out > 0), gen / np.where(out > 0, out, 1), 1.0)
+    return np.maximum(np.ceil(np.nan_to_num(ratio, nan=1.0) - 1e-9), 1).astype(int)
+
+
+def _slabs(req: pd.DataFrame) -> tuple[pd.DataFrame, int]:
+    """One row per slab to draw, and the most sequences a request has. A request with k
+    sequences holds k slabs of `peak_bytes / k` each: every one at its own offset where the
+    results list them (`SLAB_OFFSETS`), else only the first (`offset_bytes`), since where the
+    others are is not recorded; drawing one slab k times as tall would cover other slabs."""
+    k = sequences(req)
+    most = int(k.max()) if len(k) else 1
+    if most <= 1:
+        return req, 1
+    req = req.assign(peak_bytes=req["peak_bytes"].to_numpy(float) // k)
+    if SLAB_OFFSETS in req.columns:
+        req = req.explode(SLAB_OFFSETS)
+        req = req.assign(offset_bytes=req[SLAB_OFFSETS].astype(float)).drop(columns=SLAB_OFFSETS)
+    return req, most
+
+
+#: Allocator kinds that place each request in a slab of its own (an address-map panel each).
+SLAB_KINDS = ("contiguous", "buddy", "torch-caching")
+
+
 def _slab_labels(requests: pd.DataFrame, summary: pd.DataFrame | None) -> list[str]:
-    """Labels whose requests have slab offsets (contiguous and buddy allocators)."""
+    """Labels whose requests have slab offsets, or whose kind places slabs (one that admitted
+    nothing gets a panel that says so)."""
     requests = _with_keys(requests)
     has = requests.groupby(requests["label"].astype(str))["offset_bytes"].apply(
         lambda s: s.notna().any()
     )
+    kinds = {}
+    if summary is not None and "kind" in summary.columns:
+        kinds = dict(zip(summary["label"].astype(str), summary["kind"].astype(str), strict=True))
     order = _labels(summary) if summary is not None else _labels(requests)
-    return [lb for lb in order if has.get(lb, False)]
+    present = set(requests["label"].astype(str))
+    return [lb for lb in order
+            if has.get(lb, False) or (lb in present and kinds.get(lb) in SLAB_KINDS)]
 
 
 def address_map_figure(
@@ -913,91 +1168,75 @@ def address_map_figure(
     timeseries: pd.DataFrame | None = None,
 ) -> Figure | None:
     """Every slab of each contiguous or buddy allocator in the address space over time: stored
-    tokens green, reserved orange, internal fragmentation red, holes white. None when no
-    allocator has slabs. More than `max_slabs` slabs: the first by admission are drawn."""
+    tokens green, reserved orange, internal fragmentation red, holes white; a panel per
+    allocator and sweep point (`point`: that one only). None when no allocator has slabs. More
+    than `max_slabs` slabs in a panel: the first by admission are drawn. A panel that cannot
+    be drawn as it was (slabs moved by compaction) says why. Addresses are in the unit that
+    fits the budget; torch's caching allocator's are virtual (its segments' addresses are
+    never reused), drawn from its first segment."""
     requests = _with_keys(requests)
     summary = _with_keys(summary)
     if "offset_bytes" not in requests.columns:
         return None
-    if point is None:
-        point = _first_point(requests)
-    requests = requests[requests["point"] == point]
-    labels = _slab_labels(requests, summary)
+    points = sorted(int(p) for p in pd.unique(requests["point"]))
+    points = _pick_points(points, point)
+    labels = _slab_labels(requests[requests["point"].isin(points)], summary)
     if not labels:
         return None
-    n = len(labels)
-    fig = _new_figure(11.5, 0.9 + 3.2 * n, meta, summary)
-    axes = fig.subplots(n, 1, sharex=True, squeeze=False).ravel()
-    sums = (
-        summary[summary["point"] == point]
-        .drop_duplicates("label")
-        .set_index(
-            summary.loc[summary["point"] == point].drop_duplicates("label")["label"].astype(str)
-        )
-    )
-    xmax = 0.0
-    for ax, label in zip(axes, labels, strict=True):
-        req = requests[requests["label"].astype(str) == label]
-        req = req[req["admitted_s"].notna() & req["offset_bytes"].notna()].sort_values(
-            "admitted_s", kind="stable"
-        )
-        row = sums.loc[label] if label in sums.index else None
-        bpt = _row_value(row, "bytes_per_token", summary, "bytes_per_token")
-        cap = _row_value(row, "kv_budget_bytes", summary, "kv_budget_bytes")
-        if cap is None:
-            cap = _row_value(row, "capacity_bytes", summary, "capacity_bytes")
-        end_s = tsl = None
-        if timeseries is not None and len(timeseries):
-            tsl = _with_keys(timeseries)
-            tsl = tsl[(tsl["point"] == point) & (tsl["label"].astype(str) == label)]
-            if len(tsl):
-                end_s = float((tsl["t"] + tsl["dt"]).max())
-        total = len(req)
-        right = None
-        if total > max_slabs:
-            right = float(req["admitted_s"].iloc[max_slabs])
-            req = req.iloc[:max_slabs]
-        polys = slab_polygons(req, bpt, end_s)
-        for part in ("token_states", "reserved", "internal"):
-            color = PALETTE[part]
-            alpha = 1.0 if part == "token_states" else 0.55
-            ax.add_collection(
-                PolyCollection(
-                    polys[part],
-                    facecolors=color,
-                    edgecolors="none",
-                    alpha=alpha,
-                    rasterized=True,
-                    antialiased=False,
-                )
-            )
-        ax.add_collection(  # thin outlines tell neighbouring slabs apart
-            PolyCollection(
-                polys["outline"],
-                facecolors="none",
-                edgecolors="#555555",
-                linewidths=0.3 if len(req) < 300 else 0.12,
-                alpha=0.8 if len(req) < 300 else 0.5,
-                rasterized=True,
-            )
-        )
-        if right is None:
-            fin = req["finished_s"].dropna()
-            right = max(float(fin.max()) if len(fin) else 0.0, end_s or 0.0)
-        xmax = max(xmax, right)
-        ax.set_ylim(0, (cap / GIB) if cap else float(np.nanmax(polys["outline"][..., 1])))
-        ax.set_ylabel("address (GiB)")
-        title = f"{label}"
-        if total > max_slabs:
-            title += (
-                f": first {max_slabs} of {total} slabs by admission time (up to t = {right:.0f} s)"
-            )
-        ax.set_title(title, fontsize=10, fontweight="bold", loc="left")
+    keep = points[: max(1, MAX_PANELS // len(labels))]
+    swept = summary["point"].nunique() > 1
+    names = point_names(summary) if swept else {}
+    panels = [(label, p) for label in labels for p in keep]
+    # One allocator: a point per row, so that the panels keep the width time needs; several:
+    # an allocator per row, a point per column.
+    ncols = min(len(keep), 4) if len(labels) > 1 else 1 if len(keep) <= 4 else 2
+    nrows = math.ceil(len(panels) / ncols)
+    sums = summary.assign(label=summary["label"].astype(str)).drop_duplicates(["label", "point"])
+    sums = sums.set_index(["label", "point"])
+    caps = [_row_value(_row(sums, lb, p), "kv_budget_bytes", summary, "kv_budget_bytes")
+            or _row_value(_row(sums, lb, p), "capacity_bytes", summary, "capacity_bytes") or 0.0
+            for lb, p in panels]
+    unit, scale = byte_unit(max(caps))
+    width = 11.5 if ncols == 1 else min(1.6 + 5.0 * ncols, 17.5)
+    fig = _new_figure(width, 0.9 + (3.2 if nrows <= 3 else 2.7) * nrows, meta, summary)
+    gs = fig.add_gridspec(nrows, ncols)
+    chars = int(width / ncols * 11)  # a panel title's characters per line
+    by_point: dict[int, Axes] = {}
+    xmax: dict[int, float] = {}
+    axes = []
+    all_notes: list[str] = []
+    drawn: list[bool] = []  # whether a panel has slabs (else it says why not)
+    for i, ((label, pt), cap) in enumerate(zip(panels, caps, strict=True)):
+        ax = fig.add_subplot(gs[divmod(i, ncols)], sharex=by_point.get(pt))
+        by_point.setdefault(pt, ax)
+        axes.append(ax)
+        req = requests[(requests["point"] == pt) & (requests["label"].astype(str) == label)]
+        row = _row(sums, label, pt)
+        head = f"{label}  ·  {names[pt]}" if len(keep) > 1 and pt in names else label
+        notes, right, drew = _map_panel(ax, req, row, summary, cap, scale, max_slabs, timeseries,
+                                  label, pt, chars)
+        xmax[pt] = max(xmax.get(pt, 0.0), right)
+        all_notes += notes
+        drawn.append(drew)
+        title = head + (": " + "; ".join(notes) if notes else "")
+        ax.set_title(textwrap.fill(title, chars), fontsize=9 if ncols > 1 else 10,
+                     fontweight="bold", loc="left")
         ax.set_facecolor("white")
         for side in ("top", "right"):
             ax.spines[side].set_visible(True)
-    axes[0].set_xlim(0, xmax if xmax > 0 else 1)
-    axes[-1].set_xlabel("time (s)")
+    for pt, ax in by_point.items():
+        ax.set_xlim(0, xmax[pt] if xmax[pt] > 0 else 1)
+    for ax, drew in zip(axes, drawn, strict=True):
+        if drew:  # (as the timeline's: tick labels of one width)
+            ax.yaxis.set_major_locator(mticker.MaxNLocator(nbins=6, steps=[1, 2, 5, 10]))
+    for i, ax in enumerate(axes):
+        if not drawn[i]:
+            continue
+        virtual = "virtual addresses" in ax.get_title(loc="left")
+        if i % ncols == 0 or not drawn[i - 1] or virtual:
+            ax.set_ylabel(f"{'virtual ' if virtual else ''}address ({unit})")
+        if i + ncols >= len(axes) or not drawn[i + ncols]:
+            ax.set_xlabel("time (s)")
     handles = [
         Patch(color=PALETTE["token_states"], label="token states (stored)"),
         Patch(color=PALETTE["reserved"], alpha=0.55, label="reserved (not yet written)"),
@@ -1006,13 +1245,119 @@ def address_map_figure(
     ]
     fig.legend(handles=handles, loc="outside right center", fontsize=9, frameon=False)
     title = (
-        "Address space of the slab allocators: one rectangle per request's slab, "
-        "from admission to finish"
+        "Address space of the slab allocators: one rectangle per slab, "
+        "from admission to release"
     )
-    if summary["point"].nunique() > 1:
-        title += f"\n({_point_title(summary, point)})"
+    if swept and len(keep) == 1:
+        title += f"\n({names.get(keep[0], f'point {keep[0]}')})"
+    if any(note.startswith("only each request's 1st") for note in all_notes):
+        title += ("\n(a request of several sequences holds a slab per sequence; the results "
+                  "keep the first one's offset only, so only that one is drawn)")
+    title += _left_out(points[len(keep):])
     fig.suptitle(title, fontsize=11)
     return fig
+
+
+def _row(sums: pd.DataFrame, label: str, point: int) -> pd.Series | None:
+    key = (label, point)
+    return sums.loc[key] if key in sums.index else None
+
+
+def _map_panel(
+    ax: Axes,
+    req: pd.DataFrame,
+    row: pd.Series | None,
+    summary: pd.DataFrame,
+    cap: float,
+    scale: float,
+    max_slabs: int,
+    timeseries: pd.DataFrame | None,
+    label: str,
+    point: int,
+    chars: int,
+) -> tuple[list[str], float, bool]:
+    """Draw one allocator's slabs at one sweep point (or say why they cannot be drawn); the
+    notes for its title, the time its panel reaches, and whether it drew any."""
+    bpt = _row_value(row, "bytes_per_token", summary, "bytes_per_token")
+    kind = str(row["kind"]) if row is not None and "kind" in row.index else ""
+    compactions = row.get("compactions") if row is not None else None
+    end_s = None
+    if timeseries is not None and len(timeseries):
+        tsl = _with_keys(timeseries)
+        tsl = tsl[(tsl["point"] == point) & (tsl["label"].astype(str) == label)]
+        if len(tsl):
+            end_s = float((tsl["t"] + tsl["dt"]).max())
+    ax.set_ylim(0, cap / scale if cap else 1)
+    if compactions is not None and pd.notna(compactions) and compactions > 0:
+        moved = row.get("bytes_moved")
+        stall = row.get("stall_s")
+        what = f"{int(compactions):,} compactions"
+        if moved is not None and pd.notna(moved):
+            what += f" moved {format_bytes(float(moved))}"
+        if stall is not None and pd.notna(stall):
+            what += f" ({float(stall):.2f} s of stall)"
+        _say(ax, f"Not drawn: {what}. requests.parquet keeps only the offset each slab had "
+                 "when it was freed, so where the slabs were before they moved is not known.",
+             min(chars, 90))
+        return [], end_s or 0.0, False
+    placed = req[req["admitted_s"].notna() & req["offset_bytes"].notna()]
+    if not len(placed):
+        why = "no request was admitted"
+        if len(req) and "reason" in req.columns:
+            reasons = req["reason"].astype(str)
+            counts = reasons[reasons != ""].value_counts()
+            if len(counts):
+                why += " (rejected: " + ", ".join(f"{k} {v:,}" for k, v in counts.items()) + ")"
+        _say(ax, f"Nothing to draw: {why}.", min(chars, 90))
+        return [], end_s or 0.0, False
+    placed = placed.sort_values("admitted_s", kind="stable")
+    notes = []
+    total = len(placed)
+    right = None
+    if total > max_slabs:
+        right = float(placed["admitted_s"].iloc[max_slabs])
+        placed = placed.iloc[:max_slabs]
+        notes.append(f"first {max_slabs} of {total} slabs by admission time (up to t = "
+                     f"{right:.0f} s)")
+    slabs, most = _slabs(placed)
+    if most > 1 and SLAB_OFFSETS not in placed.columns:
+        notes.append(f"only each request's 1st of {most} slabs")
+    base = 0.0
+    if kind == "torch-caching":
+        base = float(ADDRESS_BASE)
+        notes.append("virtual addresses from the first segment (never reused: they pass the "
+                     "budget)")
+    polys = slab_polygons(slabs, bpt, end_s, scale=scale, base=base)
+    for part in ("token_states", "reserved", "internal"):
+        ax.add_collection(
+            PolyCollection(
+                polys[part],
+                facecolors=PALETTE[part],
+                edgecolors="none",
+                alpha=1.0 if part == "token_states" else 0.55,
+                rasterized=True,
+                antialiased=False,
+            )
+        )
+    ax.add_collection(  # thin outlines tell neighbouring slabs apart
+        PolyCollection(
+            polys["outline"],
+            facecolors="none",
+            edgecolors="#555555",
+            linewidths=0.3 if len(slabs) < 300 else 0.12,
+            alpha=0.8 if len(slabs) < 300 else 0.5,
+            rasterized=True,
+        )
+    )
+    top = float(np.nanmax(polys["outline"][..., 1])) if len(slabs) else 0.0
+    if base or not cap:
+        ax.set_ylim(0, max(cap / scale, top))
+    if right is None:
+        fin = placed["finished_s"].dropna()
+        right = max(float(fin.max()) if len(fin) else 0.0, end_s or 0.0)
+        if "released_s" in placed.columns and placed["released_s"].notna().any():
+            right = max(right, float(placed["released_s"].max()))
+    return notes, right, True
 
 
 def _row_value(row, col: str, summary: pd.DataFrame, fallback: str):
@@ -1023,64 +1368,131 @@ def _row_value(row, col: str, summary: pd.DataFrame, fallback: str):
 
 
 # ------------------------------------------------------------------------ 4. capacity
+def _capacity_metrics(summary: pd.DataFrame) -> list[dict[str, Any]]:
+    """The capacity figure's panels: requests running, throughput and latency always (latency
+    where the summary has it), then what a scenario is about when its runs show it: prefix
+    cache hits, memory saved by sharing, compaction stall."""
+
+    def shows(col: str) -> bool:
+        return col in summary.columns and bool(
+            (pd.to_numeric(summary[col], errors="coerce").fillna(0) > 0).any()
+        )
+
+    metrics: list[dict[str, Any]] = [
+        {"main": "mean_running", "extra": "max_running", "fmt": "{:.1f}", "efmt": "{:.0f}",
+         "ylabel": "requests running at once", "title": "Requests running at once",
+         "bar_note": "bar: time-averaged mean, black line: max",
+         "line_note": "filled, joined: time-averaged mean; hollow: max"},
+        {"main": "throughput_tok_s", "fmt": "{:,.0f}", "title": "Throughput",
+         "ylabel": "throughput (generated tokens / s)",
+         "bar_note": "generated tokens over the run's span"},
+    ]
+    if "mean_latency_s" in summary.columns:
+        metrics.append(
+            {"main": "mean_latency_s", "extra": "p99_latency_s", "fmt": "s",
+             "ylabel": "latency, arrival to finish (s)", "title": "Latency",
+             "bar_note": "bar: mean, black line: p99", "line_note": "filled, joined: mean; "
+             "hollow: p99"}
+        )
+    if shows("prefix_hit_rate_tokens"):
+        metrics.append(
+            {"main": "prefix_hit_rate_tokens", "extra": "prefix_hit_rate_first_tokens",
+             "factor": 100.0, "fmt": "{:.1f}%", "efmt": "{:.1f}%",
+             "ylabel": "prompt tokens found cached (%)", "title": "Prefix cache hits",
+             "bar_note": "bar: at every admission, black line: first admissions only",
+             "line_note": "filled, joined: every admission; hollow: first admissions"}
+        )
+    if shows("memory_saved_by_sharing"):
+        metrics.append(
+            {"main": "memory_saved_by_sharing", "factor": 100.0, "fmt": "{:.1f}%",
+             "ylabel": "memory saved by sharing (%)", "title": "Memory saved by sharing",
+             "bar_note": "share of what separate copies would need"}
+        )
+    if shows("compactions"):
+        metrics.append(
+            {"main": "stall_s", "fmt": "{:.2f} s", "ylabel": "stall (s)",
+             "title": "Compaction stall", "bar_note": "running requests wait while slabs move",
+             "compactions": True}
+        )
+    return metrics
+
+
+def _values(rows: pd.DataFrame, col: str | None, factor: float = 1.0) -> np.ndarray:
+    if col is None or col not in rows.columns:
+        return np.full(len(rows), np.nan)
+    return pd.to_numeric(rows[col], errors="coerce").to_numpy(float) * factor
+
+
+def _grid(n: int) -> tuple[int, int]:
+    """(rows, columns) of `n` panels: up to three in a row, four as two by two."""
+    ncols = _columns(n)
+    return math.ceil(n / ncols), ncols
+
+
 def capacity_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figure:
-    """Requests running at once (mean and max) and decode throughput per allocator; for a
-    sweep, both against the swept value, a line per allocator."""
+    """Requests running at once (mean and max), throughput and latency (mean and p99) per
+    allocator, and where a scenario shows them, prefix cache hits, memory saved by sharing
+    and compaction stall; for a sweep, each against the swept value, a line per allocator."""
     summary = _with_keys(summary)
     labels = _labels(summary)
+    metrics = _capacity_metrics(summary)
     if summary["point"].nunique() > 1:
-        return _capacity_sweep(summary, labels, meta)
+        return _capacity_sweep(summary, labels, meta, metrics)
     rows = (
         summary.drop_duplicates("label")
         .set_index(summary.drop_duplicates("label")["label"].astype(str))
         .loc[labels]
     )
+    nrows, ncols = _grid(len(metrics))
     per_bar = max(0.75, 0.085 * max(len(s) for s in labels) + 0.25)
-    long_names = 2 * (1.0 + per_bar * len(labels)) > 15
+    long_names = 1.0 + per_bar * len(labels) > 7.5
     if long_names:
         per_bar = 0.6
+    panel_w = max(1.0 + per_bar * len(labels), 3.6)
     fig = _new_figure(
-        max(min(2 * (1.0 + per_bar * len(labels)), 15), 7.0),
-        4.6 + (0.08 * max(len(s) for s in labels) if long_names else 0),
+        max(min(ncols * panel_w, 15), 7.0),
+        (4.6 if nrows == 1 else 4.0) * nrows
+        + (0.08 * max(len(s) for s in labels) if long_names else 0),
         meta,
         summary,
     )
-    ax_run, ax_tp = fig.subplots(1, 2)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
     x = np.arange(len(labels))
-    mean = np.nan_to_num(
-        rows["mean_running"].to_numpy(float) if "mean_running" in rows else np.zeros(len(x))
-    )
-    mx = rows["max_running"].to_numpy(float) if "max_running" in rows else np.full(len(x), np.nan)
-    _bars(ax_run, x, mean, 0.6, facecolors=BAR_COLOR, edgecolors="none")
-    ax_run.hlines(mx, x - 0.3, x + 0.3, colors="black", linewidths=2.0, zorder=3)
-    for xi, m, top in zip(x, mean, mx, strict=True):
-        ax_run.text(
-            xi,
-            m / 2,
-            f"{m:.1f}",
-            ha="center",
-            va="center",
-            color="white",
-            fontsize=9,
-            fontweight="bold",
-        )
-        if np.isfinite(top):
-            ax_run.text(xi, top, f"{top:.0f}", ha="center", va="bottom", fontsize=8)
-    ax_run.set_ylabel("requests running at once")
-    ax_run.set_title(
-        "Requests running at once\n(bar: time-averaged mean, black line: max)", fontsize=10
-    )
-    ax_run.set_ylim(0, _top(np.append(mx, mean)) * 1.18)
-    tp = np.nan_to_num(
-        rows["throughput_tok_s"].to_numpy(float) if "throughput_tok_s" in rows else np.zeros(len(x))
-    )
-    _bars(ax_tp, x, tp, 0.6, facecolors=BAR_COLOR, edgecolors="none")
-    for xi, v in zip(x, tp, strict=True):
-        ax_tp.text(xi, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
-    ax_tp.set_ylabel("throughput (generated tokens / s)")
-    ax_tp.set_title("Throughput\n(generated tokens over the run's span)", fontsize=10)
-    ax_tp.set_ylim(0, _top(tp) * 1.12)
-    for ax in (ax_run, ax_tp):
+    for ax, m in zip(axes, metrics, strict=False):
+        factor = m.get("factor", 1.0)
+        main = _values(rows, m["main"], factor)
+        extra = _values(rows, m.get("extra"), factor)
+        top = _top(np.append(main, extra))
+        _bars(ax, x, np.nan_to_num(main), 0.6, facecolors=BAR_COLOR, edgecolors="none")
+        if m.get("extra"):
+            ax.hlines(extra, x - 0.3, x + 0.3, colors="black", linewidths=2.0, zorder=3)
+        for i, (xi, v, e) in enumerate(zip(x, main, extra, strict=True)):
+            if not np.isfinite(v):
+                ax.text(xi, 0, "–", ha="center", va="bottom", fontsize=8)
+                continue
+            text = _format(v, m["fmt"])
+            if m.get("compactions"):
+                count = _values(rows, "compactions")[i]
+                moved = _values(rows, "bytes_moved")[i]
+                if np.isfinite(count) and count > 0:
+                    text += f"\n{count:,.0f} compactions"
+                    if np.isfinite(moved):
+                        text += f"\n{format_bytes(moved)} moved"
+            has_extra = bool(m.get("extra")) and np.isfinite(e)
+            etext = _format(e, m.get("efmt", m["fmt"])) if has_extra else ""
+            if has_extra and v >= 0.12 * top:  # the value inside its bar, the extra on its line
+                ax.text(xi, v / 2, text, ha="center", va="center", color="white", fontsize=9,
+                        fontweight="bold")
+                ax.text(xi, e, etext, ha="center", va="bottom", fontsize=8)
+            else:  # a low bar: both values above the bar and the line, in the title's order
+                label = f"{text} / {etext}" if has_extra else text
+                ax.text(xi, max(v, e) if has_extra else v, label, ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_ylabel(m["ylabel"])
+        ax.set_title(f"{m['title']}\n({m['bar_note']})", fontsize=10)
+        ax.set_ylim(0, top * (1.3 if m.get("compactions") else 1.18))
         ax.set_xticks(
             x,
             labels,
@@ -1089,20 +1501,40 @@ def capacity_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figur
             rotation_mode="anchor" if long_names else "default",
         )
         _finish_axes(ax)
-    fig.suptitle("Serving capacity per allocator", fontsize=11)
+    fig.suptitle("Serving capacity and latency per allocator", fontsize=11)
     return fig
 
 
 def _top(values: np.ndarray) -> float:
-    """The largest finite value, at least 1 (an axis limit that is never NaN or zero)."""
+    """The largest finite value, 1 when there is none above 0 (an axis limit that is never
+    NaN or zero)."""
     finite = values[np.isfinite(values)]
-    return max(float(finite.max()), 1.0) if len(finite) else 1.0
+    return float(finite.max()) if len(finite) and finite.max() > 0 else 1.0
 
 
-def _capacity_sweep(summary: pd.DataFrame, labels: list[str], meta) -> Figure:
+def _format(value: float, fmt: str) -> str:
+    """`fmt.format(value)`; fmt "s": seconds to about three significant digits (0.044, 2.27,
+    26.5, 4,410)."""
+    if fmt != "s":
+        return fmt.format(value)
+    size = abs(value)
+    if size >= 100:
+        return f"{value:,.0f}"
+    if size >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}" if size >= 1 else f"{value:.2g}"
+
+
+def _capacity_sweep(
+    summary: pd.DataFrame, labels: list[str], meta, metrics: list[dict[str, Any]]
+) -> Figure:
     xlabel, xs, text, numeric = sweep_axis(summary)
-    fig = _new_figure(12, 4.8, meta, summary)
-    ax_run, ax_tp = fig.subplots(1, 2, sharex=True)
+    nrows, ncols = _grid(len(metrics))
+    fig = _new_figure(min(6.0 * ncols, 17), (4.8 if nrows == 1 else 4.0) * nrows, meta, summary)
+    axes = fig.subplots(nrows, ncols, sharex=True, squeeze=False).ravel()
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+    axes = axes[: len(metrics)]
     for i, label in enumerate(labels):
         rows = summary[summary["label"].astype(str) == label].sort_values("point")
         rows = rows.drop_duplicates("point")
@@ -1110,35 +1542,33 @@ def _capacity_sweep(summary: pd.DataFrame, labels: list[str], meta) -> Figure:
         order = np.argsort(x, kind="stable")
         x = x[order]
         style = _label_style(i)
-        if "mean_running" in rows:
-            ax_run.plot(x, rows["mean_running"].to_numpy(float)[order], label=label, ms=5, **style)
-        if "max_running" in rows:
-            ax_run.plot(
-                x,
-                rows["max_running"].to_numpy(float)[order],
-                color=style["color"],
-                marker=style["marker"],
-                ms=6,
-                linestyle="none",
-                mfc="none",
-                mew=1.0,
-                alpha=0.7,
-            )
-        if "throughput_tok_s" in rows:
-            ax_tp.plot(
-                x, rows["throughput_tok_s"].to_numpy(float)[order], label=label, ms=5, **style
-            )
-    ax_run.set_ylabel("requests running at once")
-    ax_run.set_title(
-        "Requests running at once\n(filled, joined: time-averaged mean; hollow: max)",
-        fontsize=10,
-    )
-    ax_tp.set_ylabel("throughput (generated tokens / s)")
-    ax_tp.set_title("Throughput", fontsize=10)
+        for ax, m in zip(axes, metrics, strict=True):
+            factor = m.get("factor", 1.0)
+            if m["main"] in rows:
+                ax.plot(x, _values(rows, m["main"], factor)[order], label=label, ms=5, **style)
+            if m.get("extra") and m["extra"] in rows:
+                ax.plot(
+                    x,
+                    _values(rows, m["extra"], factor)[order],
+                    color=style["color"],
+                    marker=style["marker"],
+                    ms=6,
+                    linestyle="none",
+                    mfc="none",
+                    mew=1.0,
+                    alpha=0.7,
+                )
+    for ax, m in zip(axes, metrics, strict=True):
+        ax.set_ylabel(m["ylabel"])
+        note = m.get("line_note") if m.get("extra") else None
+        ax.set_title(m["title"] + (f"\n({note})" if note else ""), fontsize=10)
     values = sorted(set(xs.values()))
     log_x = numeric and values[0] > 0 and values[-1] / values[0] >= 8
-    for ax in (ax_run, ax_tp):
-        ax.set_xlabel(xlabel + (" (log scale)" if log_x else ""))
+    for j, ax in enumerate(axes):
+        if j + ncols >= len(axes):
+            ax.set_xlabel(xlabel + (" (log scale)" if log_x else ""))
+        else:
+            ax.tick_params(labelbottom=False)
         ys = [np.asarray(ln.get_ydata(), float) for ln in ax.get_lines()]
         ax.set_ylim(0, _top(np.concatenate(ys) if ys else np.zeros(0)) * 1.1)
         if log_x:
@@ -1148,16 +1578,17 @@ def _capacity_sweep(summary: pd.DataFrame, labels: list[str], meta) -> Figure:
         if not numeric or len(xs) <= 12:
             ticks = sorted(set(xs.values()))
             names = {xs[p]: text[p] for p in xs}
-            rot = 30 if max(len(s) for s in names.values()) > 8 else 0
+            rot = 30 if max(len(s) for s in names.values()) * len(ticks) > 48 else 0
             ax.set_xticks(
                 ticks, [names[t] for t in ticks], rotation=rot, ha="right" if rot else "center"
             )
         ax.grid(alpha=0.3)
         _finish_axes(ax)
     fig.legend(
-        *ax_tp.get_legend_handles_labels(), loc="outside right center", fontsize=9, frameon=False
+        *axes[1].get_legend_handles_labels(), loc="outside right center", fontsize=9,
+        frameon=False
     )
-    fig.suptitle(f"Serving capacity against {xlabel}, per allocator", fontsize=11)
+    fig.suptitle(f"Serving capacity and latency against {xlabel}, per allocator", fontsize=11)
     return fig
 
 
@@ -1304,11 +1735,20 @@ def read_frame(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------ entry points
 def plot_results(
-    results_dir: Path | str, meta: Mapping | None = None, svg: bool = False
+    results_dir: Path | str,
+    meta: Mapping | None = None,
+    svg: bool = False,
+    point: int | None = None,
 ) -> list[Path]:
     """Draw every figure for a results folder into `results_dir/plots/`: PNG, and SVG too with
     `svg`; a figure whose Parquet file is missing or has no rows is skipped. Returns the paths.
-    A damaged file raises `ResultsFileError` (a ValueError) before anything is drawn.
+    A damaged file raises `ResultsFileError` (a ValueError) before anything is drawn, and so
+    does a `point` the sweep does not have (ValueError).
+
+    The timeline and the address map show every sweep point, or only `point`. The captions
+    come from the folder's own files (`scenario.resolved.yaml`, the tables) wherever they say
+    it, `meta` filling in only what they do not: `kvfrag run` and `kvfrag plot` of one folder
+    draw the same captions, and figures of the same size.
 
     A figure whose SVG is already there (from an earlier `svg=True` draw) gets its SVG redrawn
     too, even without `svg`: an SVG left as it was would claim to show these results while it
@@ -1317,20 +1757,29 @@ def plot_results(
     results_dir = Path(results_dir)
     out = results_dir / "plots"
     summary = read_summary(results_dir / "summary.csv")
+    if point is not None:
+        _pick_points(sorted(int(p) for p in pd.unique(_with_keys(summary)["point"])), point,
+                     f"{results_dir}: ")
     ts_path, req_path = results_dir / "timeseries.parquet", results_dir / "requests.parquet"
     timeseries = read_frame(ts_path, TIMESERIES_COLUMNS) if ts_path.exists() else None
     requests = read_frame(req_path, REQUESTS_COLUMNS) if req_path.exists() else None
     has_ts = timeseries is not None and len(timeseries) > 0
     has_req = requests is not None and len(requests) > 0
+    meta = _folder_meta(results_dir, meta, requests if has_req else None)
+    if has_ts and point is not None and not (_with_keys(timeseries)["point"] == point).any():
+        has_ts = False  # (that point failed: no records)
     # Built one at a time, so that only one figure is in memory at once.
     builders: list[tuple[str, Callable[[], Figure | None]]] = [
         ("breakdown", lambda: breakdown_figure(summary, meta)),
-        ("timeline", lambda: timeline_figure(timeseries, summary, meta) if has_ts else None),
+        (
+            "timeline",
+            lambda: timeline_figure(timeseries, summary, meta, point=point) if has_ts else None,
+        ),
         (
             "address_map",
             lambda: (
-                address_map_figure(requests, summary, meta, timeseries=timeseries)
-                if has_req
+                address_map_figure(requests, summary, meta, point=point, timeseries=timeseries)
+                if has_req and (point is None or (_with_keys(requests)["point"] == point).any())
                 else None
             ),
         ),
@@ -1345,9 +1794,46 @@ def plot_results(
     return paths
 
 
+def _folder_meta(
+    results_dir: Path, meta: Mapping | None, requests: pd.DataFrame | None
+) -> dict:
+    """The caption's facts: the folder's (`load_meta`) over `meta`, with the workload as
+    `kvfrag run` prints it (its source and the requests it holds)."""
+    folder = load_meta(results_dir)
+    merged = {**dict(meta or {}), **folder}
+    if folder.get("scenario"):
+        merged.pop("name", None)
+    spec = folder.get("workload")
+    if isinstance(spec, Mapping):
+        count = None
+        if requests is not None:
+            req = _with_keys(requests)
+            first = req[req["point"] == _first_point(req)]
+            count = int((first["label"].astype(str) == _labels(first)[0]).sum())
+        merged["workload"] = workload_text(spec, folder.get("seeds"), count)
+    merged.pop("seeds", None)
+    return merged
+
+
+def workload_text(spec: Mapping, seeds: Sequence | None = None, count: int | None = None) -> str:
+    """A resolved workload as `kvfrag run` names it: its trace's path, or `synthetic, seed N`
+    (`seeds ...` when swept), with the number of requests; other mappings by their settings."""
+    trace = spec.get("trace")
+    if isinstance(trace, Mapping) and trace.get("path"):
+        text = str(trace["path"])
+    elif spec.get("synthetic") is not None:
+        if seeds:
+            text = f"synthetic, seeds {', '.join(map(str, seeds))}"
+        else:
+            text = f"synthetic, seed {spec.get('seed', 0)}"
+    else:
+        text = _describe(spec)
+    return f"{text} ({count:,} requests)" if count else text
+
+
 def load_meta(results_dir: Path | str) -> dict:
     """The caption's facts from `results_dir/scenario.resolved.yaml`, if it is there (missing
-    file or keys: an empty or partial dict)."""
+    file or keys: an empty or partial dict); `seeds` when the sweep is over workload.seed."""
     path = Path(results_dir) / "scenario.resolved.yaml"
     if not path.exists():
         return {}
@@ -1372,13 +1858,17 @@ def load_meta(results_dir: Path | str) -> dict:
             meta[key] = doc[key]
     if doc.get("workload") is not None:
         meta["workload"] = doc["workload"]
+    sweep = doc.get("sweep")
+    if isinstance(sweep, Mapping) and isinstance(sweep.get("workload.seed"), list):
+        meta["seeds"] = sweep["workload.seed"]
     return meta
 
 
-def redraw(results_dir: Path | str, svg: bool = False) -> list[Path]:
-    """`kvfrag plot RESULTS_DIR [--svg]`: redraw a results folder's figures from its files
-    (PNG; SVG too with `svg`, and wherever an SVG was drawn before: see `plot_results`)."""
-    return plot_results(Path(results_dir), load_meta(results_dir), svg)
+def redraw(results_dir: Path | str, svg: bool = False, point: int | None = None) -> list[Path]:
+    """`kvfrag plot RESULTS_DIR [--svg] [--point N]`: redraw a results folder's figures from
+    its files (PNG; SVG too with `svg`, and wherever an SVG was drawn before: see
+    `plot_results`); the timeline and the address map of sweep point `point` only, if given."""
+    return plot_results(Path(results_dir), load_meta(results_dir), svg, point)
 
 
 __all__ = [
@@ -1389,6 +1879,7 @@ __all__ = [
     "ResultsFileError",
     "address_map_figure",
     "breakdown_figure",
+    "byte_unit",
     "capacity_figure",
     "caption",
     "caption_parts",
@@ -1396,13 +1887,16 @@ __all__ = [
     "lengths_figure",
     "load_meta",
     "plot_results",
+    "point_names",
     "read_frame",
     "read_summary",
     "redraw",
     "resample",
     "save_figure",
+    "sequences",
     "slab_polygons",
     "sweep_axis",
     "sweep_columns",
     "timeline_figure",
+    "workload_text",
 ]

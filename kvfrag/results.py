@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +42,8 @@ def write_results(
     failures: pd.DataFrame | None = None,
 ) -> Path:
     """Write summary, records and the resolved scenario to `out_dir`, atomically; with
-    `failures` (one row per failed run: its parameters and error), `failures.csv` too."""
+    `failures` (one row per failed run: its parameters and error), `failures.csv` too; each
+    run that carries a memory snapshot (torch-caching), `snapshots/<label>[@<point>].pickle`."""
     out_dir = Path(out_dir)
     outdir.make_dirs(out_dir.parent)
     tmp = temp_dir(out_dir)
@@ -58,6 +60,7 @@ def write_results(
             result.frames("requests").to_parquet(tmp / "requests.parquet", index=False)
             if failures is not None and len(failures):
                 failures.to_csv(tmp / "failures.csv", index=False)
+            write_snapshots(result, tmp)
             if plot is not None:
                 plot(tmp)
             kept = out_dir / VALIDATE_DIR
@@ -69,6 +72,69 @@ def write_results(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+#: A results folder's subfolder of PyTorch memory snapshots (torch-caching runs).
+SNAPSHOT_DIR = "snapshots"
+#: The pickle protocol of snapshot files: what torch's `_dump_snapshot` writes (Python's
+#: default) and PyTorch's memory viewer (MemoryViz.js, which parses protocols 2-4) reads.
+SNAPSHOT_PROTOCOL = 4
+
+
+def snapshot_name(label: str, point: int, sweeps: bool) -> str:
+    """A run's snapshot file name: `<label>.pickle`, `<label>@<point>.pickle` in a sweep (the
+    summary's `point`; labels may hold '@', but the last `@<number>` is always the point)."""
+    return f"{label}@{point}.pickle" if sweeps else f"{label}.pickle"
+
+
+def write_snapshots(result: ScenarioResult, folder: Path) -> list[Path]:
+    """Write each run's memory snapshot (if it has one) into `folder`/snapshots/."""
+    sweeps = bool(result.scenario.sweep)
+    written = []
+    for run in result.runs:
+        if run.result.snapshot is None:
+            continue
+        path = Path(folder) / SNAPSHOT_DIR / snapshot_name(run.label, run.point, sweeps)
+        path.parent.mkdir(exist_ok=True)
+        write_snapshot(run.result.snapshot, path)
+        written.append(path)
+    return written
+
+
+def write_snapshot(snap: dict[str, Any], path: Path) -> None:
+    """Pickle a snapshot dict as torch's `_dump_snapshot` does."""
+    with Path(path).open("wb") as fh:
+        pickle.dump(snap, fh, protocol=SNAPSHOT_PROTOCOL)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (dict, list, tuple, str, bytes, numbers, bool, None): a
+    pickle that names any class or function is refused rather than run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}")
+
+
+def read_snapshot(path: Path) -> Any:
+    """What a snapshot pickle holds (plain data only), or ValueError naming the file."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(2)
+            fh.seek(0)
+            return _PlainUnpickler(fh).load()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
+            AttributeError, MemoryError, UnicodeDecodeError) as exc:
+        detail = str(exc) or type(exc).__name__
+        if detail.startswith("it refers to"):
+            raise ValueError(
+                f"{path}: not a memory snapshot: {detail} (a snapshot holds plain data only)"
+            ) from None
+        if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:  # no protocol 2+ header
+            raise ValueError(f"{path}: not a pickle file") from None
+        raise ValueError(f"{path}: a damaged pickle file ({detail})") from None
 
 
 def json_value(value: Any) -> Any:
@@ -133,6 +199,7 @@ class PointStore:
                                        and the digests of the input files it read,
             <key>/timeseries.parquet   its accounting over time
             <key>/requests.parquet     and its per-request records
+            <key>/snapshot.pickle      and its memory snapshot (torch-caching runs only)
 
     A point's folder is written under a temporary name and renamed when complete, so a
     killed sweep leaves only whole points (and temporary folders, removed on the next open).
@@ -142,6 +209,7 @@ class PointStore:
     SCENARIO = "scenario.resolved.yaml"
     CODE = "code.txt"
     INPUTS = "inputs.json"
+    SNAPSHOT = "snapshot.pickle"
 
     def __init__(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
@@ -283,6 +351,8 @@ class PointStore:
             )
             result.timeseries.to_parquet(tmp / "timeseries.parquet", index=False)
             result.requests.to_parquet(tmp / "requests.parquet", index=False)
+            if result.snapshot is not None:
+                write_snapshot(result.snapshot, tmp / self.SNAPSHOT)
             target = self.dir / key
             if target.exists():
                 shutil.rmtree(target)
@@ -294,10 +364,12 @@ class PointStore:
     def get(self, key: str) -> RunResult:
         folder = self.dir / key
         record = json.loads((folder / "summary.json").read_text(encoding="utf-8"))
+        snap = folder / self.SNAPSHOT
         return RunResult(
             record["summary"],
             pd.read_parquet(folder / "timeseries.parquet"),
             pd.read_parquet(folder / "requests.parquet"),
+            snapshot=read_snapshot(snap) if snap.is_file() else None,
         )
 
     def remove(self) -> None:
@@ -331,7 +403,9 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
     return path or None
 
 
-#: Columns of the terminal table, with how to show them.
+#: Columns of the terminal table, with how to show them; a fourth item names a summary column
+#: that must be above zero in some row for the column to be shown at all (what a scenario is
+#: about, left out of the tables of the others).
 TABLE = (
     ("label", "label", str),
     ("token_states", "tokens", "pct"),
@@ -352,6 +426,9 @@ TABLE = (
     ("p99_ttft_s", "p99 ttft", "{:.2f}"),
     ("mean_tpot_s", "tpot ms", "ms"),
     ("p99_tpot_s", "p99 tpot", "ms"),
+    ("prefix_hit_rate_tokens", "hit %", "pct", "prefix_hit_rate_tokens"),
+    ("memory_saved_by_sharing", "saved", "pct", "memory_saved_by_sharing"),
+    ("stall_s", "stall s", "{:.2f}", "compactions"),
 )
 
 
@@ -385,8 +462,15 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def format_table(summary: pd.DataFrame, sweep_keys: list[str]) -> str:
-    """The summary as a fixed-width table for the terminal (fractions as % of the budget)."""
-    cols = [(k, k.split(".")[-1], "{}") for k in sweep_keys] + list(TABLE)
+    """The summary as a fixed-width table for the terminal (fractions as % of the budget); the
+    columns of `TABLE` with a condition only when some row meets it."""
+
+    def shown(when: str) -> bool:
+        return when in summary and bool((pd.to_numeric(summary[when], errors="coerce") > 0).any())
+
+    cols = [(k, k.split(".")[-1], "{}") for k in sweep_keys] + [
+        (key, name, fmt) for key, name, fmt, *when in TABLE if all(map(shown, when))
+    ]
     header = [name for _, name, _ in cols]
     labels = {k: short_labels(summary[k].tolist()) for k in sweep_keys if k in summary}
     rows = []

@@ -103,6 +103,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="write the figures as SVG too (default: PNG only; SVGs an earlier --svg wrote are "
         "redrawn either way, so none is left stale)",
     )
+    p.add_argument("--point", type=int, metavar="N",
+                   help="draw the timeline and address map of sweep point N only (default: "
+                   "every point)")
     p.set_defaults(func=cmd_plot)
 
 
@@ -453,7 +456,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{folder}: not a results folder (no summary.csv)")
     outdir.check_target(folder)  # it redraws plots/ in place: only in a folder kvfrag wrote
     with outdir.locked(folder, f"kvfrag plot {folder}", args.wait), outdir.writing(folder):
-        paths = redraw(folder, svg=args.svg)
+        paths = redraw(folder, svg=args.svg, point=args.point)
         outdir.add_to_manifest(folder, paths)
     for path in paths:
         print(path)

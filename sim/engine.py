@@ -39,7 +39,7 @@ import math
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import pandas as pd
@@ -144,6 +144,9 @@ class RunResult:
     timeseries: pd.DataFrame
     requests: pd.DataFrame
     log: pd.DataFrame | None = None  # the allocation log, when asked for
+    #: A `torch.cuda.memory._snapshot()`-format dict of the allocator at the end of the run
+    #: (`sim.snapshot`): filled by `sim.scenario.run_point` for torch-caching runs, else None.
+    snapshot: dict[str, Any] | None = None
 
 
 #: Columns of the allocation log. `check` rows carry the model's accounting at that instant:

@@ -684,8 +684,15 @@ def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
 
 def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> RunResult:
     """One allocator at one sweep point, on its workload's request table (the unit of work
-    of `run` and of `sim.sweep`'s executors)."""
-    return run_engine(requests, build_allocator(point, spec), point.engine_config())
+    of `run` and of `sim.sweep`'s executors). A torch-caching run carries the allocator's
+    PyTorch memory snapshot at its end (`RunResult.snapshot`, see `sim.snapshot`)."""
+    from sim.snapshot import TorchCachingAllocator, snapshot
+
+    allocator = build_allocator(point, spec)
+    result = run_engine(requests, allocator, point.engine_config())
+    if isinstance(allocator, TorchCachingAllocator):
+        result.snapshot = snapshot(allocator)
+    return result
 
 
 def count_runs(scenario: Scenario) -> int:

@@ -165,13 +165,14 @@ def test_sweep_results(tmp_path):
     paged, paged_sum = ts[ts["label"] == "paged-16"], summary[summary["label"] == "paged-16"]
     fig = plots.timeline_figure(paged, paged_sum)
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == [
-        "kv_budget = 4 GiB",
-        "kv_budget = 8 GiB",
+        "kv_budget=4 GiB",
+        "kv_budget=8 GiB",
     ]
     fig = plots.breakdown_figure(paged_sum)
-    (ax,) = fig.axes
-    assert ax.get_xlabel() == "KV budget (GiB)" and ax.get_title() == "paged-16"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "8"]
+    ax, *zoom = fig.axes  # (and the zoom on the parts that hold no tokens, when they are small)
+    names = zoom[0] if zoom else ax  # the bars' names go under the lowest row
+    assert names.get_xlabel() == "KV budget (GiB)" and ax.get_title() == "paged-16"
+    assert [t.get_text() for t in names.get_xticklabels()] == ["4", "8"]
 
 
 def test_sweep_of_one_allocator_option():
@@ -197,7 +198,7 @@ def test_sweep_of_one_allocator_option():
     assert numeric and xs == {0: 8.0, 1: 16.0, 2: 32.0} and text[0] == "8"
     fig = plots.breakdown_figure(summary)
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
-    assert titles == ["block_size = 8", "block_size = 16", "block_size = 32"]
+    assert titles[:3] == ["block_size=8", "block_size=16", "block_size=32"]
 
 
 def _rectangles(collection) -> np.ndarray:
@@ -598,3 +599,291 @@ def test_plot_never_leaves_a_stale_svg(written, tmp_path, capsys):
         assert "renamed-since" in svg.read_text()
     assert sorted((folder / "plots").glob("*.svg")) == svgs
     assert {f"plots/{p.name}" for p in svgs} <= _manifest_files(folder)
+
+
+# ------------------------------------------------- figures that are right for every scenario
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def beams(tmp_path_factory) -> Path:
+    """sharing-beam-search as shipped: beam widths 2, 4, 6 on buddy slabs and paged blocks."""
+    from kvfrag.cli import main
+
+    out = tmp_path_factory.mktemp("beams") / "sharing-beam-search"
+    scenario = ROOT / "scenarios" / "sharing-beam-search.yaml"
+    assert main(["run", str(scenario), "-o", str(out), "-q", "--no-plots", "-j", "1"]) == 0
+    return out
+
+
+def _overlapping_pairs(rects: np.ndarray) -> int:
+    """Pairs of (left, bottom, right, top) rectangles whose interiors intersect."""
+    rects = rects[np.argsort(rects[:, 0], kind="stable")]
+    pairs = 0
+    for i, (_, bottom, right, top) in enumerate(rects):
+        for other in rects[i + 1:]:
+            if other[0] >= right:
+                break  # sorted by left edge: no later one starts before this one ends
+            if other[1] < top and bottom < other[3]:
+                pairs += 1
+    return pairs
+
+
+def test_address_map_of_beams_draws_slabs_where_they_are(beams):
+    """Each beam keeps a slab of its own: drawing a request's first slab as tall as all of its
+    beams' slabs put slabs over one another and past the budget (220 overlapping pairs at width
+    2, request 0 at 11.74 GB + 1.68 GB in 12 GiB). Now every live slab drawn is one slab where
+    it is: no two overlap, none passes the budget, and every point is drawn."""
+    requests = pd.read_parquet(beams / "requests.parquet")
+    summary = plots.read_summary(beams / "summary.csv")
+    ts = pd.read_parquet(beams / "timeseries.parquet")
+    fig = plots.address_map_figure(requests, summary, timeseries=ts)
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert [t.split(":")[0] for t in titles] == [
+        f"orca-oracle  ·  beam_width={w}" for w in (2, 4, 6)
+    ]
+    assert all("1st of" in t for t in titles)  # and says that only the first slab is drawn
+    assert "keep the first one's offset only" in fig._suptitle.get_text()
+    budget = 12 * 2**30 / 2**30  # GiB, the axis' unit
+    for ax, width in zip(fig.axes, (2, 4, 6), strict=True):
+        assert ax.get_ylabel() == "address (GiB)" and ax.get_ylim() == (0, budget)
+        outline = ax.collections[3]
+        rects = _rectangles(outline)
+        assert len(rects) == 600
+        assert _overlapping_pairs(rects) == 0
+        assert rects[:, 3].max() <= budget + 1e-9
+        # Each rectangle is one beam's slab: the request's bytes over its beams.
+        point = requests["point"] == width // 2 - 1
+        rows = requests[(requests["label"] == "orca-oracle") & point]
+        rows = rows.sort_values("admitted_s", kind="stable")
+        assert (plots.sequences(rows) == width).all()
+        assert np.allclose(rects[:, 3] - rects[:, 1], rows["peak_bytes"] / width / 2**30)
+
+
+def test_address_map_draws_every_slab_of_several_sequences_where_results_list_them():
+    """With each sequence's offset in the results (`slab_offsets_bytes`), every slab is drawn."""
+    one = 100 * BPT
+    req = pd.DataFrame(
+        {
+            "label": "slab", "point": 0, "status": "completed",
+            "admitted_s": [0.0, 1.0], "first_token_s": [0.5, 1.5], "finished_s": [3.0, 4.0],
+            "released_s": [3.0, 4.0], "offset_bytes": [0, 2 * one], "peak_bytes": [2 * one, one],
+            "prompt_tokens": [50, 50], "output_tokens": [50, 50], "generated_tokens": [100, 50],
+            "final_tokens": [100, 100], "tokens_at_end": [0, 0],
+            plots.SLAB_OFFSETS: [[0, 3 * one], [2 * one]],
+        }
+    )
+    summary = pd.DataFrame({"label": ["slab"], "point": [0], "kind": ["contiguous"],
+                            "kv_budget_bytes": [4 * one], "bytes_per_token": [BPT],
+                            **{p: [0.2] for p in plots.PARTS}})
+    fig = plots.address_map_figure(req, summary)
+    (ax,) = fig.axes
+    unit, size = plots.byte_unit(4 * one)
+    assert ax.get_ylabel() == f"address ({unit})"
+    rects = _rectangles(ax.collections[3]) * size / one  # in slabs
+    assert np.allclose(sorted(rects[:, 1]), [0, 2, 3])
+    assert np.allclose(rects[:, 3] - rects[:, 1], 1)
+    assert ax.get_title(loc="left") == "slab"  # nothing left out, nothing to note
+
+
+def _sweep_results(tmp_path: Path) -> Path:
+    return _write_results(tmp_path / "sweep", ALLOCATORS, budgets=(CAP, 2 * CAP))
+
+
+def test_every_sweep_point_is_drawn_and_plot_picks_one(tmp_path):
+    """The timeline and the address map draw every point of a sweep (a row or column each);
+    `point` (kvfrag plot --point N) draws one; a point the sweep lacks is an error."""
+    folder = _sweep_results(tmp_path)
+    summary = plots.read_summary(folder / "summary.csv")
+    ts = pd.read_parquet(folder / "timeseries.parquet")
+    requests = pd.read_parquet(folder / "requests.parquet")
+    fig = plots.timeline_figure(ts, summary)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles == [f"{lb}  ·  kv_budget={b} GiB" for b in (4, 8) for lb, _, _ in ALLOCATORS]
+    fig = plots.address_map_figure(requests, summary, timeseries=ts)
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert titles == [f"{lb}  ·  kv_budget={b} GiB" for lb in ("slab-oracle", "buddy-pow2")
+                      for b in (4, 8)]
+    # A panel's budget is its own point's.
+    assert [ax.get_ylim()[1] for ax in fig.axes] == [4, 8, 4, 8]
+    one = plots.timeline_figure(ts, summary, point=1)
+    assert [ax.get_title() for ax in one.axes if ax.get_title()] == [a[0] for a in ALLOCATORS]
+    assert "(kv_budget=8 GiB)" in one._suptitle.get_text()
+    one = plots.address_map_figure(requests, summary, point=1)
+    assert [ax.get_title(loc="left") for ax in one.axes] == ["slab-oracle", "buddy-pow2"]
+    with pytest.raises(ValueError, match=r"no sweep point 5 \(its points: 0, 1\)"):
+        plots.redraw(folder, point=5)
+    paths = plots.redraw(folder, point=1)
+    assert {p.name for p in paths} == {f"{f}.png" for f in plots.FIGURES}
+
+
+def test_more_points_than_panels_say_which_are_left_out(results):
+    ts = pd.read_parquet(results / "timeseries.parquet")
+    paged = ts[ts["label"] == "paged-16"]
+    many = pd.concat([paged.assign(point=p) for p in range(plots.MAX_PANELS + 2)])
+    fig = plots.timeline_figure(many)
+    assert len([ax for ax in fig.axes if ax.get_title()]) == plots.MAX_PANELS
+    assert "sweep points 16–17 not drawn" in fig._suptitle.get_text()
+    assert "--point N" in fig._suptitle.get_text()
+
+
+SWEPT_WORKLOADS = [
+    {"trace": {"path": "sample:azure-conv"}, "transforms": {"first_n": 150}, "n": 2},
+    {"trace": {"path": "sample:azure-conv"}, "transforms": {"first_n": 150}, "n": 4},
+    {"trace": {"path": "sample:azure-conv"}, "transforms": {"first_n": 150}, "beam_width": 3},
+]
+
+
+def _texts(fig) -> list[str]:
+    texts = [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+        texts += [ax.get_title(loc=loc) for loc in ("left", "center", "right")]
+        texts += [ax.get_xlabel(), ax.get_ylabel()]
+        texts += [t.get_text() for t in (*ax.texts, *ax.get_xticklabels())]
+    return [t for t in texts if t]
+
+
+def test_swept_mappings_get_short_labels(results):
+    """A sweep over whole mappings (validate-sharing's workloads) is labelled as the table
+    labels it, by the keys that differ, in every figure: no JSON in titles or ticks."""
+    base = pd.read_csv(results / "summary.csv")
+    rows = []
+    for point, workload in enumerate(SWEPT_WORKLOADS):
+        part = base.copy()
+        part.insert(part.columns.get_loc("point") + 1, "workload", json.dumps(workload))
+        rows.append(part.assign(point=point))
+    summary = pd.concat(rows, ignore_index=True)
+    assert plots.point_names(summary) == {0: "n=2", 1: "n=4", 2: "beam_width=3"}
+    fig = plots.breakdown_figure(summary)
+    assert [ax.get_title() for ax in fig.axes[:3]] == ["n=2", "n=4", "beam_width=3"]
+    cap = plots.capacity_figure(summary)
+    assert [t.get_text() for t in cap.axes[-1].get_xticklabels()] == ["n=2", "n=4", "beam_width=3"]
+    for figure in (fig, cap):
+        assert not [t for t in _texts(figure) if "{" in t or '"' in t]
+
+
+def test_axes_are_in_units_that_fit_the_budget(tmp_path):
+    """A 16 MiB budget is drawn on a MiB axis (0-16), not a GiB one (0.000-0.014)."""
+    assert plots.byte_unit(16 * 2**20) == ("MiB", 2**20)
+    assert plots.byte_unit(12 * 2**30) == ("GiB", 2**30)
+    folder = _write_results(tmp_path / "small", ALLOCATORS, budgets=(900 * 2**20,))
+    summary = plots.read_summary(folder / "summary.csv")
+    ts = pd.read_parquet(folder / "timeseries.parquet")
+    requests = pd.read_parquet(folder / "requests.parquet")
+    fig = plots.timeline_figure(ts, summary)
+    memory = [ax for ax in fig.axes if ax.get_ylabel().startswith("KV memory")]
+    assert memory and memory[0].get_ylabel() == "KV memory (MiB)"
+    assert 900 <= memory[0].get_ylim()[1] < 901
+    fig = plots.address_map_figure(requests, summary)
+    assert fig.axes[0].get_ylabel() == "address (MiB)" and fig.axes[0].get_ylim() == (0, 900)
+    assert "KV budget: 900 MiB" in plots.caption(None, summary)
+
+
+def test_captions_are_the_same_from_run_and_plot(written, tmp_path):
+    """`kvfrag run` and `kvfrag plot` of one folder draw the same figures, byte for byte (the
+    caption's facts come from the folder, whatever the caller passes); a KV budget given as a
+    GPU's terms reads as bytes, not as the raw mapping."""
+    from kvfrag.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", str(written.parent / "tiny.yaml"), "-o", str(out), "-q", "-j", "1"]) == 0
+    drawn = {p.name: p.read_bytes() for p in (out / "plots").glob("*.png")}
+    assert main(["plot", str(out)]) == 0
+    assert {p.name: p.read_bytes() for p in (out / "plots").glob("*.png")} == drawn
+    summary = plots.read_summary(out / "summary.csv")
+    meta = {"kv_budget": {"gpu_memory": 40 * 2**30, "utilization": 0.9}}
+    assert "KV budget: 4 GiB (derived)" in plots.caption(meta, summary)
+    assert "gpu_memory" not in plots.caption(meta, summary)
+    meta = plots._folder_meta(out, {"workload": "anything the caller says"}, None)
+    assert meta["workload"] == "sample:azure-conv"
+    assert plots.workload_text({"synthetic": {"count": 5}, "seed": 3}, None, 1500) == (
+        "synthetic, seed 3 (1,500 requests)"
+    )
+
+
+def test_small_parts_get_a_zoom(results):
+    """When reserved, internal and external are small, a row below the bars shows only them
+    on an axis that fits (a block-size sweep's 0-8 % is a sliver on a 0-100 % bar)."""
+    summary = pd.read_csv(results / "summary.csv")
+    paged = summary[summary["label"] == "paged-16"].copy()
+    for part, value in (("token_states", 0.77), ("reserved", 0.058), ("internal", 0.022),
+                        ("internal_overreservation", 0.0), ("internal_rounding", 0.022),
+                        ("external", 0.0), ("usable_free", 0.15)):
+        paged[part] = value
+    fig = plots.breakdown_figure(paged)
+    bars, zoom = fig.axes
+    assert [t.get_text() for t in zoom.texts] == ["8.0%"]
+    assert 8.0 < zoom.get_ylim()[1] <= 12.0 and bars.get_ylim() == (0, 100)
+    assert len(zoom.collections) == 4  # reserved, the two internal parts, external
+    wasteful = summary.copy()
+    wasteful["internal"] = wasteful["internal_rounding"] = 0.5
+    assert len(plots.breakdown_figure(wasteful).axes) == 1
+
+
+def test_the_capacity_figure_shows_what_a_scenario_is_about(results):
+    """Latency always; prefix-cache hits, memory saved by sharing and compaction stall only
+    where a run shows them."""
+    summary = pd.read_csv(results / "summary.csv")
+    titles = [ax.get_title().split("\n")[0] for ax in plots.capacity_figure(summary).axes
+              if ax.get_visible()]
+    assert titles == ["Requests running at once", "Throughput", "Latency"]
+    special = summary.copy()
+    special["prefix_hit_rate_tokens"] = [0.0, 0.0, 0.061]
+    special["memory_saved_by_sharing"] = [0.0, 0.0, 0.49]
+    special["compactions"], special["stall_s"] = [693, 0, 0], [2.27, 0.0, 0.0]
+    special["bytes_moved"] = [3.5e12, 0, 0]
+    fig = plots.capacity_figure(special)
+    axes = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_visible()}
+    assert list(axes) == ["Requests running at once", "Throughput", "Latency",
+                          "Prefix cache hits", "Memory saved by sharing", "Compaction stall"]
+    assert "6.1%" in [t.get_text() for t in axes["Prefix cache hits"].texts]
+    assert "49.0%" in [t.get_text() for t in axes["Memory saved by sharing"].texts]
+    stall = [t.get_text() for t in axes["Compaction stall"].texts]
+    assert stall[0].startswith("2.27 s\n693 compactions")
+    sweep = pd.concat([special.assign(point=0), special.assign(point=1)])
+    sweep.insert(sweep.columns.get_loc("point") + 1, "workload.n", [1, 1, 1, 2, 2, 2])
+    axes = [ax for ax in plots.capacity_figure(sweep).axes if ax.get_visible()]
+    assert len(axes) == 6 and all(len(ax.get_lines()) >= len(ALLOCATORS) for ax in axes)
+
+
+def test_panels_with_nothing_to_draw_say_why(results):
+    """An allocator whose slabs compaction moved, one that admitted nothing, and a run with
+    no records over time: each panel says why it is empty."""
+    requests = pd.read_parquet(results / "requests.parquet")
+    summary = pd.read_csv(results / "summary.csv")
+    moved = summary.assign(compactions=[3, 0, 0], bytes_moved=[2**30, 0, 0], stall_s=[0.5, 0, 0])
+    fig = plots.address_map_figure(requests, moved)
+    first = fig.axes[0]
+    assert not first.collections
+    assert "3 compactions moved 1 GiB" in first.texts[0].get_text()
+    assert len(fig.axes[1].collections) == 4  # the buddy's slabs are drawn as ever
+    none = requests.copy()
+    buddy = none["label"] == "buddy-pow2"
+    none.loc[buddy, "admitted_s"] = np.nan
+    none.loc[buddy, "reason"] = "too_large"
+    fig = plots.address_map_figure(none, summary.assign(label=summary["label"]))
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any("no request was admitted (rejected: too_large 40)" in t for t in texts)
+    ts = pd.read_parquet(results / "timeseries.parquet")
+    two = pd.concat([ts.assign(point=0), ts[ts["label"] != "paged-16"].assign(point=1)])
+    fig = plots.timeline_figure(two, pd.concat([summary.assign(point=p) for p in (0, 1)]))
+    said = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert len(said) == 1 and "no records" in said[0]
+
+
+def test_torch_addresses_are_drawn_from_its_first_segment(results):
+    """torch's caching allocator hands out virtual addresses from 0x7F0000000000 and never
+    reuses a segment's: drawn from its first segment, on an axis as tall as they reach."""
+    from sim.allocators.torch_caching import ADDRESS_BASE
+
+    requests = pd.read_parquet(results / "requests.parquet")
+    summary = pd.read_csv(results / "summary.csv")
+    slab = requests["label"] == "slab-oracle"
+    requests.loc[slab, "offset_bytes"] = requests.loc[slab, "offset_bytes"] + ADDRESS_BASE
+    summary.loc[summary["label"] == "slab-oracle", "kind"] = "torch-caching"
+    fig = plots.address_map_figure(requests, summary)
+    ax = fig.axes[0]
+    assert "virtual addresses" in ax.get_title(loc="left")
+    assert ax.get_ylabel() == "virtual address (GiB)"
+    rects = _rectangles(ax.collections[3])
+    assert rects[:, 1].min() >= 0 and rects[:, 3].max() <= ax.get_ylim()[1] <= 4
