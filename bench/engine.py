@@ -27,11 +27,10 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 import simpy
-
-from sim.allocators import make_allocator
-from sim.engine import EngineConfig, StepTime, run
-from sim.geometry import preset
-from sim.units import parse_size
+from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.geometry import preset
+from kvfrag.sim.units import parse_size
 
 GEO = preset("llama-3-8b")
 CONFIG = EngineConfig(
@@ -72,7 +71,7 @@ def workload(n: int, seed: int, output: int = 1000) -> pd.DataFrame:
 
 
 def mooncake() -> pd.DataFrame:
-    from workloads import WorkloadSpec, build_workload
+    from kvfrag.workloads import WorkloadSpec, build_workload
 
     spec = WorkloadSpec.model_validate({"trace": {"path": "sample:mooncake-conv"}})
     wl = build_workload(spec, None, None, 131072).requests

@@ -44,11 +44,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import simpy
-
-from sim.allocators import make_allocator
-from sim.engine import EngineConfig, StepTime, run
-from sim.geometry import preset
-from sim.units import parse_size
+from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.geometry import preset
+from kvfrag.sim.units import parse_size
 
 GEO = preset("llama-3-8b")
 BLOCK = 16  # tokens per KV block (the paged allocator's block_size)

@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from kvfrag.sim.scenario import run
+
 from kvfrag.config import load_scenario
 from kvfrag.results import write_results
-from sim.scenario import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = (ROOT / "scenarios" / "quickstart.yaml", ROOT / "scenarios" / "block-size-sweep.yaml")

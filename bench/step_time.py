@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-
-from sim.hardware import PRESETS as GPUS
-from sim.steptime import (
+from kvfrag.sim.hardware import PRESETS as GPUS
+from kvfrag.sim.steptime import (
     FIT_FIELDS,
     FITTED,
     OPERATORS,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sim.calibrate import ErrorStats, StepTimeFit
+    from kvfrag.sim.calibrate import ErrorStats, StepTimeFit
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from sim.calibrate import fit_step_time, read_iterations
+    from kvfrag.sim.calibrate import fit_step_time, read_iterations
 
     fit = fit_step_time(read_iterations(args.file), args.file)
     print(format_json(fit, args.file) if args.json else format_yaml(fit, args.file))
@@ -48,7 +48,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def format_yaml(fit: StepTimeFit, source: Path) -> str:
     """The block to paste into a scenario, its error and the batch sizes as comments."""
-    from sim.calibrate import FOLDS
+    from kvfrag.sim.calibrate import FOLDS
 
     comment = f"# fitted to {source}: {fit.rows} iterations; |error| {_percent(fit.error)}"
     if fit.held_out is not None:
@@ -67,7 +67,7 @@ def format_yaml(fit: StepTimeFit, source: Path) -> str:
 
 def format_json(fit: StepTimeFit, source: Path) -> str:
     """Full-precision coefficients; errors as fractions of the measured seconds."""
-    from sim.calibrate import FOLDS
+    from kvfrag.sim.calibrate import FOLDS
 
     def stats(s: ErrorStats | None) -> dict[str, float] | None:
         return None if s is None else {"median": s.median, "p90": s.p90, "max": s.max}

@@ -16,13 +16,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvfrag {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from kvfrag import calibrate_cmd, run_cmd, snapshot_cmd, trace_cmd, validate_cmd
+    from kvfrag import (
+        calibrate_cmd,
+        run_cmd,
+        scenarios_cmd,
+        snapshot_cmd,
+        trace_cmd,
+        validate_cmd,
+    )
 
     run_cmd.add_parsers(sub)
     trace_cmd.add_parser(sub)
     validate_cmd.add_parser(sub)
     calibrate_cmd.add_parser(sub)
     snapshot_cmd.add_parser(sub)
+    scenarios_cmd.add_parser(sub)
     return parser
 
 
@@ -53,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         print("\ninterrupted", file=sys.stderr)
         return interrupt_status(exc)
+    except BrokenPipeError:  # `kvfrag scenarios | head`: the reader has what it wanted
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return OK
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kvfrag import __version__
-from sim.presets import nearest
-from sim.scenario import (
+from kvfrag.sim.presets import nearest
+from kvfrag.sim.scenario import (
     FieldError,
     Scenario,
     SweepPointError,
@@ -61,8 +61,29 @@ class LoadedScenario:
         return {"kvfrag_version": __version__, **data}
 
 
+def shipped_scenarios() -> dict[str, Path]:
+    """The scenarios that ship with kvfrag, by name: package data when installed, the
+    repository's scenarios/ folder in a source checkout."""
+    import kvfrag
+
+    here = Path(kvfrag.__file__).resolve().parent
+    for folder in (here / "scenarios", here.parent / "scenarios"):
+        if folder.is_dir():
+            return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+    return {}
+
+
+def scenario_path(arg: str | Path) -> Path:
+    """A scenario file, or the name of a shipped one (`kvfrag run quickstart`). A file of that
+    name in the current folder wins; a path with a folder or a suffix is always a file."""
+    path = Path(arg)
+    if path.exists() or path.suffix or len(path.parts) != 1:
+        return path
+    return shipped_scenarios().get(str(arg), path)
+
+
 def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> LoadedScenario:
-    path = Path(path)
+    path = scenario_path(path)
     root, data = _parse(_read(path), path)
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: a scenario is a YAML mapping (name, model, kv_budget, ...)")
@@ -114,7 +135,11 @@ def _read(path: Path) -> str:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
+        hint = ""
+        if not path.suffix and len(path.parts) == 1:
+            names = ", ".join(shipped_scenarios())
+            hint = f" and no shipped scenario of that name (kvfrag scenarios lists them: {names})"
+        raise ScenarioError(f"{path}: no such scenario file{hint}") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
         reason = getattr(exc, "strerror", None) or exc
         raise ScenarioError(f"{path}: cannot read: {reason}") from None
@@ -246,7 +271,7 @@ def workload_paths(node: Any, loc: list) -> Iterator[tuple[list, str]]:
 
 def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node | None) -> None:
     """Every file the workload names must exist, so a run never fails half-way for it."""
-    from workloads import samples
+    from kvfrag.workloads import samples
 
     for here, value in workload_paths(node, loc):
         if value.startswith("sample:"):

@@ -50,9 +50,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from kvfrag.results import short_labels
-from sim.allocators.base import PARTS  # the five parts, bottom to top of every stack
-from sim.allocators.torch_caching import ADDRESS_BASE
-from sim.engine import REJECT_REASONS
+from kvfrag.sim.allocators.base import PARTS  # the five parts, bottom to top of every stack
+from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
+from kvfrag.sim.engine import REJECT_REASONS
 
 #: One colour per part of the budget, used by every figure. Green is always token states.
 PALETTE: dict[str, str] = {

@@ -30,8 +30,8 @@ import yaml
 
 from kvfrag import outdir
 from kvfrag.outdir import VALIDATE_DIR, replace_dir, temp_dir, writing
-from sim.engine import RunResult
-from sim.scenario import ScenarioResult
+from kvfrag.sim.engine import RunResult
+from kvfrag.sim.scenario import ScenarioResult
 
 
 def write_results(

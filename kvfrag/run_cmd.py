@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # the command line imports the simulator only when a command 
 
     from kvfrag.config import LoadedScenario
     from kvfrag.results import PointStore
-    from sim.engine import RunResult
-    from sim.sweep import Executor, Task
-    from workloads import Workload
+    from kvfrag.sim.engine import RunResult
+    from kvfrag.sim.sweep import Executor, Task
+    from kvfrag.workloads import Workload
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +42,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "plots to results/<name>/. Each finished point is staged as it completes in "
         "results/.<name>.points/, so an interrupted sweep continues with --resume.",
     )
-    p.add_argument("scenario", type=Path, help="scenario YAML file")
+    p.add_argument("scenario", type=Path,
+                   help="scenario YAML file, or a shipped scenario's name (kvfrag scenarios)")
     p.add_argument("-o", "--output", type=Path, help="results folder (default results/<name>)")
     add_set_argument(p, "kv_budget=40GB")
     p.add_argument(
@@ -112,7 +113,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from kvfrag.config import load_scenario
     from kvfrag.results import PointStore
-    from sim.sweep import make_executor
+    from kvfrag.sim.sweep import make_executor
 
     loaded = load_scenario(args.scenario, args.sets)
     scenario = loaded.scenario
@@ -165,9 +166,9 @@ def _run(
         summary_records,
         write_results,
     )
-    from sim.scenario import WORKLOAD_COUNTS
-    from sim.sweep import SerialExecutor, assemble, build_workloads, distinct, plan
-    from sim.units import format_size
+    from kvfrag.sim.scenario import WORKLOAD_COUNTS
+    from kvfrag.sim.sweep import SerialExecutor, assemble, build_workloads, distinct, plan
+    from kvfrag.sim.units import format_size
 
     scenario = loaded.scenario
     resolved = loaded.resolved()
@@ -281,7 +282,7 @@ def _run(
 
 def _derived(scenario: Any) -> str:
     """How a derived KV budget was reached (empty when the scenario gives one)."""
-    from sim.units import format_size
+    from kvfrag.sim.units import format_size
 
     if scenario.kv_budget is not None:
         return ""
@@ -293,8 +294,8 @@ def _derived(scenario: Any) -> str:
 
 def profile_files(scenario: Any) -> list[Path]:
     """The step-time profile a point reads, if any (its path is absolute by now)."""
-    from sim.scenario import ProfileSpec
-    from sim.timing import read_profile
+    from kvfrag.sim.scenario import ProfileSpec
+    from kvfrag.sim.timing import read_profile
 
     step = scenario.engine.step_time
     return [read_profile(step.profile).path] if isinstance(step, ProfileSpec) else []
@@ -304,7 +305,7 @@ def input_files(spec: Any, base_dir: Path) -> list[Path]:
     """Every file a workload reads (traces, empirical length tables, shipped samples):
     staged points are reused only while these are byte for byte the same."""
     from kvfrag.config import workload_paths
-    from workloads import resolve_path, samples
+    from kvfrag.workloads import resolve_path, samples
 
     found = set()
     for _, value in workload_paths(spec.model_dump(mode="json"), []):
@@ -316,7 +317,7 @@ def input_files(spec: Any, base_dir: Path) -> list[Path]:
 
 def rejection_warnings(summary: pd.DataFrame, share: float = 0.5) -> list[str]:
     """One line per run that rejected more than `share` of its requests, with the reasons."""
-    from sim.engine import REJECT_REASONS
+    from kvfrag.sim.engine import REJECT_REASONS
 
     lines = []
     for rec in summary.to_dict("records"):
@@ -340,8 +341,7 @@ def code_fingerprint() -> str:
     the code that computed them."""
     import hashlib
 
-    import sim
-    import workloads
+    from kvfrag import sim, workloads
 
     digest = hashlib.sha256()
     for package in (sim, workloads):
@@ -435,7 +435,7 @@ def _scalar(value: object) -> object:
 
 
 def _meta(resolved: dict, source: str) -> dict:
-    from sim.units import format_size
+    from kvfrag.sim.units import format_size
 
     return {
         "name": resolved.get("name"),

@@ -99,9 +99,9 @@ def _split_size(text: str) -> float | str:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from kvfrag.results import SCHEMA_VERSION, dumps_json, read_snapshot
-    from sim.allocators import TorchCachingAllocator
-    from sim.snapshot import check_snapshot, compare, infer_capacity, recorded_settings
-    from sim.units import parse_size
+    from kvfrag.sim.allocators import TorchCachingAllocator
+    from kvfrag.sim.snapshot import check_snapshot, compare, infer_capacity, recorded_settings
+    from kvfrag.sim.units import parse_size
 
     if args.show < 0:
         raise ValueError("--show must be >= 0")
@@ -189,7 +189,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _bytes(n: int) -> str:
-    from sim.units import format_size
+    from kvfrag.sim.units import format_size
 
     return f"{format_size(n)} ({n:,} B)"
 

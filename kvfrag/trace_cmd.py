@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvfrag import outdir
-from workloads import samples
-from workloads.names import FIELDS, FORMATS, TIME_UNITS
+from kvfrag.workloads import samples
+from kvfrag.workloads.names import FIELDS, FORMATS, TIME_UNITS
 
 if TYPE_CHECKING:  # read only when a trace is (`kvfrag --help` stays quick)
-    from workloads import Workload
-    from workloads.stats import LengthStats, TraceStats
+    from kvfrag.workloads import Workload
+    from kvfrag.workloads.stats import LengthStats, TraceStats
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,8 +62,8 @@ def _column_map(pairs: list[str]) -> dict[str, str] | None:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from workloads import load_trace
-    from workloads.stats import trace_stats
+    from kvfrag.workloads import load_trace
+    from kvfrag.workloads.stats import trace_stats
 
     workload = load_trace(
         args.path,
@@ -156,7 +156,7 @@ def _num(value: float) -> str:
 def write_plot(workload: Workload, out: Path) -> None:
     from matplotlib.figure import Figure
 
-    from workloads.stats import arrival_rate, length_cdf
+    from kvfrag.workloads.stats import arrival_rate, length_cdf
 
     fig = Figure(figsize=(11, 4), layout="constrained")
     cdf_ax, rate_ax = fig.subplots(1, 2)

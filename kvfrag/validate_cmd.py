@@ -65,10 +65,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from kvfrag.config import load_scenario
-    from sim.units import format_size, parse_size
-    from validate import suite
-    from validate.outcome import FAILING
-    from validate.report import format_table, write_report
+    from kvfrag.sim.units import format_size, parse_size
+    from kvfrag.validate import suite
+    from kvfrag.validate.outcome import FAILING
+    from kvfrag.validate.report import format_table, write_report
 
     loaded = load_scenario(args.scenario, args.sets)
     scenario = loaded.scenario
@@ -118,8 +118,8 @@ def report_document(scenario: str, out: Path, outcomes: list) -> dict:
     """What `validate --json` prints: the rows of validate.json (one per allocator, mode and
     sweep point) and the verdict the exit status gives (fail: some replay failed or errored)."""
     from kvfrag.results import SCHEMA_VERSION, summary_records
-    from validate.outcome import FAILING
-    from validate.report import table
+    from kvfrag.validate.outcome import FAILING
+    from kvfrag.validate.report import table
 
     failed = sum(o.status in FAILING for o in outcomes)
     return {

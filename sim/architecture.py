@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.geometry import KVGeometry
-from sim.presets import lookup
+from kvfrag.sim.geometry import KVGeometry
+from kvfrag.sim.presets import lookup
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import pandas as pd
 import simpy
-
-from sim.allocators.base import PARTS, Allocator, Reason, Request
+from kvfrag.sim.allocators.base import PARTS, Allocator, Reason, Request
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Why the engine rejects a request whose n sequences exceed max_num_seqs (it never fits a batch).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.presets import lookup
+from kvfrag.sim.presets import lookup
 
 
 @dataclass(frozen=True)

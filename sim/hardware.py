@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from sim.presets import lookup
+from kvfrag.sim.presets import lookup
 
 _GIB = 2**30
 

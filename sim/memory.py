@@ -25,9 +25,9 @@ explicitly (a size, or the gpu_memory/weights/activations form) to use a measure
 
 from __future__ import annotations
 
-from sim.architecture import Architecture
-from sim.hardware import GPU
-from sim.units import format_size
+from kvfrag.sim.architecture import Architecture
+from kvfrag.sim.hardware import GPU
+from kvfrag.sim.units import format_size
 
 #: Non-torch memory and CUDA graphs per GPU (see the module docstring). An assumption.
 NON_TORCH_BYTES = 2**30

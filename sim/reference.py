@@ -17,9 +17,8 @@ from collections import deque
 
 import numpy as np
 import pandas as pd
-
-from sim.allocators import PARTS, Reason, Request
-from sim.engine import EngineConfig
+from kvfrag.sim.allocators import PARTS, Reason, Request
+from kvfrag.sim.engine import EngineConfig
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 

@@ -23,6 +23,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pandas as pd
+from kvfrag.sim.allocators import Allocator, make_allocator, options_of
+from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
+from kvfrag.sim.architecture import Architecture
+from kvfrag.sim.engine import EngineConfig, IterationTime, RunResult, StepTime
+from kvfrag.sim.engine import run as run_engine
+from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
+from kvfrag.sim.hardware import GPU, batch_defaults, gpu
+from kvfrag.sim.hardware import PRESETS as GPUS
+from kvfrag.sim.memory import kv_budget
+from kvfrag.sim.presets import lookup, nearest
+from kvfrag.sim.timing import OVERHEAD_S, from_profile, read_profile, roofline
+from kvfrag.sim.units import check_size, format_size, parse_size
+from kvfrag.workloads import Workload, WorkloadSpec, build_workload
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -34,20 +47,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from sim.allocators import Allocator, make_allocator, options_of
-from sim.architecture import PRESETS as ARCHITECTURES
-from sim.architecture import Architecture
-from sim.engine import EngineConfig, IterationTime, RunResult, StepTime
-from sim.engine import run as run_engine
-from sim.geometry import PRESETS, KVGeometry, preset
-from sim.hardware import GPU, batch_defaults, gpu
-from sim.hardware import PRESETS as GPUS
-from sim.memory import kv_budget
-from sim.presets import lookup, nearest
-from sim.timing import OVERHEAD_S, from_profile, read_profile, roofline
-from sim.units import check_size, format_size, parse_size
-from workloads import Workload, WorkloadSpec, build_workload
 
 #: Longest max_model_len modeled (tokens); a larger one is a typo.
 MAX_MODEL_LEN = 2**31
@@ -686,7 +685,7 @@ def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> R
     """One allocator at one sweep point, on its workload's request table (the unit of work
     of `run` and of `sim.sweep`'s executors). A torch-caching run carries the allocator's
     PyTorch memory snapshot at its end (`RunResult.snapshot`, see `sim.snapshot`)."""
-    from sim.snapshot import TorchCachingAllocator, snapshot
+    from kvfrag.sim.snapshot import TorchCachingAllocator, snapshot
 
     allocator = build_allocator(point, spec)
     result = run_engine(requests, allocator, point.engine_config())

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.allocators.torch_caching import (
+from kvfrag.sim.allocators.torch_caching import (
     MiB,
     TorchCachingAllocator,
     get_allocation_size,

@@ -40,11 +40,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-
-from sim.architecture import PRESETS as ARCHITECTURES
-from sim.architecture import Architecture
-from sim.hardware import GPU
-from sim.hardware import PRESETS as GPUS
+from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
+from kvfrag.sim.architecture import Architecture
+from kvfrag.sim.hardware import GPU
+from kvfrag.sim.hardware import PRESETS as GPUS
 
 #: Per-layer operators, in Vidur's names (its `mlp.csv` columns), in execution order.
 OPERATORS = (

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pandas as pd
-
-from sim.engine import RunResult
-from sim.scenario import PointRun, Scenario, ScenarioResult, iter_runs, run_point
-from workloads import Workload, build_workload
+from kvfrag.sim.engine import RunResult
+from kvfrag.sim.scenario import PointRun, Scenario, ScenarioResult, iter_runs, run_point
+from kvfrag.workloads import Workload, build_workload
 
 
 # ------------------------------------------------------------------------ tasks
@@ -400,7 +399,7 @@ def _mp_context() -> multiprocessing.context.BaseContext:
         return multiprocessing.get_context("fork")
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["sim.sweep"])
+        ctx.set_forkserver_preload([__name__])
         return ctx
     return multiprocessing.get_context("spawn")
 

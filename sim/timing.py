@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-
-from sim.architecture import Architecture
-from sim.hardware import GPU
-from sim.steptime import (
+from kvfrag.sim.architecture import Architecture
+from kvfrag.sim.hardware import GPU
+from kvfrag.sim.steptime import (
     OPERATORS,
     Efficiency,
     StepModel,

@@ -52,8 +52,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-
-from validate.outcome import Outcome
+from kvfrag.validate.outcome import Outcome
 
 FREE, HELD = 0, 255
 SCRATCH = 64 << 20  # the most temporary device memory a count or a comparison takes

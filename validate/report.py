@@ -18,10 +18,10 @@ from typing import Any
 
 import pandas as pd
 import yaml
+from kvfrag.validate.outcome import FAILING, Outcome
 
 from kvfrag import outdir
 from kvfrag.results import json_value
-from validate.outcome import FAILING, Outcome
 
 META = (
     "label", "kind", "point", "mode", "device", "status", "capacity", "ops", "checks",

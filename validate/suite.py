@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.engine import run as run_engine
-from sim.scenario import AllocatorSpec, Scenario, build_allocator, iter_runs
-from sim.units import format_size
-from validate.outcome import Outcome
-from workloads import build_workload
+from kvfrag.sim.engine import run as run_engine
+from kvfrag.sim.scenario import AllocatorSpec, Scenario, build_allocator, iter_runs
+from kvfrag.sim.units import format_size
+from kvfrag.validate.outcome import Outcome
+from kvfrag.workloads import build_workload
 
 MODES = ("arena", "paged", "torch")
 SUPPORTS = {
@@ -126,7 +126,7 @@ def _straddling(point: Scenario, spec: AllocatorSpec) -> str | None:
 def device_bytes(job: Job, device: str) -> int:
     """The most device memory a job's replay takes: its budget plus scratch (torch mode: the
     budget itself, which the memory fraction enforces)."""
-    from validate.replay import SCRATCH
+    from kvfrag.validate.replay import SCRATCH
 
     budget = job.scenario.budget_bytes
     if job.mode == "torch":
@@ -187,7 +187,7 @@ def _simulate(job: Job, base_dir: Path, cache: dict[str, Any]):
 def _requested_sizes(allocator: Any, requests: Any) -> dict[int, int]:
     """Bytes each request asks its slab allocator for (before any rounding the allocator
     applies): what torch mode passes to torch.empty."""
-    from sim.engine import slot_request
+    from kvfrag.sim.engine import slot_request
 
     slab = getattr(allocator, "slab_bytes", None)
     if slab is None or "request_id" not in requests:
@@ -212,7 +212,7 @@ def _replay(
     job: Job, result: Any, allocator: Any, requested: dict[int, int], device: str,
     checkpoints: int | None,
 ) -> list[Outcome]:
-    from validate.replay import replay_log
+    from kvfrag.validate.replay import replay_log
 
     point, spec = job.scenario, job.spec
     torch = torch_or_error()
@@ -222,7 +222,7 @@ def _replay(
         return Outcome(spec.label, spec.kind, mode, device, point.budget_bytes, job.point)
 
     if job.mode == "torch":
-        from validate.torch_mode import replay_torch
+        from kvfrag.validate.torch_mode import replay_torch
 
         outs = []
         for expandable in (False, True):

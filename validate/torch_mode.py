@@ -22,8 +22,7 @@ import os
 from typing import Any
 
 import pandas as pd
-
-from validate.outcome import Outcome
+from kvfrag.validate.outcome import Outcome
 
 #: memory_stats() keys compared, by the short name the report uses.
 KEYS = {
@@ -56,7 +55,7 @@ def _configured_expandable() -> bool:
 
 def make_model(capacity: int, expandable: bool):
     """The torch-caching model, or None when `sim` does not register it (yet)."""
-    from sim.allocators import REGISTRY, make_allocator
+    from kvfrag.sim.allocators import REGISTRY, make_allocator
 
     if "torch-caching" not in REGISTRY:
         return None

@@ -68,8 +68,8 @@ _WHERE = {name: module for module, names in _MODULES.items() for name in names}
 def __getattr__(name: str) -> Any:
     where = _WHERE.get(name)
     if where is None:
-        raise AttributeError(f"module 'workloads' has no attribute {name!r}")
-    module = importlib.import_module(f"workloads.{where}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{where}")
     value = module if where == name else getattr(module, name)
     globals()[name] = value
     return value

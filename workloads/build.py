@@ -18,12 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from workloads.readers import load_trace
-from workloads.spec import ClosedLoopArrivals, ReplayArrivals, TransformSpec, WorkloadSpec
-from workloads.synthetic import apply_arrivals, sample_requests
-from workloads.table import Workload, WorkloadError, validate_requests
-from workloads.transforms import (
+from kvfrag.workloads.readers import load_trace
+from kvfrag.workloads.spec import ClosedLoopArrivals, ReplayArrivals, TransformSpec, WorkloadSpec
+from kvfrag.workloads.synthetic import apply_arrivals, sample_requests
+from kvfrag.workloads.table import Workload, WorkloadError, validate_requests
+from kvfrag.workloads.transforms import (
     first_n,
     limit_length,
     limit_parts,

@@ -42,10 +42,9 @@ from typing import IO, Any
 
 import numpy as np
 import pandas as pd
-
-from workloads import samples
-from workloads.names import FIELDS, FORMATS, TIME_UNITS, Format, TimeUnit
-from workloads.table import Workload, WorkloadError, validate_requests
+from kvfrag.workloads import samples
+from kvfrag.workloads.names import FIELDS, FORMATS, TIME_UNITS, Format, TimeUnit
+from kvfrag.workloads.table import Workload, WorkloadError, validate_requests
 
 _UNITS_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9, "datetime": 1e9}
 CONTAINERS = ("csv", "jsonl", "parquet")

@@ -23,9 +23,8 @@ import math
 from typing import Annotated, Literal
 
 import numpy as np
+from kvfrag.workloads.readers import Format, TimeUnit
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
-
-from workloads.readers import Format, TimeUnit
 
 #: Standard-normal quantile at 0.99, for fitting a lognormal to a target p99.
 Z99 = 2.3263478740408408

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from workloads.table import Workload
+from kvfrag.workloads.table import Workload
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-
-from workloads.readers import load_trace
-from workloads.spec import (
+from kvfrag.workloads.readers import load_trace
+from kvfrag.workloads.spec import (
     ArrivalSpec,
     AtOnceArrivals,
     ClosedLoopArrivals,
@@ -37,7 +36,7 @@ from workloads.spec import (
     UniformLengths,
     ZipfLengths,
 )
-from workloads.table import Workload, WorkloadError, finish_table
+from kvfrag.workloads.table import Workload, WorkloadError, finish_table
 
 _MAX_REDRAWS = 1000
 

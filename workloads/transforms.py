@@ -12,8 +12,7 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
-
-from workloads.table import Workload, WorkloadError, finish_table
+from kvfrag.workloads.table import Workload, WorkloadError, finish_table
 
 
 def _open_loop(workload: Workload, what: str) -> None:

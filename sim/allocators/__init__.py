@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 
-from sim.allocators.base import (
+from kvfrag.sim.allocators.base import (
     PARTS,
     Accounting,
     Allocator,
@@ -18,14 +18,14 @@ from sim.allocators.base import (
     Refusal,
     Request,
 )
-from sim.allocators.buddy import BuddyAllocator
-from sim.allocators.contiguous import ContiguousAllocator, Placement
-from sim.allocators.paged import PagedAllocator
-from sim.allocators.prefix_caching import PrefixCachingAllocator
-from sim.allocators.slab import Reserve
-from sim.allocators.torch_caching import TorchCachingAllocator
-from sim.allocators.vattention import VAttentionAllocator
-from sim.geometry import KVGeometry
+from kvfrag.sim.allocators.buddy import BuddyAllocator
+from kvfrag.sim.allocators.contiguous import ContiguousAllocator, Placement
+from kvfrag.sim.allocators.paged import PagedAllocator
+from kvfrag.sim.allocators.prefix_caching import PrefixCachingAllocator
+from kvfrag.sim.allocators.slab import Reserve
+from kvfrag.sim.allocators.torch_caching import TorchCachingAllocator
+from kvfrag.sim.allocators.vattention import VAttentionAllocator
+from kvfrag.sim.geometry import KVGeometry
 
 REGISTRY: dict[str, type[Allocator]] = {
     cls.kind: cls

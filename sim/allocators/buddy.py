@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+from kvfrag.sim.allocators.base import Request
+from kvfrag.sim.allocators.slab import Reserve, SlabAllocator
 from sortedcontainers import SortedList
-
-from sim.allocators.base import Request
-from sim.allocators.slab import Reserve, SlabAllocator
 
 
 class BuddyAllocator(SlabAllocator):

@@ -26,11 +26,10 @@ from __future__ import annotations
 from enum import Enum
 from itertools import chain
 
+from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
+from kvfrag.sim.allocators.slab import Reserve, SlabAllocator, parse_enum
+from kvfrag.sim.units import parse_rate
 from sortedcontainers import SortedDict, SortedList
-
-from sim.allocators.base import Grant, Live, Reason, Refusal, Request
-from sim.allocators.slab import Reserve, SlabAllocator, parse_enum
-from sim.units import parse_rate
 
 #: Fitting holes up to which `_find` picks among them rather than walking holes by address.
 _FEW = 32

@@ -43,9 +43,8 @@ from collections.abc import Iterable, Iterator
 from itertools import accumulate
 
 import numpy as np
+from kvfrag.sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
 from sortedcontainers import SortedList
-
-from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
 
 #: Largest block (tokens) modeled: larger is more likely a typo than a block size. (vattention's
 #: 2 MiB pages of 1-byte token rows are 2**21-token blocks.)

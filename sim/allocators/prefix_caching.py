@@ -83,8 +83,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from sim.allocators.base import Grant, Live, Reason, Refusal, Request
-from sim.allocators.paged import PagedAllocator
+from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
+from kvfrag.sim.allocators.paged import PagedAllocator
 
 #: A block's key: (hash chain up to the block's last chunk h, block index j) for the blocks a
 #: trace's hash chain names, (rid, block index j) for a request's blocks of its own (generated

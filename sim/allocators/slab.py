@@ -25,7 +25,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from enum import Enum
 
-from sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
+from kvfrag.sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
 
 
 class Reserve(str, Enum):

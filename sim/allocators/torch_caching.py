@@ -73,10 +73,9 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
+from kvfrag.sim.allocators.slab import Reserve, SlabAllocator
 from sortedcontainers import SortedKeyList
-
-from sim.allocators.base import Grant, Live, Reason, Refusal, Request
-from sim.allocators.slab import Reserve, SlabAllocator
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -41,10 +41,10 @@ from __future__ import annotations
 from fractions import Fraction
 from math import gcd
 
-from sim.allocators.base import Allocator, Live, Request
-from sim.allocators.paged import PagedAllocator
-from sim.geometry import KVGeometry
-from sim.units import format_size, parse_size
+from kvfrag.sim.allocators.base import Allocator, Live, Request
+from kvfrag.sim.allocators.paged import PagedAllocator
+from kvfrag.sim.geometry import KVGeometry
+from kvfrag.sim.units import format_size, parse_size
 
 
 class VAttentionAllocator(PagedAllocator):

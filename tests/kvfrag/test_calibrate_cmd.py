@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from kvfrag.sim.engine import StepTime
 
 from kvfrag.calibrate_cmd import _yaml_float
 from kvfrag.cli import main
-from sim.engine import StepTime
 
 
 def write_iterations(path: Path, n: int = 120, noise: float = 0.02) -> Path:

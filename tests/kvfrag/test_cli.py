@@ -164,7 +164,7 @@ def test_the_command_line_loads_no_simulator_for_help():
 
     code = (
         "import sys, kvfrag.cli; kvfrag.cli.build_parser(); "
-        "heavy = [m for m in ('pandas', 'pydantic', 'numpy', 'sim.engine', 'matplotlib') "
+        "heavy = [m for m in ('pandas', 'pydantic', 'numpy', 'kvfrag.sim.engine', 'matplotlib') "
         "if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvfrag.sim.scenario import Scenario, set_path
 
 from kvfrag.config import ScenarioError, load_scenario
-from sim.scenario import Scenario, set_path
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -182,7 +182,7 @@ def test_relative_trace_paths_resolve_from_the_scenario_folder(tmp_path):
     )
     loaded = load_scenario(write(tmp_path, text))
     assert loaded.resolved()["workload"]["trace"]["path"] == str(tmp_path / "data" / "t.csv")
-    from sim.scenario import run
+    from kvfrag.sim.scenario import run
 
     result = run(loaded.scenario, loaded.base_dir)
     assert set(result.summary()["completed"]) == {2}

@@ -151,8 +151,8 @@ def test_run_json_lists_the_failures(tmp_path, monkeypatch):
 
 
 def test_trace_stats_json():
-    from workloads import load_trace
-    from workloads.stats import trace_stats
+    from kvfrag.workloads import load_trace
+    from kvfrag.workloads.stats import trace_stats
 
     rc, stdout, stderr = _main(["trace", "stats", "sample:azure-conv", "--json"])
     assert rc == 0, stderr
@@ -196,7 +196,7 @@ def test_validate_json(tmp_path):
 
 def test_validate_json_fail_verdict(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import validate.replay as replay
+    import kvfrag.validate.replay as replay
 
     real = replay.MemoryReplay.count
 

@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+import kvfrag.sim.sweep
 import pandas as pd
 import pytest
 
 import kvfrag.results
-import sim.sweep
-from kvfrag import outdir
+from kvfrag import outdir, sim
 from kvfrag.cli import main
 from kvfrag.outdir import MANIFEST, write_manifest
 
@@ -502,8 +502,8 @@ def test_swept_mappings_get_short_labels():
 def test_sigterm_inside_the_simulation_stops_the_run(tmp_path, monkeypatch, capsys):
     """SimPy rebuilds an exception raised in a process from its args: a SIGTERM that lands
     while a point is simulated must still stop the run (not fail the point)."""
-    import sim.engine
 
+    from kvfrag import sim
     serve = sim.engine.Engine._serve
 
     def terminated(self):

@@ -13,11 +13,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.engine import EngineConfig, run
 
 from kvfrag import plots
 from kvfrag.outdir import MANIFEST
-from sim.allocators import make_allocator
-from sim.engine import EngineConfig, run
 
 BPT = 819_200  # OPT-13B: bytes per token
 CAP = 4 * 2**30
@@ -874,7 +874,7 @@ def test_panels_with_nothing_to_draw_say_why(results):
 def test_torch_addresses_are_drawn_from_its_first_segment(results):
     """torch's caching allocator hands out virtual addresses from 0x7F0000000000 and never
     reuses a segment's: drawn from its first segment, on an axis as tall as they reach."""
-    from sim.allocators.torch_caching import ADDRESS_BASE
+    from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
 
     requests = pd.read_parquet(results / "requests.parquet")
     summary = pd.read_csv(results / "summary.csv")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import sim.sweep
+from kvfrag import sim
 from kvfrag.cli import main
 from kvfrag.outdir import MANIFEST
 from kvfrag.results import read_snapshot

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from kvfrag.sim.scenario import run as run_serial
 
-import sim.sweep
+from kvfrag import sim
 from kvfrag.cli import main
 from kvfrag.config import load_scenario
 from kvfrag.results import write_results
-from sim.scenario import run as run_serial
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from kvfrag.sim.sweep import ProcessExecutor, build_workloads, plan
 
-import sim.sweep
+from kvfrag import sim
 from kvfrag.config import load_scenario
-from sim.sweep import ProcessExecutor, build_workloads, plan
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="Linux only: /proc and PR_SET_PDEATHSIG"

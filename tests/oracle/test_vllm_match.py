@@ -30,10 +30,10 @@ pytestmark = pytest.mark.oracle
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
-from sim.allocators import make_allocator  # noqa: E402
-from sim.engine import EngineConfig, StepTime, run  # noqa: E402
-from sim.reference import reference  # noqa: E402
-from workloads import load_trace  # noqa: E402
+from kvfrag.sim.allocators import make_allocator  # noqa: E402
+from kvfrag.sim.engine import EngineConfig, StepTime, run  # noqa: E402
+from kvfrag.sim.reference import reference  # noqa: E402
+from kvfrag.workloads import load_trace  # noqa: E402
 
 from . import vllm_driver  # noqa: E402
 from .vllm_driver import OracleRequest, run_vllm  # noqa: E402

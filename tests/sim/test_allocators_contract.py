@@ -7,8 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-
-from sim.allocators import (
+from kvfrag.sim.allocators import (
     PARTS,
     Allocator,
     Grant,

@@ -12,8 +12,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import (
+from kvfrag.sim.allocators import (
     PARTS,
     Allocator,
     Placement,
@@ -22,7 +21,7 @@ from sim.allocators import (
     Reserve,
     make_allocator,
 )
-from sim.geometry import KVGeometry
+from kvfrag.sim.geometry import KVGeometry
 
 # vattention: per-buffer rows of t bytes in pages of P bytes (b = 2 x layers x t).
 T3 = KVGeometry("t3", layers=1, kv_heads=1, head_dim=3, dtype_bytes=1)  # t = 3, b = 6

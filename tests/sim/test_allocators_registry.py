@@ -4,8 +4,7 @@ validation; and the small pieces of arithmetic the allocators rest on."""
 from __future__ import annotations
 
 import pytest
-
-from sim.allocators import (
+from kvfrag.sim.allocators import (
     REGISTRY,
     BuddyAllocator,
     ContiguousAllocator,
@@ -14,9 +13,9 @@ from sim.allocators import (
     make_allocator,
     options_of,
 )
-from sim.allocators.paged import _prefix_sums
-from sim.allocators.slab import next_pow2
-from sim.geometry import KVGeometry
+from kvfrag.sim.allocators.paged import _prefix_sums
+from kvfrag.sim.allocators.slab import next_pow2
+from kvfrag.sim.geometry import KVGeometry
 
 COMMON = {"capacity": 4096, "bytes_per_token": 2, "max_model_len": 64}
 # A geometry matching COMMON's 2 bytes per token, for kinds that need one (vattention).

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
-from sim.allocators import Reason, Request, make_allocator
-from sim.geometry import preset
-from sim.units import parse_size
+from kvfrag.sim.allocators import Reason, Request, make_allocator
+from kvfrag.sim.geometry import preset
+from kvfrag.sim.units import parse_size
 
 GiB = 2**30
 LLAMA3 = preset("llama-3-8b").bytes_per_token  # 128 KiB
@@ -160,8 +159,8 @@ def test_the_papers_pow2_rounds_the_output_not_the_final_length():
     """PagedAttention's Orca (Pow2): "if the true output length is 25, it reserves 32
     positions for outputs". A request generating 25 tokens stores 24 past its prompt (the last
     sampled token is never stored), rounded up to 32."""
-    from sim.allocators.slab import Reserve
-    from sim.engine import slot_request
+    from kvfrag.sim.allocators.slab import Reserve
+    from kvfrag.sim.engine import slot_request
 
     b = 10
     req, _ = slot_request(0, 100, 25, None, 1, False, (), 0)

@@ -8,15 +8,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
-from sim.calibrate import (
+from kvfrag.sim.calibrate import (
     COLUMNS,
     error_stats,
     fit_step_time,
     nnls_relative,
     read_iterations,
 )
-from sim.engine import StepTime
+from kvfrag.sim.engine import StepTime
 
 TRUE = {"base_s": 0.012, "per_batched_token_s": 9.5e-5, "per_kv_token_s": 4.0e-8}
 

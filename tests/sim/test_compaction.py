@@ -13,10 +13,9 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import Reason, Request, make_allocator
-from sim.engine import EngineConfig, StepTime, run
-from sim.units import parse_rate
+from kvfrag.sim.allocators import Reason, Request, make_allocator
+from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.units import parse_rate
 
 
 def build(capacity=100, b=1, mml=100, **opts):

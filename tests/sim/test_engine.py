@@ -13,13 +13,12 @@ import pandas as pd
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import PARTS, Reason, Request, make_allocator
-from sim.engine import REJECT_REASONS, EngineConfig, StepTime, run
-from sim.geometry import KVGeometry, preset
-from sim.reference import reference
-from sim.timing import TableTime
-from sim.units import parse_size
+from kvfrag.sim.allocators import PARTS, Reason, Request, make_allocator
+from kvfrag.sim.engine import REJECT_REASONS, EngineConfig, StepTime, run
+from kvfrag.sim.geometry import KVGeometry, preset
+from kvfrag.sim.reference import reference
+from kvfrag.sim.timing import TableTime
+from kvfrag.sim.units import parse_size
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 

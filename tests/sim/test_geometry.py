@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from sim.geometry import PRESETS, KVGeometry, preset
+from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from sim.hardware import GPU, PRESETS, gpu
+from kvfrag.sim.hardware import GPU, PRESETS, gpu
 
 GIB = 2**30
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from itertools import pairwise, product
 
 import pytest
-
-from sim.architecture import architecture
-from sim.hardware import batch_defaults, gpu
-from sim.memory import NON_TORCH_BYTES, activation_peak_bytes, kv_budget
+from kvfrag.sim.architecture import architecture
+from kvfrag.sim.hardware import batch_defaults, gpu
+from kvfrag.sim.memory import NON_TORCH_BYTES, activation_peak_bytes, kv_budget
 
 GIB = 2**30
 

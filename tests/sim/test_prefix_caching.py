@@ -9,10 +9,9 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import Request, make_allocator
-from sim.engine import EngineConfig, run
-from workloads import load_trace, samples
+from kvfrag.sim.allocators import Request, make_allocator
+from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.workloads import load_trace, samples
 
 B = 8
 
@@ -347,7 +346,7 @@ def test_ideal_reuse_is_bounded_by_the_trace_figure():
 
 
 def test_a_synthetic_system_prompt_is_found_again():
-    from workloads import WorkloadSpec, build_workload
+    from kvfrag.workloads import WorkloadSpec, build_workload
 
     spec = WorkloadSpec.model_validate(
         {
@@ -441,8 +440,8 @@ def test_first_admission_hits_never_exceed_the_traces_ideal_reuse():
     """Hits at first admissions are reuse across requests: at most what an unbounded cache
     would find (the trace's ideal reuse). Hits on re-admissions after a preemption are the
     request's own blocks found again, and are counted apart."""
-    from workloads import Workload
-    from workloads.stats import ideal_prefix_reuse
+    from kvfrag.workloads import Workload
+    from kvfrag.workloads.stats import ideal_prefix_reuse
 
     wl = mooncake(300)
     alloc = make_allocator(

@@ -9,16 +9,15 @@ from typing import Any
 
 import pandas as pd
 import pytest
+from kvfrag.sim.architecture import architecture
+from kvfrag.sim.engine import StepTime
+from kvfrag.sim.hardware import gpu
+from kvfrag.sim.memory import kv_budget
+from kvfrag.sim.scenario import Scenario, run
+from kvfrag.sim.steptime import OPERATORS, efficiency_for
+from kvfrag.sim.timing import OVERHEAD_S, TableTime, roofline
+from kvfrag.sim.units import parse_size
 from pydantic import ValidationError
-
-from sim.architecture import architecture
-from sim.engine import StepTime
-from sim.hardware import gpu
-from sim.memory import kv_budget
-from sim.scenario import Scenario, run
-from sim.steptime import OPERATORS, efficiency_for
-from sim.timing import OVERHEAD_S, TableTime, roofline
-from sim.units import parse_size
 
 PROFILES = Path(__file__).resolve().parents[2].parent / "shared" / "profiles" / "vidur-compute"
 LLAMA2_7B_H100 = PROFILES / "h100" / "meta-llama" / "Llama-2-7b-hf" / "mlp.csv"

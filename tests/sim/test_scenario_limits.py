@@ -7,9 +7,9 @@ import random
 import time
 import tracemalloc
 
-from sim.allocators import make_allocator
-from sim.allocators.base import Request
-from sim.allocators.paged import FreeIds
+from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.allocators.base import Request
+from kvfrag.sim.allocators.paged import FreeIds
 
 
 def test_free_ids_match_the_list_they_replace():

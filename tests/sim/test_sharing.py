@@ -13,9 +13,8 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import PARTS, Request, make_allocator
-from sim.engine import EngineConfig, run
+from kvfrag.sim.allocators import PARTS, Request, make_allocator
+from kvfrag.sim.engine import EngineConfig, run
 
 B = 64  # bytes per token
 

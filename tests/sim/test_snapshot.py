@@ -6,9 +6,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
-
-from sim.allocators import Request, TorchCachingAllocator
-from sim.snapshot import replay, snapshot, trace_ops
+from kvfrag.sim.allocators import Request, TorchCachingAllocator
+from kvfrag.sim.snapshot import replay, snapshot, trace_ops
 
 MiB = 1024 * 1024
 PLAIN = (dict, list, tuple, str, int, float, bool, type(None))

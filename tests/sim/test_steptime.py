@@ -7,12 +7,11 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
-
-from sim.architecture import PRESETS as ARCHITECTURES
-from sim.architecture import Architecture, architecture
-from sim.geometry import PRESETS as GEOMETRIES
-from sim.hardware import GPU, gpu
-from sim.steptime import (
+from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
+from kvfrag.sim.architecture import Architecture, architecture
+from kvfrag.sim.geometry import PRESETS as GEOMETRIES
+from kvfrag.sim.hardware import GPU, gpu
+from kvfrag.sim.steptime import (
     FIT_FIELDS,
     FITTED,
     OPERATORS,

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
-from sim.allocators import make_allocator
-from sim.architecture import architecture
-from sim.engine import EngineConfig, run
-from sim.hardware import gpu
-from sim.reference import reference
-from sim.steptime import (
+from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.architecture import architecture
+from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.sim.hardware import gpu
+from kvfrag.sim.reference import reference
+from kvfrag.sim.steptime import (
     OPERATORS,
     StepModel,
     allreduce_time,
@@ -25,7 +24,7 @@ from sim.steptime import (
     op_time,
     prefill_attention_time,
 )
-from sim.timing import OVERHEAD_S, TableTime, from_profile, read_profile, roofline
+from kvfrag.sim.timing import OVERHEAD_S, TableTime, from_profile, read_profile, roofline
 
 PROFILES = Path(__file__).resolve().parents[2].parent / "shared" / "profiles" / "vidur-compute"
 LLAMA3_8B_A100 = PROFILES / "a100" / "meta-llama" / "Meta-Llama-3-8B" / "mlp.csv"

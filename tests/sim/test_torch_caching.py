@@ -14,9 +14,8 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import Reason, Refusal, Request, TorchCachingAllocator, make_allocator
-from sim.allocators.torch_caching import (
+from kvfrag.sim.allocators import Reason, Refusal, Request, TorchCachingAllocator, make_allocator
+from kvfrag.sim.allocators.torch_caching import (
     get_allocation_size,
     is_small,
     round_size,
@@ -622,7 +621,7 @@ def test_random_sequences_keep_invariants(config, ops, cap_mib):
 
 def test_expandable_mapping_past_the_cap_is_refused_to_keep_the_identity():
     """torch can map a last page past the fraction's cap and grant it; the model refuses."""
-    from sim.allocators import Request, make_allocator
+    from kvfrag.sim.allocators import Request, make_allocator
 
     a = make_allocator(
         "torch-caching",

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from sim.units import MAX_SIZE, check_size, format_size, parse_size
+from kvfrag.sim.units import MAX_SIZE, check_size, format_size, parse_size
 
 
 @pytest.mark.parametrize(

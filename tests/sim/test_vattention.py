@@ -18,19 +18,18 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sim.allocators import (
+from kvfrag.sim.allocators import (
     PagedAllocator,
     Request,
     VAttentionAllocator,
     make_allocator,
     options_of,
 )
-from sim.engine import EngineConfig, StepTime, run
-from sim.geometry import PRESETS, KVGeometry, preset
-from sim.scenario import Scenario
-from sim.scenario import run as run_scenario
-from sim.units import parse_size
+from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
+from kvfrag.sim.scenario import Scenario
+from kvfrag.sim.scenario import run as run_scenario
+from kvfrag.sim.units import parse_size
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 LENGTHS = [1, 100, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 8000]

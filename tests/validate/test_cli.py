@@ -66,7 +66,7 @@ def test_cli_torch_mode_needs_cuda(tmp_path, capsys):
 
 
 def test_cli_fails_on_mismatch(tmp_path, capsys, monkeypatch):
-    import validate.replay as replay
+    import kvfrag.validate.replay as replay
 
     real = replay.MemoryReplay.count
 

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from sim.allocators import make_allocator
-from sim.engine import EngineConfig, run
-from validate.outcome import Outcome
-from validate.replay import pick_checks, replay_log
+from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.validate.outcome import Outcome
+from kvfrag.validate.replay import pick_checks, replay_log
 
 B = 32  # bytes per token
 BUDGET = 24 * 1024  # 768 tokens
@@ -180,8 +180,9 @@ def test_checkpoints_are_thinned():
 
 
 def test_plan_and_requested_sizes():
+    from kvfrag.validate import suite
+
     from kvfrag.config import load_scenario
-    from validate import suite
 
     loaded = load_scenario(ROOT_TINY, ["workload.transforms.first_n=30", "kv_budget=4MiB"])
     jobs, skipped = suite.plan(loaded.scenario, "auto", "cpu")
@@ -201,9 +202,10 @@ def test_plan_and_requested_sizes():
 def test_plan_skips_vattention_pages_that_rows_straddle():
     """Paged mode replays token-aligned blocks: vAttention pages are replayed only when the
     page size is a multiple of the model's buffer row."""
+    from kvfrag.sim.scenario import Scenario
+    from kvfrag.validate import suite
+
     from kvfrag.config import load_scenario
-    from sim.scenario import Scenario
-    from validate import suite
 
     tiny = load_scenario(ROOT_TINY, ["kv_budget=64MiB", "model=llama-3-8b"]).scenario
     va = {"label": "va", "kind": "vattention", "page_size": "64KiB"}
@@ -408,7 +410,7 @@ def test_prefix_caching_groups_replay_exactly(bs, group, engine):
 
 
 def test_a_corrupted_cached_block_is_caught(monkeypatch):
-    from validate import replay as replay_mod
+    from kvfrag.validate import replay as replay_mod
 
     result = simulate_cached(16)
     real_free = replay_mod.MemoryReplay.free
@@ -429,8 +431,9 @@ def test_a_corrupted_cached_block_is_caught(monkeypatch):
 def test_shipped_sharing_scenarios_pass_cut_down():
     """validate-sharing.yaml (samples, beams) and validate-prefix-caching.yaml (single
     requests, then n = 2 samples), on fewer requests: every replay passes exactly."""
+    from kvfrag.validate import suite
+
     from kvfrag.config import load_scenario
-    from validate import suite
 
     root = ROOT_TINY.parent
     outcomes = []

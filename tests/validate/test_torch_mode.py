@@ -13,9 +13,8 @@ import types
 
 import pandas as pd
 import pytest
-
-from sim.allocators import REGISTRY, make_allocator
-from validate.outcome import Outcome
+from kvfrag.sim.allocators import REGISTRY, make_allocator
+from kvfrag.validate.outcome import Outcome
 
 needs_model = pytest.mark.skipif("torch-caching" not in REGISTRY, reason="no torch-caching model")
 MiB = 1 << 20
@@ -101,7 +100,7 @@ LOG = slab_log([13.5, 0.3, 0.7, 25.0, 2.5, 40.0, 1.5, 0.1], frees=[0, 2, 3, 6])
 
 
 def run_fake(monkeypatch, torch, expandable, capacity=128 * MiB):
-    from validate.torch_mode import replay_torch
+    from kvfrag.validate.torch_mode import replay_torch
 
     monkeypatch.setitem(sys.modules, "torch", torch)
     out = Outcome("x", "contiguous", "torch", "cuda", capacity)
@@ -142,7 +141,7 @@ def test_divergence_is_reported_at_the_first_differing_op(monkeypatch):
 
 @needs_model
 def test_samples_take_one_tensor_per_slab(monkeypatch):
-    from validate.torch_mode import replay_torch
+    from kvfrag.validate.torch_mode import replay_torch
 
     log = LOG.copy()
     # Request 0 has two samples: its admit row lists two slabs and covers both in nbytes.
@@ -160,7 +159,7 @@ def test_samples_take_one_tensor_per_slab(monkeypatch):
 
 
 def test_cap_fraction_is_exact():
-    from validate.torch_mode import cap_fraction
+    from kvfrag.validate.torch_mode import cap_fraction
 
     total = 150_754_820_096  # an H200's total memory
     for cap in (1, 4 << 30, 16 * MiB + 1, 123_456_789, total):
@@ -183,7 +182,7 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs CUDA")
 @pytest.mark.parametrize("expandable", [False, True])
 def test_real_cuda_matches_model(expandable):
-    from validate.torch_mode import replay_torch
+    from kvfrag.validate.torch_mode import replay_torch
 
     out = replay_torch(LOG, Outcome("x", "contiguous", "torch", "cuda", 128 * MiB), expandable)
     assert out.status == "pass", out.first_fail

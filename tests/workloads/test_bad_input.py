@@ -13,10 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from kvfrag.workloads import WorkloadSpec, load_trace, validate_requests
+from kvfrag.workloads.table import WorkloadError
 from pydantic import ValidationError
-
-from workloads import WorkloadSpec, load_trace, validate_requests
-from workloads.table import WorkloadError
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 GOOD = [

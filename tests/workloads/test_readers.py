@@ -12,9 +12,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from workloads import load_trace, samples, trace_stats, validate_requests
-from workloads.table import WorkloadError
+from kvfrag.workloads import load_trace, samples, trace_stats, validate_requests
+from kvfrag.workloads.table import WorkloadError
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/traces is absent")

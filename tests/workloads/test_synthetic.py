@@ -8,9 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from pydantic import ValidationError
-
-from workloads import (
+from kvfrag.workloads import (
     AtOnceArrivals,
     ClosedLoopArrivals,
     ConstantArrivals,
@@ -31,6 +29,7 @@ from workloads import (
     synthesize,
     validate_requests,
 )
+from pydantic import ValidationError
 
 N = 40_000
 
@@ -180,7 +179,7 @@ def test_same_seed_same_table() -> None:
 def test_shared_system_prompt_hashes():
     from pathlib import Path
 
-    from workloads import WorkloadSpec, build_workload
+    from kvfrag.workloads import WorkloadSpec, build_workload
 
     spec = WorkloadSpec.model_validate(
         {

@@ -84,9 +84,8 @@ def test_stats_ideal_prefix_reuse(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_ideal_prefix_reuse_by_hand() -> None:
     import pandas as pd
-
-    from workloads import Workload
-    from workloads.stats import ideal_prefix_reuse
+    from kvfrag.workloads import Workload
+    from kvfrag.workloads.stats import ideal_prefix_reuse
 
     df = pd.DataFrame({
         "request_id": [0, 1, 2],

@@ -10,9 +10,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
-
-from workloads import (
+from kvfrag.workloads import (
     ClosedLoopArrivals,
     FixedLengths,
     SyntheticSpec,
@@ -31,7 +29,8 @@ from workloads import (
     validate_requests,
     with_samples_per_prompt,
 )
-from workloads.table import WorkloadError
+from kvfrag.workloads.table import WorkloadError
+from pydantic import ValidationError
 
 
 @pytest.fixture(scope="module")
@@ -263,8 +262,8 @@ def test_spec_is_frozen() -> None:
 
 
 def test_spec_docstring_example_builds() -> None:
-    import workloads.spec
 
+    from kvfrag import workloads
     doc = workloads.spec.__doc__ or ""
     block = doc[doc.index("    workload:"):doc.index("Relative paths")]
     spec = WorkloadSpec.model_validate(yaml.safe_load(block)["workload"])
