@@ -1094,9 +1094,10 @@ def slab_polygons(
     return {"token_states": stored, "reserved": reserved, "internal": internal, "outline": outline}
 
 
-#: A column of requests.parquet that would list every sequence's slab offset of a request
-#: (n samples or beams; the first is `offset_bytes`), as the allocation log's `offsets` does.
-#: Results do not have it yet: without it only each request's first slab can be placed.
+#: The column of requests.parquet that lists every sequence's slab offset of a request (n
+#: samples or beams; the first is `offset_bytes`), written when the workload has sample groups
+#: or beams. Without it (results from before it existed) only each request's first slab can be
+#: placed.
 SLAB_OFFSETS = "slab_offsets_bytes"
 
 

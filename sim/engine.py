@@ -184,6 +184,7 @@ class _Req:
         "idx",
         "lead",
         "offset",
+        "offsets",
         "output",
         "peak",
         "preemptions",
@@ -219,6 +220,7 @@ class _Req:
         self.generated = 0
         self.hits = 0  # prompt tokens found in the prefix cache at its first admission
         self.offset = math.nan
+        self.offsets: tuple[int, ...] = ()  # each sequence's slab (slab allocators, n > 1)
         self.final = 0
         self.user = -1
         self.think = 0.0
@@ -545,6 +547,8 @@ class Engine:
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:
             r.offset = grant.offset
+            if self.groups:
+                r.offsets = alloc.slab_offsets(r.req.rid)
         self.running[r] = None
         self.seqs += r.req.n
         self.max_running = max(self.max_running, len(self.running))
@@ -1010,6 +1014,7 @@ class _Outcomes:
             setattr(self, name, array("q", bytes(8 * n)))
         self.status = bytearray(n)  # codes into _STATUS: 0, pending
         self.reasons: dict[int, str] = {}  # idx -> reason, for the rejected
+        self.offsets: dict[int, tuple[int, ...]] = {}  # idx -> each sequence's slab offset
         self.frag_refused = bytearray(n)
         self.int_offsets = True  # every offset an int (slab allocators): an integer column
 
@@ -1032,6 +1037,8 @@ class _Outcomes:
         self.status[i] = _STATUS.index(r.status)
         if r.reason:
             self.reasons[i] = r.reason
+        if r.offsets:
+            self.offsets[i] = r.offsets
         self.frag_refused[i] = r.frag_refused
 
     def frame(self, at_end: np.ndarray) -> pd.DataFrame:
@@ -1083,6 +1090,8 @@ class _Outcomes:
                 per_seq - 1
             )
         requests["tpot_s"] = np.where(per_seq >= 2, tpot, math.nan)
+        if inp.groups:  # where each sequence's slab was (slab allocators; [] for the others)
+            requests["slab_offsets_bytes"] = [list(self.offsets.get(i, ())) for i in range(n)]
         return requests
 
     @staticmethod
