@@ -711,18 +711,7 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         x = np.arange(len(names))
         bottom = np.zeros(len(names))
         for p in _drawn_parts(frac):  # one collection per part: its colour across the bars
-            _bars(
-                ax,
-                x,
-                frac[p].to_numpy(),
-                0.7,
-                bottom=bottom,
-                facecolors=PALETTE[p],
-                edgecolors="white",
-                linewidths=0.6,
-                label=PART_NAMES[p],
-                hatch=HATCH.get(p),
-            )
+            _part_bars(ax, x, frac[p].to_numpy(), bottom, p, label=PART_NAMES[p])
             bottom += frac[p].to_numpy()
         for xi, ts in zip(x, frac["token_states"].to_numpy(), strict=True):
             inside = ts >= 7
@@ -778,6 +767,14 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
     return fig
 
 
+def _part_bars(ax: Axes, x: np.ndarray, values: np.ndarray, bottom: np.ndarray, part: str,
+               label: str | None = None) -> None:
+    """One part of the stacked breakdown bars, in its colour and hatch, on `bottom`."""
+    named = {"label": label} if label is not None else {}
+    _bars(ax, x, values, 0.7, bottom=bottom, facecolors=PALETTE[part], edgecolors="white",
+          linewidths=0.6, hatch=HATCH.get(part), **named)
+
+
 def _zoom_bars(ax: Axes, x: np.ndarray, frac: pd.DataFrame, top: float) -> None:
     """The parts that hold no tokens, stacked on their own axis (0 to a little over `top` %),
     each stack labelled with its total."""
@@ -785,17 +782,7 @@ def _zoom_bars(ax: Axes, x: np.ndarray, frac: pd.DataFrame, top: float) -> None:
     for p in _drawn_parts(frac):
         if p not in _NOT_TOKENS:
             continue
-        _bars(
-            ax,
-            x,
-            frac[p].to_numpy(),
-            0.7,
-            bottom=bottom,
-            facecolors=PALETTE[p],
-            edgecolors="white",
-            linewidths=0.6,
-            hatch=HATCH.get(p),
-        )
+        _part_bars(ax, x, frac[p].to_numpy(), bottom, p)
         bottom += frac[p].to_numpy()
     for xi, total in zip(x, bottom, strict=True):
         ax.text(xi, total, f"{total:.1f}%", ha="center", va="bottom", fontsize=8)

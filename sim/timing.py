@@ -160,14 +160,7 @@ def roofline(
     layer = sum(op_time(op, n, gpu, e, d) for op in layer_ops(arch, tp).values())
     body = op_time(embedding_op(arch, tp), n, gpu, e, d) + arch.layers * layer
     body = body + _comm_and_norm(model, n)
-    body[0] = 0.0
-    return TableTime(
-        source=f"roofline {gpu.name} tp={tp}",
-        body=body,
-        head=_head_table(model, len(n) - 1),
-        overhead_s=overhead_s,
-        **_attention_terms(model, kv_dtype_bytes),
-    )
+    return _table(f"roofline {gpu.name} tp={tp}", body, model, overhead_s, kv_dtype_bytes)
 
 
 def from_profile(
@@ -184,11 +177,18 @@ def from_profile(
     emb, layer = profile.at_tp(tp, arch)
     n = np.arange(max(max_tokens, 1) + 1, dtype=float)
     body = _interp(emb, n) + arch.layers * _interp(layer, n) + _comm_and_norm(model, n)
+    source = f"profile {profile.label} ({gpu.name} roofline for attention) tp={tp}"
+    return _table(source, body, model, overhead_s, kv_dtype_bytes)
+
+
+def _table(source: str, body: np.ndarray, model: StepModel, overhead_s: float,
+           kv_dtype_bytes: int) -> TableTime:
+    """A TableTime over `body` (no work at 0 tokens) with the roofline's head and attention."""
     body[0] = 0.0
     return TableTime(
-        source=f"profile {profile.label} ({gpu.name} roofline for attention) tp={tp}",
+        source=source,
         body=body,
-        head=_head_table(model, len(n) - 1),
+        head=_head_table(model, len(body) - 1),
         overhead_s=overhead_s,
         **_attention_terms(model, kv_dtype_bytes),
     )
