@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvfrag import (
         calibrate_cmd,
+        compare_cmd,
         run_cmd,
         scenarios_cmd,
         snapshot_cmd,
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     run_cmd.add_parsers(sub)
+    compare_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)
     validate_cmd.add_parser(sub)
     calibrate_cmd.add_parser(sub)
