@@ -7,14 +7,22 @@ skips the points an interrupted run finished. The results folder is assembled fr
 points in the serial order, so it is the same whichever executor ran them. A failing point
 is reported with its parameters and error, listed in failures.csv, and makes the exit
 status 1; the others' results are written all the same.
+
+Progress goes to stderr (none with -q): a bar of the requests the runs have finished or
+rejected, moving within each run (every ~0.2 s), with the runs done, running and failed;
+then one line while the results are written and one while the figures are drawn, each
+ended with the seconds it took.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +32,7 @@ from kvfrag.outdir import VALIDATE_DIR
 
 if TYPE_CHECKING:  # the command line imports the simulator only when a command runs
     import pandas as pd
+    from tqdm import tqdm
 
     from kvfrag.config import LoadedScenario
     from kvfrag.results import PointStore
@@ -239,6 +248,7 @@ def _run(
         for name in WORKLOAD_COUNTS:
             if getattr(workload, name):
                 notes.append(f"{name.replace('_', ' ')}: {getattr(workload, name):,}")
+    step = _Step(args.quiet)
     plot = None
     if not args.no_plots and result.runs and workload is not None:
         from kvfrag.plots import plot_results
@@ -246,10 +256,15 @@ def _run(
         meta = _meta(resolved, f"{source} ({len(workload.requests):,} requests)")
         draw = functools.partial(plot_results, svg=True) if args.svg else plot_results
 
-        def plot(folder: Path) -> None:
-            draw(folder, meta)
+        def plot(folder: Path) -> None:  # (the tables are written by now)
+            step.start(f"drawing the figures in {out}/plots/")
+            paths = draw(folder, meta)
+            step.end(f"{len({p.with_suffix('') for p in paths})} figure(s)")
 
-    write_results(result, out, resolved, plot, failures)
+    with step:
+        step.start(f"writing {out}/")
+        write_results(result, out, resolved, plot, failures)
+        step.end()
     for line in rejection_warnings(result.summary()):
         print(f"kvfrag: warning: {line}", file=sys.stderr)
     human = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON only
@@ -363,13 +378,21 @@ def _run_points(
     inputs: dict[str, list[Path]],
 ) -> None:
     """Run `tasks`, staging each finished point as it completes."""
-    bar_class = _bar_class()
+    bar_type = bar_class()
     frames = {key: w.requests for key, w in workloads.items()}
-    outcomes = executor.map(tasks, frames)  # workers start here, before the bar's thread
-    disable = quiet or len(tasks) < 2
-    bar = bar_class(total=len(tasks), unit="run", disable=disable, file=sys.stderr)
+    disable = quiet or not tasks
+    counts = None if disable else _RequestCounts(
+        {t.key: len(frames[t.workload]) for t in tasks},
+        lambda: _status(len(results), len(tasks), executor.running, len(failed)),
+    )
+    progress = None if counts is None else counts.running
+    outcomes = executor.map(tasks, frames, progress)  # workers start here, before the bar's thread
+    bar = bar_type(total=counts.total if counts else 0, unit="req", unit_scale=True,
+                    disable=disable, file=sys.stderr)
+    if counts is not None:
+        counts.bar = bar
     try:
-        bar.set_postfix_str(_status(len(results), executor.running, len(failed)))
+        bar.set_postfix_str(_status(len(results), len(tasks), executor.running, len(failed)))
         for outcome in outcomes:
             task = outcome.task
             if outcome.ok:
@@ -386,8 +409,8 @@ def _run_points(
                     print(msg, file=sys.stderr)
                 else:
                     bar.write(msg, file=sys.stderr)
-            bar.set_postfix_str(_status(len(results), executor.running, len(failed)), False)
-            bar.update(1)
+            if counts is not None:
+                counts.finished(task)
     finally:
         bar.close()
         close = getattr(outcomes, "close", None)
@@ -396,7 +419,7 @@ def _run_points(
 
 
 @functools.cache
-def _bar_class() -> type:
+def bar_class() -> type:
     """tqdm without its monitor thread, which would outlive the bar (even disabled): a later
     sweep in this process forks its workers only while it is single-threaded."""
     from tqdm import tqdm
@@ -407,8 +430,77 @@ def _bar_class() -> type:
     return _Bar
 
 
-def _status(done: int, running: int, failed: int) -> str:
-    return f"done={done} running={running} failed={failed}"
+def _status(done: int, runs: int, running: int, failed: int) -> str:
+    return f"runs done={done}/{runs} running={running} failed={failed}"
+
+
+class _RequestCounts:
+    """What the bar of `kvfrag run` counts: the requests the runs have retired (finished or
+    rejected), those of the runs over and those of the runs in flight so far."""
+
+    def __init__(self, sizes: dict[str, int], status: Callable[[], str]) -> None:
+        self.sizes = sizes  # requests of each task, by key
+        self.total = sum(sizes.values())
+        self.status = status
+        self.over = 0  # requests of the tasks over (finished or failed)
+        self.so_far: dict[str, int] = {}  # requests retired by each task in flight
+        self.bar: tqdm | None = None
+
+    def running(self, task: Task, done: int) -> None:
+        """`Executor.map`'s progress callback."""
+        self.so_far[task.key] = min(done, self.sizes[task.key])
+        self._show()
+
+    def finished(self, task: Task) -> None:
+        self.so_far.pop(task.key, None)
+        self.over += self.sizes[task.key]
+        self._show()
+
+    def _show(self) -> None:
+        bar = self.bar
+        if bar is None:
+            return
+        bar.set_postfix_str(self.status(), refresh=False)
+        n = self.over + sum(self.so_far.values())
+        if n != bar.n:
+            bar.update(n - bar.n)  # (tqdm redraws at most every 0.1 s)
+        else:
+            bar.refresh()
+
+
+class _Step:
+    """One line on stderr per step of the work after the runs (none when quiet):
+    `writing results/x/ ...` when it starts, ` 2.1 s` when it ends. A line left open by an
+    error is ended before the error is told; an interrupt's message starts a new line itself.
+    """
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.started: float | None = None
+
+    def start(self, what: str) -> None:
+        self.end()
+        self.started = time.monotonic()
+        if not self.quiet:
+            print(f"{what} ...", end="", file=sys.stderr, flush=True)
+
+    def end(self, note: str = "") -> None:
+        if self.started is None:
+            return
+        seconds = time.monotonic() - self.started
+        self.started = None
+        if not self.quiet:
+            print(f" {note}{', ' if note else ''}{seconds:.1f} s", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _Step:
+        return self
+
+    def __exit__(self, kind: type | None, *_: object) -> None:
+        if self.started is not None and kind is not None:
+            self.started = None
+            if not self.quiet and not issubclass(kind, KeyboardInterrupt):
+                with contextlib.suppress(OSError, ValueError):
+                    print(file=sys.stderr, flush=True)
 
 
 def _failures(tasks: list[Task], failed: dict[str, str], sweep_keys: list[str]) -> pd.DataFrame:

@@ -3,17 +3,25 @@
 Exit status: 0 when every replay matches its prediction within tolerance, 1 when any fails,
 2 for a usage error (no torch, no CUDA for --device cuda, a budget over the cap, ...).
 torch is imported only when the command runs, so `kvfrag --help` works without it.
+
+Progress goes to stderr (none with -q): a bar of the replays, which names the one in hand
+and how far its simulation (requests) or its replay (log rows) is, and one line per replay
+as it ends.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from kvfrag import outdir
 from kvfrag.args import add_set_argument
 from kvfrag.outdir import VALIDATE_DIR
+from kvfrag.run_cmd import bar_class
+
+STEP_S = 0.2  # the bar shows how far the replay in hand is at most this often
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -94,13 +102,30 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
 
+        bar = bar_class()(total=suite.replays(jobs), unit="replay", disable=args.quiet,
+                          file=sys.stderr)
+        shown = [0.0]  # when the step in hand was last shown
+
         def progress(o) -> None:
             if not args.quiet:
-                print(f"  {o.label} [{o.mode}]: {o.status}", file=sys.stderr)
+                bar.write(f"  {o.label} [{o.mode}]: {o.status}", file=sys.stderr)
+                bar.update(1)
 
-        outcomes = suite.run_jobs(
-            jobs, loaded.base_dir, args.device, args.checkpoints or None, on_job=progress
-        )
+        def step(job, what: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if done and done < total and now - shown[0] < STEP_S:
+                return
+            shown[0] = now
+            share = f" {done / total:.0%}" if total else ""
+            bar.set_postfix_str(f"{job.spec.label} [{job.mode}]: {what}{share}")
+
+        try:
+            outcomes = suite.run_jobs(
+                jobs, loaded.base_dir, args.device, args.checkpoints or None, on_job=progress,
+                on_step=None if args.quiet else step,
+            )
+        finally:
+            bar.close()
         outcomes += skipped
         write_report(outcomes, out, loaded.resolved())
     if not args.quiet and not args.json:

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -49,6 +51,10 @@ from kvfrag.sim.allocators.base import PARTS, Allocator, Reason, Request
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Why the engine rejects a request whose n sequences exceed max_num_seqs (it never fits a batch).
 TOO_MANY_SEQUENCES = "too_many_sequences"
+#: `run`'s progress callback is called at most once in this many turns of the serving loop
+#: (the wall clock is read no more often), and this many seconds of wall time apart.
+PROGRESS_TURNS = 256
+PROGRESS_S = 0.2
 #: Every reason a request can be rejected for (its `reason` in the request records). The summary
 #: counts each as `rejected_<reason>`, always all of them (0 when none), in this order.
 REJECT_REASONS = (Reason.PROMPT_TOO_LONG.value, Reason.TOO_LARGE.value, TOO_MANY_SEQUENCES)
@@ -243,7 +249,13 @@ _SERIES = (
 class Engine:
     """Drives one allocator through one workload. Use `run()`; an Engine is single-use."""
 
-    def __init__(self, workload: pd.DataFrame, allocator: Allocator, config: EngineConfig):
+    def __init__(
+        self,
+        workload: pd.DataFrame,
+        allocator: Allocator,
+        config: EngineConfig,
+        progress: Callable[[int, int], None] | None = None,
+    ):
         if allocator.live or allocator.total_tokens():
             raise ValueError("the allocator must be fresh (nothing live)")
         if not config.chunked_prefill and config.max_num_batched_tokens < allocator.max_model_len:
@@ -301,6 +313,9 @@ class Engine:
         # rid -> (tokens, blocks, bytes, ids) when last logged; ids: the block ids of a request
         # logged with its whole tables (None: its blocks are only ever appended)
         self.logged: dict[int, tuple[int, int, int, tuple[int, ...] | None]] = {}
+        # progress(requests finished or rejected, requests): see `run`
+        self.progress = progress
+        self.retired = 0  # requests retired (completed and released, or rejected)
 
     # ------------------------------------------------------------------ set-up
     def _init_arrivals(self) -> None:
@@ -323,6 +338,7 @@ class Engine:
     def _retire(self, r: _Req) -> None:
         """`r` is over (completed and released, or rejected): its figures go to the result."""
         self.out.store(r)
+        self.retired += 1
         del self.made[r.idx]
         del self.by_rid[r.req.rid]
 
@@ -330,11 +346,19 @@ class Engine:
     def run(self) -> RunResult:
         self.env.process(self._serve())
         self.env.run()
+        if self.progress is not None:
+            self.progress(len(self.inputs), len(self.inputs))
         return self._result()
 
     def _serve(self):
         env, cfg = self.env, self.cfg
+        progress, turns, reported = self.progress, 0, time.monotonic()
         while True:
+            if progress is not None:  # the clock is read once in PROGRESS_TURNS turns only
+                turns += 1
+                if not turns % PROGRESS_TURNS and time.monotonic() - reported >= PROGRESS_S:
+                    progress(self.retired, len(self.inputs))
+                    reported = time.monotonic()
             self._release_arrivals(env.now)
             if cfg.max_time_s is not None and env.now >= cfg.max_time_s:
                 self.stopped = True
@@ -1131,6 +1155,16 @@ def slot_request(
 
 
 
-def run(workload: pd.DataFrame, allocator: Allocator, config: EngineConfig | None = None):
-    """Replay `workload` against a fresh `allocator`; returns records, writes nothing."""
-    return Engine(workload, allocator, config or EngineConfig()).run()
+def run(
+    workload: pd.DataFrame,
+    allocator: Allocator,
+    config: EngineConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+):
+    """Replay `workload` against a fresh `allocator`; returns records, writes nothing.
+
+    `progress(done, total)`, if given, hears how many of the workload's requests are retired
+    (finished or rejected): at most once in `PROGRESS_TURNS` turns of the serving loop and
+    `PROGRESS_S` seconds of wall time apart while the run goes, and (total, total) at its end.
+    It costs nothing per event; an exception it raises (KeyboardInterrupt) stops the run."""
+    return Engine(workload, allocator, config or EngineConfig(), progress).run()

@@ -681,14 +681,20 @@ def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
     )
 
 
-def run_point(point: Scenario, spec: AllocatorSpec, requests: pd.DataFrame) -> RunResult:
+def run_point(
+    point: Scenario,
+    spec: AllocatorSpec,
+    requests: pd.DataFrame,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunResult:
     """One allocator at one sweep point, on its workload's request table (the unit of work
     of `run` and of `sim.sweep`'s executors). A torch-caching run carries the allocator's
-    PyTorch memory snapshot at its end (`RunResult.snapshot`, see `sim.snapshot`)."""
+    PyTorch memory snapshot at its end (`RunResult.snapshot`, see `sim.snapshot`).
+    `progress(done, total)`: requests retired so far, as `sim.engine.run` reports them."""
     from kvfrag.sim.snapshot import TorchCachingAllocator, snapshot
 
     allocator = build_allocator(point, spec)
-    result = run_engine(requests, allocator, point.engine_config())
+    result = run_engine(requests, allocator, point.engine_config(), progress)
     if isinstance(allocator, TorchCachingAllocator):
         result.snapshot = snapshot(allocator)
     return result

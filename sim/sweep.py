@@ -11,11 +11,18 @@ error of a task that raised; one failing task never stops the others.
 Whoever ran it, a task runs the same code on the same inputs, so results are identical
 whichever executor produced them; `assemble` puts them back in the canonical order. Nothing
 here writes files: staging finished points on disk is the `kvfrag` package's job.
+
+Progress within a point: `map(..., progress)` calls `progress(task, done)` in the caller's
+thread with the requests a running task has retired so far (`sim.engine.run`'s callback, at
+most every ~0.2 s): in-process from the engine itself, from local workers through one shared
+array of counters that the caller reads while it waits (no extra pipe, no thread). Ray tasks
+report only when they finish.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import multiprocessing
@@ -31,7 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pandas as pd
-from kvfrag.sim.engine import RunResult
+from kvfrag.sim.engine import PROGRESS_S, RunResult
 from kvfrag.sim.scenario import PointRun, Scenario, ScenarioResult, iter_runs, run_point
 from kvfrag.workloads import Workload, build_workload
 
@@ -115,16 +122,27 @@ def build_workloads(
     return built, errors
 
 
-def run_task(task: Task, requests: pd.DataFrame) -> RunResult:
-    """Run one task on its workload's request table (the same code as `sim.scenario.run`)."""
+#: `progress(task, done)`: `task` has retired `done` of its workload's requests so far.
+Progress = Callable[[Task, int], None]
+
+
+def run_task(
+    task: Task, requests: pd.DataFrame, progress: Callable[[int, int], None] | None = None
+) -> RunResult:
+    """Run one task on its workload's request table (the same code as `sim.scenario.run`);
+    `progress(done, total)` as `sim.engine.run` calls it."""
     point = task.scenario
     spec = next(a for a in point.allocators if a.label == task.label)
-    return run_point(point, spec, requests)
+    return run_point(point, spec, requests, progress)
 
 
-def _attempt(task: Task, requests: pd.DataFrame) -> tuple[RunResult | None, str | None]:
+def _attempt(
+    task: Task, requests: pd.DataFrame, progress: Callable[[int, int], None] | None = None
+) -> tuple[RunResult | None, str | None]:
     try:
-        return run_task(task, requests), None
+        if progress is None:  # (the two-argument call: what a patched runner takes)
+            return run_task(task, requests), None
+        return run_task(task, requests, progress), None
     except Exception as exc:  # a failing point is reported, it does not stop the others
         return None, _error(exc)
 
@@ -157,6 +175,9 @@ class Executor(Protocol):
     `map` starts the work when it is called (worker processes are forked then, before the
     caller starts any thread) and returns an iterator of outcomes; closing that iterator
     early (or an interrupt while it waits) stops the work: what has not finished is dropped.
+    `progress(task, done)`, if given, is called while the outcomes are iterated, in the
+    iterating thread, with the requests a running task has retired so far (an executor may
+    also call it only when a task finishes, or not at all).
     """
 
     name: str
@@ -167,7 +188,12 @@ class Executor(Protocol):
     @property
     def running(self) -> int: ...
 
-    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+    def map(
+        self,
+        tasks: list[Task],
+        workloads: Mapping[str, pd.DataFrame],
+        progress: Progress | None = None,
+    ) -> Iterator[Outcome]:
         ...
 
 
@@ -183,16 +209,29 @@ class SerialExecutor:
     def workers(self) -> int:
         return 1
 
-    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+    def map(
+        self,
+        tasks: list[Task],
+        workloads: Mapping[str, pd.DataFrame],
+        progress: Progress | None = None,
+    ) -> Iterator[Outcome]:
         for task in tasks:
             self.running = 1
-            result, error = _attempt(task, workloads[task.workload])
+            report = None if progress is None else functools.partial(_report, progress, task)
+            result, error = _attempt(task, workloads[task.workload], report)
             self.running = 0
             yield Outcome(task, result, error)
 
 
+def _report(progress: Progress, task: Task, done: int, total: int) -> None:
+    progress(task, done)
+
+
 #: The workloads of a local worker process, set once when it starts.
 _WORKLOADS: Mapping[str, pd.DataFrame] = {}
+#: A local worker's view of the sweep's progress counters (shared memory, one per task: the
+#: requests it retired so far), or None when nobody reads them.
+_PROGRESS: Any = None
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -201,12 +240,16 @@ class WorkersKilled(KeyboardInterrupt):
     unfinished points did not fail, they were abandoned)."""
 
 
-def _init_worker(workloads: Mapping[str, pd.DataFrame], parent: int | None) -> None:
-    """Keep the workloads, and tie the worker's life to the sweep's: Ctrl-C in a terminal
-    reaches the whole process group, but only the parent decides what to do about it; a
-    parent that dies, however (SIGKILL included), takes its workers with it."""
-    global _WORKLOADS
+def _init_worker(
+    workloads: Mapping[str, pd.DataFrame], parent: int | None, progress: Any = None
+) -> None:
+    """Keep the workloads (and the progress counters), and tie the worker's life to the
+    sweep's: Ctrl-C in a terminal reaches the whole process group, but only the parent
+    decides what to do about it; a parent that dies, however (SIGKILL included), takes its
+    workers with it."""
+    global _WORKLOADS, _PROGRESS
     _WORKLOADS = workloads
+    _PROGRESS = progress
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # blocked by the parent while it forked us
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -245,8 +288,15 @@ def _die_with_parent(parent: int | None) -> None:
     threading.Thread(target=watch, name="kvfrag-parent-watch", daemon=True).start()
 
 
-def _work(task: Task) -> tuple[RunResult | None, str | None]:
-    return _attempt(task, _WORKLOADS[task.workload])
+def _work(task: Task, slot: int | None = None) -> tuple[RunResult | None, str | None]:
+    report = None
+    if slot is not None and _PROGRESS is not None:
+        counters = _PROGRESS
+
+        def report(done: int, total: int) -> None:
+            counters[slot] = done  # one aligned 8-byte store: the reader needs no lock
+
+    return _attempt(task, _WORKLOADS[task.workload], report)
 
 
 @contextlib.contextmanager
@@ -298,27 +348,38 @@ class ProcessExecutor(_PoolCounts):
         self._pool: ProcessPoolExecutor | None = None
         self._killed = False
 
-    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+    def map(
+        self,
+        tasks: list[Task],
+        workloads: Mapping[str, pd.DataFrame],
+        progress: Progress | None = None,
+    ) -> Iterator[Outcome]:
         if not tasks:
             return iter(())
         self._workers = min(self.jobs, len(tasks))
         context = _mp_context()
         parent = None if context.get_start_method() == "forkserver" else os.getpid()
+        # One counter per task, in shared memory: its worker writes, this process reads.
+        counters = None if progress is None else context.Array("q", len(tasks), lock=False)
         pool = ProcessPoolExecutor(
             max_workers=self._workers,
             mp_context=context,
             initializer=_init_worker,
-            initargs=(dict(workloads), parent),
+            initargs=(dict(workloads), parent, counters),
         )
         self._pool, self._killed = pool, False
         try:  # start the workers now, before the caller starts threads (a progress bar)
             with _sigint_blocked():
-                pending = {pool.submit(_work, task): task for task in tasks}
+                pending = {
+                    pool.submit(_work, task, None if counters is None else slot): (task, slot)
+                    for slot, task in enumerate(tasks)
+                }
         except BaseException:
             self._stop(pool)
             raise
         self._in_flight = len(pending)
-        return _Outcomes(self._collect(pool, pending), lambda: self._stop(pool))
+        collect = self._collect(pool, pending, progress, counters)
+        return _Outcomes(collect, lambda: self._stop(pool))
 
     def terminate(self) -> None:
         """Kill the workers now; the outcomes' iterator then raises `WorkersKilled`.
@@ -350,15 +411,28 @@ class ProcessExecutor(_PoolCounts):
             process.join(timeout=1)
         self._pool = None
 
-    def _collect(self, pool: ProcessPoolExecutor, pending: dict[Future, Task]) -> Iterator[Outcome]:
+    def _collect(
+        self,
+        pool: ProcessPoolExecutor,
+        pending: dict[Future, tuple[Task, int]],
+        progress: Progress | None,
+        counters: Any,
+    ) -> Iterator[Outcome]:
         finished = False
+        seen = [0] * len(pending)
+        timeout = None if progress is None else PROGRESS_S
         try:
             while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                done, _ = wait(pending, timeout, return_when=FIRST_COMPLETED)
                 if self._killed:
                     raise WorkersKilled("the sweep's workers were terminated")
+                if progress is not None:  # the running tasks' counters that moved
+                    for task, slot in [pending[f] for f in pending if f not in done]:
+                        if counters[slot] != seen[slot]:
+                            seen[slot] = counters[slot]
+                            progress(task, seen[slot])
                 for future in done:
-                    task = pending.pop(future)
+                    task, _ = pending.pop(future)
                     self._in_flight = len(pending)
                     exc = future.exception()
                     if exc is not None:  # the worker died (killed, out of memory): its task fails
@@ -433,7 +507,13 @@ class RayExecutor(_PoolCounts):
         self._workers = 0
         self._in_flight = 0
 
-    def map(self, tasks: list[Task], workloads: Mapping[str, pd.DataFrame]) -> Iterator[Outcome]:
+    def map(
+        self,
+        tasks: list[Task],
+        workloads: Mapping[str, pd.DataFrame],
+        progress: Progress | None = None,
+    ) -> Iterator[Outcome]:
+        """(Ray tasks report no progress before they finish: `progress` goes unused.)"""
         import ray
 
         if not tasks:

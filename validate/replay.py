@@ -47,6 +47,7 @@ Scratch memory is bounded: counts and comparisons work in pieces of at most `SCR
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ from kvfrag.validate.outcome import Outcome
 
 FREE, HELD = 0, 255
 SCRATCH = 64 << 20  # the most temporary device memory a count or a comparison takes
+PROGRESS_ROWS = 32  # `replay_log` reports its progress once in this many rows of the log
 #: Arena and paged figures must match the model to the byte.
 TOLERANCES = {"token_states": 0, "held_unwritten": 0, "free": 0, "allocated": 0}
 
@@ -458,11 +460,13 @@ def replay_log(
     device: str = "cpu",
     block_size: int | None = None,
     checkpoints: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Outcome:
-    """Replay `log` (arena when block_size is None, else paged) and fill in `outcome`."""
+    """Replay `log` (arena when block_size is None, else paged) and fill in `outcome`;
+    `progress(rows done, rows)` every `PROGRESS_ROWS` rows of the log, and at its end."""
     mem = MemoryReplay(outcome.capacity, bytes_per_token, device, block_size)
     try:
-        _replay(mem, log, outcome, checkpoints)
+        _replay(mem, log, outcome, checkpoints, progress)
     finally:
         mem.release()
     return outcome.finish(TOLERANCES)
@@ -473,12 +477,20 @@ def _listed(row: Any, name: str) -> list:
     return [] if value is None or (isinstance(value, float) and value != value) else list(value)
 
 
-def _replay(mem: MemoryReplay, log: pd.DataFrame, out: Outcome, limit: int | None) -> None:
+def _replay(
+    mem: MemoryReplay,
+    log: pd.DataFrame,
+    out: Outcome,
+    limit: int | None,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
     checks = pick_checks(int((log["op"] == "check").sum()), limit)
     rows: list[dict[str, Any]] = []
     n_check = 0
     copies: list[tuple[int, int, int]] = []  # (rid, src, dst) waiting for their operation
-    for row in log.itertuples(index=False):
+    for i, row in enumerate(log.itertuples(index=False)):
+        if progress is not None and i and not i % PROGRESS_ROWS:
+            progress(i, len(log))
         op, rid, seq = row.op, int(row.rid), int(row.seq)
         blocks = [int(b) for b in _listed(row, "blocks")]
         if op == "check":
@@ -528,6 +540,8 @@ def _replay(mem: MemoryReplay, log: pd.DataFrame, out: Outcome, limit: int | Non
         if bad:
             out.corrupt += 1
             out.fail(int(log["seq"].max()) + 1, f"request {rid}: {bad} of its bytes changed")
+    if progress is not None:
+        progress(len(log), len(log))
     out.checks = len(rows)
     out.series = pd.DataFrame(rows)
     if not out.ops:

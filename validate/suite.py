@@ -11,6 +11,7 @@ missing, CUDA absent, or a KV budget (plus the replay's scratch) over the memory
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,12 +150,25 @@ def check_cap(jobs: list[Job], device: str, cap: int) -> None:
             )
 
 
+def replays(jobs: list[Job]) -> int:
+    """How many outcomes `run_jobs` gives for `jobs`: torch mode replays twice (without and
+    with expandable segments), the others once."""
+    return sum(2 if job.mode == "torch" else 1 for job in jobs)
+
+
+#: `on_step(job, step, done, total)`: `job` is simulating (done of total requests retired)
+#: or replaying (done of total log rows replayed); called at the start of each step, then
+#: every ~0.2 s or every few log rows, as the step goes (a torch-mode replay: once, total 0).
+StepProgress = Callable[[Job, str, int, int], None]
+
+
 def run_jobs(
     jobs: list[Job],
     base_dir: Path,
     device: str,
     checkpoints: int | None = None,
     on_job: Callable[[Outcome], None] | None = None,
+    on_step: StepProgress | None = None,
 ) -> list[Outcome]:
     """Simulate every allocator once (with its log) and replay it in each planned mode."""
     cache: dict[str, Any] = {}
@@ -163,9 +177,10 @@ def run_jobs(
     for job in sorted(jobs, key=lambda j: j.mode == "torch"):  # torch last: it sets the cap
         key = (job.point, job.spec.label)
         if key not in sims:
-            sims[key] = _simulate(job, base_dir, cache)
+            sims[key] = _simulate(job, base_dir, cache, on_step)
         result, allocator, requested = sims[key]
-        for outcome in _replay(job, result, allocator, requested, device, checkpoints):
+        replayed = _replay(job, result, allocator, requested, device, checkpoints, on_step)
+        for outcome in replayed:
             outcome.max_running = int(result.summary["max_running"])
             outcomes.append(outcome)
             if on_job is not None:
@@ -173,14 +188,20 @@ def run_jobs(
     return outcomes
 
 
-def _simulate(job: Job, base_dir: Path, cache: dict[str, Any]):
+def _simulate(
+    job: Job, base_dir: Path, cache: dict[str, Any], on_step: StepProgress | None = None
+):
     point, spec = job.scenario, job.spec
     key = point.workload.model_dump_json() + f"|{point.max_model_len}"
     if key not in cache:
         cache[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
     allocator = build_allocator(point, spec)
     config = dataclasses.replace(point.engine_config(), log_allocations=True)
-    result = run_engine(cache[key].requests, allocator, config)
+    progress = None
+    if on_step is not None:
+        on_step(job, "simulating", 0, len(cache[key].requests))
+        progress = functools.partial(on_step, job, "simulating")
+    result = run_engine(cache[key].requests, allocator, config, progress)
     return result, allocator, _requested_sizes(allocator, cache[key].requests)
 
 
@@ -210,7 +231,7 @@ def _requested_sizes(allocator: Any, requests: Any) -> dict[int, int]:
 
 def _replay(
     job: Job, result: Any, allocator: Any, requested: dict[int, int], device: str,
-    checkpoints: int | None,
+    checkpoints: int | None, on_step: StepProgress | None = None,
 ) -> list[Outcome]:
     from kvfrag.validate.replay import replay_log
 
@@ -224,6 +245,8 @@ def _replay(
     if job.mode == "torch":
         from kvfrag.validate.torch_mode import replay_torch
 
+        if on_step is not None:  # (no progress within: total 0)
+            on_step(job, "replaying through torch", 0, 0)
         outs = []
         for expandable in (False, True):
             out = outcome("torch+expandable" if expandable else "torch")
@@ -231,9 +254,13 @@ def _replay(
         return outs
     out = outcome(job.mode)
     block_size = getattr(allocator, "block_size", None) if job.mode == "paged" else None
+    progress = None
+    if on_step is not None:
+        on_step(job, "replaying", 0, len(result.log))
+        progress = functools.partial(on_step, job, "replaying")
     try:
         replay_log(result.log, out, point.geometry.bytes_per_token, device, block_size,
-                   checkpoints)
+                   checkpoints, progress)
     except oom_error as exc:
         out.status = "error"
         out.note = f"{device} out of memory: {str(exc).splitlines()[0]}"
