@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfrag import (
         calibrate_cmd,
         compare_cmd,
+        report_cmd,
         run_cmd,
         scenarios_cmd,
         snapshot_cmd,
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate_cmd.add_parser(sub)
     calibrate_cmd.add_parser(sub)
     snapshot_cmd.add_parser(sub)
+    report_cmd.add_parser(sub)
     scenarios_cmd.add_parser(sub)
     return parser
 

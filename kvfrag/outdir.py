@@ -48,7 +48,7 @@ _LEGACY = {
     "run": (
         ("scenario.resolved.yaml", "summary.csv"),
         ("scenario.resolved.yaml", "summary.csv", "summary.json", "timeseries.parquet",
-         "requests.parquet", "failures.csv", "plots/*.png", "plots/*.svg"),
+         "requests.parquet", "failures.csv", "plots/*.png", "plots/*.svg", "report.html"),
     ),
     "validate": (
         ("validate.csv",),

@@ -89,6 +89,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "(default: say which process holds it and stop)",
     )
     p.add_argument("--no-plots", action="store_true", help="write tables only")
+    p.add_argument("--no-report", action="store_true",
+                   help="no report.html (the figures and an interactive address map in one page)")
     p.add_argument(
         "--svg",
         action="store_true",
@@ -260,6 +262,12 @@ def _run(
             step.start(f"drawing the figures in {out}/plots/")
             paths = draw(folder, meta)
             step.end(f"{len({p.with_suffix('') for p in paths})} figure(s)")
+            if not args.no_report:
+                from kvfrag.report import REPORT, write_report
+
+                step.start(f"writing {out}/{REPORT}")
+                write_report(folder)
+                step.end()
 
     with step:
         step.start(f"writing {out}/")

@@ -1,0 +1,401 @@
+"""`report.html`: one self-contained page per results folder (issue 17).
+
+`write_report(results_dir)` reads what a run wrote (`scenario.resolved.yaml`, `summary.csv`,
+`requests.parquet`, `timeseries.parquet`, `plots/*.png`) and writes `results_dir/report.html`
+atomically: the scenario, the summary table (a readable subset with units, and every column
+in a collapsed `<details>`), every figure of plots/ as an inline PNG, and an interactive
+address map per slab allocator and sweep point (plotly: zoom and pan with the mouse, hover a
+slab for its request id, tokens, slab size, reserved and internal bytes, and times).
+
+The page needs no network: plotly.js is inlined once (about 4.7 MB), only when there is an
+address map to draw. The map reuses the static address map's data preparation
+(`kvfrag.plots.slab_polygons`, `_slabs`, `_slab_labels`): each part (stored tokens, reserved,
+internal) is one filled scatter trace of all slabs, separated by gaps, not one shape per
+slab, so thousands of slabs stay fast; at most `MAX_SLABS` slabs (the first by admission) per
+map and `MAX_PANELS` maps, as the PNG.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+REPORT = "report.html"
+#: Hover points per slab: one every 1/_HOVER_STEPS of the run's time span along each slab's
+#: middle (at least one), so that hovering anywhere along a long slab finds it.
+_HOVER_STEPS = 80
+
+#: The summary table's readable subset: column, heading, how to show it.
+_TABLE = (
+    ("label", "allocator", "text"),
+    ("kind", "kind", "text"),
+    ("token_states", "token states", "pct"),
+    ("reserved", "reserved", "pct"),
+    ("internal", "internal frag.", "pct"),
+    ("external", "external frag.", "pct"),
+    ("free", "free", "pct"),
+    ("kv_utilization", "KV utilization", "pct"),
+    ("mean_running", "mean running", "f1"),
+    ("max_running", "max running", "int"),
+    ("completed", "completed", "int"),
+    ("rejected", "rejected", "int"),
+    ("preemptions", "preemptions", "int"),
+    ("throughput_tok_s", "throughput (tok/s)", "f0"),
+    ("p50_latency_s", "p50 latency (s)", "f2"),
+    ("p99_latency_s", "p99 latency (s)", "f2"),
+    ("p50_ttft_s", "p50 TTFT (s)", "f3"),
+)
+
+
+def _fmt(value: Any, how: str) -> str:
+    import pandas as pd
+
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return ""
+    try:
+        if how == "pct":
+            return f"{100 * float(value):.1f} %"
+        if how == "int":
+            return f"{int(value):,}"
+        if how.startswith("f"):
+            return f"{float(value):,.{int(how[1:])}f}"
+    except (TypeError, ValueError):
+        pass
+    return str(value)
+
+
+def summary_html(summary: pd.DataFrame) -> str:
+    """The readable table (sweep keys after `point` when there is a sweep) and every column
+    in a collapsed `<details>`."""
+    from kvfrag.plots import sweep_columns
+
+    cols = [c for c in _TABLE if c[0] in summary.columns]
+    sweeps = sweep_columns(summary)
+    if sweeps:
+        cols[2:2] = [("point", "point", "int")] + [(c, c, "text") for c in sweeps]
+    head = "".join(f"<th>{html.escape(name)}</th>" for _, name, _ in cols)
+    rows = []
+    for rec in summary.to_dict("records"):
+        cells = "".join(
+            f"<td class='{'t' if how == 'text' else 'n'}'>{html.escape(_fmt(rec.get(col), how))}"
+            "</td>"
+            for col, _, how in cols
+        )
+        rows.append(f"<tr>{cells}</tr>")
+    full = summary.to_html(index=False, escape=True, classes="full", border=0, na_rep="")
+    return (
+        "<p>Token states, reserved, internal and external fragmentation and free: shares of "
+        "the KV budget, time-averaged (summary.csv; every column in "
+        "docs/data-dictionary.md).</p>"
+        f"<table class='summary'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}"
+        "</tbody></table>"
+        f"<details><summary>every column of summary.csv</summary><div class='wide'>{full}"
+        "</div></details>"
+    )
+
+
+def figures_html(folder: Path) -> str:
+    """Every PNG in plots/, inline (base64)."""
+    pngs = sorted((folder / "plots").glob("*.png"))
+    if not pngs:
+        return "<p>No figures (the run was written with --no-plots).</p>"
+    parts = []
+    for png in pngs:
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        name = html.escape(png.stem)
+        parts.append(
+            f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>plots/{html.escape(png.name)}</figcaption></figure>"
+        )
+    return "".join(parts)
+
+
+def address_maps(
+    requests: pd.DataFrame,
+    summary: pd.DataFrame,
+    timeseries: pd.DataFrame | None = None,
+    max_slabs: int | None = None,
+) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The interactive maps: (title, plotly Figure) per slab allocator and sweep point, and
+    notes on what is not shown (panels left out, panels that cannot be drawn)."""
+    import pandas as pd
+
+    from kvfrag import plots as P
+
+    max_slabs = P.MAX_SLABS if max_slabs is None else max_slabs
+    requests = P._with_keys(requests)
+    summary = P._with_keys(summary)
+    if "offset_bytes" not in requests.columns:
+        return [], ["No allocator of this run places slabs (paged only): no address map."]
+    points = sorted(int(p) for p in pd.unique(requests["point"]))
+    labels = P._slab_labels(requests, summary)
+    if not labels:
+        return [], ["No allocator of this run places slabs (paged only): no address map."]
+    keep = points[: max(1, P.MAX_PANELS // len(labels))]
+    notes = []
+    if len(keep) < len(points):
+        notes.append(f"Maps of sweep points {keep[0]}..{keep[-1]} only ({len(points)} points; "
+                     f"at most {P.MAX_PANELS} maps): `kvfrag plot --point N` draws another.")
+    swept = summary["point"].nunique() > 1
+    names = P.point_names(summary) if swept else {}
+    sums = summary.assign(label=summary["label"].astype(str)).drop_duplicates(["label", "point"])
+    sums = sums.set_index(["label", "point"])
+    maps = []
+    for label in labels:
+        for pt in keep:
+            title = f"{label} · {names[pt]}" if swept and pt in names else label
+            req = requests[(requests["point"] == pt) & (requests["label"].astype(str) == label)]
+            fig, why = _map(req, P._row(sums, label, pt), summary, timeseries, label, pt,
+                            max_slabs, title)
+            if fig is None:
+                notes.append(f"{title}: {why}")
+            else:
+                maps.append((title, fig))
+    return maps, notes
+
+
+def _map(
+    req: pd.DataFrame,
+    row: pd.Series | None,
+    summary: pd.DataFrame,
+    timeseries: pd.DataFrame | None,
+    label: str,
+    point: int,
+    max_slabs: int,
+    title: str,
+) -> tuple[Any, str]:
+    import numpy as np
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    from kvfrag import plots as P
+    from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
+
+    bpt = P._row_value(row, "bytes_per_token", summary, "bytes_per_token") or 0.0
+    kind = str(row["kind"]) if row is not None and "kind" in row.index else ""
+    compactions = row.get("compactions") if row is not None else None
+    if compactions is not None and pd.notna(compactions) and compactions > 0:
+        return None, (f"not drawn: {int(compactions):,} compactions moved slabs, and "
+                      "requests.parquet keeps only the offset each slab had when it was freed.")
+    placed = req[req["admitted_s"].notna() & req["offset_bytes"].notna()]
+    if not len(placed):
+        return None, "nothing to draw: no request was admitted."
+    cap = (P._row_value(row, "kv_budget_bytes", summary, "kv_budget_bytes")
+           or P._row_value(row, "capacity_bytes", summary, "capacity_bytes") or 0.0)
+    unit, scale = P.byte_unit(cap or float(placed["peak_bytes"].max() or 1))
+    end_s = None
+    if timeseries is not None and len(timeseries):
+        tsl = P._with_keys(timeseries)
+        tsl = tsl[(tsl["point"] == point) & (tsl["label"].astype(str) == label)]
+        if len(tsl):
+            end_s = float((tsl["t"] + tsl["dt"]).max())
+    placed = placed.sort_values("admitted_s", kind="stable")
+    notes = []
+    total = len(placed)
+    if total > max_slabs:
+        right = float(placed["admitted_s"].iloc[max_slabs])
+        placed = placed.iloc[:max_slabs]
+        notes.append(f"first {max_slabs:,} of {total:,} slabs by admission time "
+                     f"(up to t = {right:.0f} s)")
+    slabs, most = P._slabs(placed)
+    if most > 1 and P.SLAB_OFFSETS not in placed.columns:
+        notes.append(f"only each request's 1st of {most} slabs")
+    base = 0.0
+    if kind == "torch-caching":
+        base = float(ADDRESS_BASE)
+        notes.append("virtual addresses from the first segment")
+    slabs = slabs[slabs["admitted_s"].notna() & slabs["offset_bytes"].notna()]
+    polys = P.slab_polygons(slabs, bpt, end_s, scale=scale, base=base)
+    fig = go.Figure()
+    for part, name, alpha in (
+        ("token_states", "token states (stored)", 1.0),
+        ("reserved", "reserved (not yet written)", 0.55),
+        ("internal", "internal fragmentation", 0.55),
+    ):
+        x, y = _gapped(polys[part])
+        fig.add_trace(go.Scatter(
+            x=x, y=y, mode="lines", fill="toself", name=name, hoverinfo="skip",
+            line={"width": 0}, fillcolor=_rgba(P.PALETTE[part], alpha),
+        ))
+    x, y = _gapped(polys["outline"], close=True)
+    fig.add_trace(go.Scatter(
+        x=x, y=y, mode="lines", name="slab outline", hoverinfo="skip", showlegend=False,
+        line={"width": 0.5 if len(slabs) < 300 else 0.25, "color": "rgba(85,85,85,0.8)"},
+    ))
+    # Hover: points along each slab's middle, each carrying its slab's facts.
+    out = polys["outline"]
+    t0, t1 = out[:, 0, 0], out[:, 1, 0]
+    mid = (out[:, 0, 1] + out[:, 2, 1]) / 2
+    span = float(np.nanmax(t1) - np.nanmin(t0)) if len(out) else 1.0
+    step = (span or 1.0) / _HOVER_STEPS
+    count = np.maximum(np.ceil((t1 - t0) / step).astype(int), 1)
+    idx = np.repeat(np.arange(len(out)), count)
+    first = np.cumsum(count) - count
+    k = np.arange(len(idx)) - first[idx]
+    hx = t0[idx] + (t1 - t0)[idx] * (k + 0.5) / count[idx]
+    hy = mid[idx]
+    mib = 2.0**20
+    peak = slabs["peak_bytes"].to_numpy(float)
+    final = slabs["final_tokens"].to_numpy(float)
+    stored = np.minimum(final * bpt, peak)
+    prompt = slabs["prompt_tokens"].to_numpy(float)
+    reserved = stored - np.minimum((prompt + 1) * bpt, stored)  # written as it generates
+    fields = np.stack([
+        slabs["request_id"].to_numpy(float),
+        final,
+        prompt,
+        peak / mib,
+        stored / mib,
+        reserved / mib,
+        (peak - stored) / mib,
+        slabs["admitted_s"].to_numpy(float),
+        t1,
+        (slabs["offset_bytes"].to_numpy(float) - base) / mib,
+    ], axis=1)
+    lab = html.escape(label).replace("%", "%%")
+    fig.add_trace(go.Scatter(
+        x=hx, y=hy, mode="markers", name="slabs", showlegend=False,
+        marker={"size": 6, "opacity": 0, "color": "#000"},
+        customdata=fields[idx],
+        hovertemplate=(
+            f"<b>request %{{customdata[0]:d}}</b> ({lab})<br>"
+            "tokens: %{customdata[1]:,d} (prompt %{customdata[2]:,d})<br>"
+            "slab: %{customdata[3]:,.2f} MiB at %{customdata[9]:,.1f} MiB<br>"
+            "stored at the end: %{customdata[4]:,.2f} MiB<br>"
+            "reserved at admission (not yet written): %{customdata[5]:,.2f} MiB<br>"
+            "internal: %{customdata[6]:,.2f} MiB<br>"
+            "admitted %{customdata[7]:,.2f} s, released %{customdata[8]:,.2f} s"
+            "<extra></extra>"
+        ),
+    ))
+    ytitle = f"{'virtual ' if base else ''}address ({unit})"
+    top = float(np.nanmax(out[..., 1])) if len(out) else 0.0
+    heading = title + (" — " + "; ".join(notes) if notes else "")
+    fig.update_layout(
+        title={"text": html.escape(heading), "font": {"size": 14}},
+        xaxis={"title": {"text": "time (s)"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": ytitle}, "range": [0, max(cap / scale if cap else 0, top)]},
+        hovermode="closest", hoverdistance=30, plot_bgcolor="white", height=520,
+        margin={"l": 70, "r": 20, "t": 50, "b": 50},
+        legend={"orientation": "h", "y": -0.15},
+    )
+    fig.update_xaxes(showline=True, linecolor="#555", mirror=True, gridcolor="#eee")
+    fig.update_yaxes(showline=True, linecolor="#555", mirror=True, gridcolor="#eee")
+    return fig, ""
+
+
+def _gapped(polys: Any, close: bool = False) -> tuple[list, list]:
+    """(slabs, corners, 2) polygons as one x and one y list with a gap (None) after each."""
+    import numpy as np
+
+    if close:
+        polys = np.concatenate([polys, polys[:, :1]], axis=1)
+    n, c, _ = polys.shape
+    pts = np.concatenate([polys, np.full((n, 1, 2), np.nan)], axis=1).reshape(n * (c + 1), 2)
+    xs = [None if v != v else round(v, 6) for v in pts[:, 0].tolist()]
+    ys = [None if v != v else round(v, 6) for v in pts[:, 1].tolist()]
+    return xs, ys
+
+
+def _rgba(color: str, alpha: float) -> str:
+    c = color.lstrip("#")
+    r, g, b = (int(c[i : i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em auto;
+max-width:1400px;padding:0 1em;color:#222}
+h1{font-size:1.6em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;font-size:.85em}
+td,th{border:1px solid #ddd;padding:.25em .5em}th{background:#f4f4f4}
+td.n{text-align:right;font-variant-numeric:tabular-nums}
+.wide{overflow-x:auto}pre{background:#f7f7f7;padding:.8em;overflow-x:auto;font-size:.85em}
+figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}
+figcaption{font-size:.8em;color:#666}.note{color:#555;font-size:.9em}
+"""
+
+
+def render(folder: Path | str) -> str:
+    """The page's HTML for a results folder."""
+    import pandas as pd
+
+    from kvfrag import plots as P
+
+    folder = Path(folder)
+    summary = P.read_summary(folder / "summary.csv")
+    scenario_path = folder / "scenario.resolved.yaml"
+    scenario_text = scenario_path.read_text(encoding="utf-8") if scenario_path.exists() else ""
+    meta = P.load_meta(folder)
+    name = str(meta.get("name") or folder.name)
+    requests = timeseries = None
+    if (folder / "requests.parquet").exists():
+        requests = pd.read_parquet(folder / "requests.parquet")
+    if (folder / "timeseries.parquet").exists():
+        timeseries = pd.read_parquet(folder / "timeseries.parquet", columns=["label", "point",
+                                                                            "t", "dt"])
+    maps: list = []
+    notes: list[str] = []
+    if requests is not None and len(requests):
+        maps, notes = address_maps(requests, summary, timeseries)
+    else:
+        notes = ["No requests.parquet: no address map."]
+    map_html = []
+    for i, (title, fig) in enumerate(maps):
+        map_html.append(
+            f"<h3>{html.escape(title)}</h3>"
+            + fig.to_html(
+                full_html=False,
+                include_plotlyjs=i == 0,  # inline, once: the page works offline
+                div_id=f"map-{i}",
+                config={"displaylogo": False, "scrollZoom": True, "responsive": True},
+            )
+        )
+    caption = " · ".join(P.caption_parts(meta, summary))
+    intro = ("<p class='note'>One rectangle per slab, from admission to release, at its "
+             "address: stored tokens green, reserved (not yet written) orange, internal "
+             "fragmentation red, holes white. Drag to zoom (double-click resets), scroll to "
+             f"zoom, hover a slab for its request. At most {P.MAX_SLABS:,} slabs (the first "
+             f"by admission) per map and {P.MAX_PANELS} maps.</p>") if maps else ""
+    note_html = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>kvfrag report: {html.escape(name)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>kvfrag report: {html.escape(name)}</h1>"
+        f"<p>{html.escape(caption)}</p>"
+        f"<h2>Summary</h2>{summary_html(summary)}"
+        f"<h2>Address map</h2>{intro}{note_html}{''.join(map_html)}"
+        f"<h2>Figures</h2>{figures_html(folder)}"
+        f"<h2>Scenario</h2><p class='note'>scenario.resolved.yaml</p>"
+        f"<pre>{html.escape(scenario_text)}</pre>"
+        "</body></html>\n"
+    )
+
+
+def write_report(folder: Path | str) -> Path:
+    """Write `folder/report.html` atomically (a temporary beside it, then renamed)."""
+    folder = Path(folder)
+    page = render(folder)
+    path = folder / REPORT
+    # (named as outdir's temporaries: a killed writer's is cleaned up, not taken as foreign)
+    fd, tmp = tempfile.mkstemp(prefix=f".{REPORT}.tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(page)
+        from kvfrag.outdir import FILE_MODE
+
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path

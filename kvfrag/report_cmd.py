@@ -1,0 +1,36 @@
+"""`kvfrag report RESULTS_DIR`: (re)build a results folder's `report.html` (kvfrag.report)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvfrag import outdir
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="(re)build a results folder's report.html",
+        description="Write RESULTS/report.html: one self-contained page (no network needed) "
+        "with the scenario, the summary table, every figure of plots/ and an interactive "
+        "address map of each slab allocator (zoom; hover a slab for its request). kvfrag run "
+        "writes it too (unless --no-plots or --no-report).",
+    )
+    p.add_argument("results", type=Path, help="a folder written by kvfrag run")
+    p.add_argument("--wait", action="store_true", help="wait for a run writing that folder")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from kvfrag.report import write_report
+
+    folder = args.results
+    if not (folder / "summary.csv").exists():
+        raise FileNotFoundError(f"{folder}: not a results folder (no summary.csv)")
+    outdir.check_target(folder)  # it writes into the folder: only one kvfrag wrote
+    with outdir.locked(folder, f"kvfrag report {folder}", args.wait), outdir.writing(folder):
+        path = write_report(folder)
+        outdir.add_to_manifest(folder, [path])
+    print(path)
+    return 0
