@@ -1033,7 +1033,10 @@ def slab_polygons(
     `peak_bytes`), at `offset_bytes`. Stored tokens grow linearly from the prompt plus the
     first output token's slot (at the first token) to the final length (at the finish); the
     slab is held until `released_s` (static batching frees a batch together). A request still
-    running at the end (`end_s`) is drawn as long as it was then (`tokens_at_end`)."""
+    running at the end (`end_s`) is drawn as long as it was then (`tokens_at_end`). A row with
+    `piece_start_s` / `piece_end_s` (see `slab_pieces`; NaN: from admission / to release) is
+    the part of its slab held at `offset_bytes` in that time: its parts are those of the whole
+    slab cut to that time, so that the pieces of a slab moved by compaction join up."""
     req = requests[requests["admitted_s"].notna() & requests["offset_bytes"].notna()]
     if end_s is None:
         end_s = (
@@ -1065,20 +1068,95 @@ def slab_polygons(
     def polys(*corners: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         return np.stack([np.stack([x, y], axis=-1) for x, y in corners], axis=1)
 
+    h0, hf, hn, h1 = s0, s0, s1, s1  # stored height at a, f1, fin and rel
+    if PIECE_START in req.columns:  # pieces of slabs: the whole slab's corners, cut in time
+        ps = req[PIECE_START].to_numpy(float)
+        pe = req[PIECE_END].to_numpy(float)
+        t0 = np.where(np.isnan(ps), a, np.clip(ps, a, rel))
+        t1 = np.where(np.isnan(pe), rel, np.clip(pe, t0, rel))
+        g1, g2 = f1, fin  # when the whole slab's stored part starts and stops growing
+        a, f1, fin, rel = t0, np.clip(f1, t0, t1), np.clip(fin, t0, t1), t1
+        h0, hf = (_stored_at(t, g1, g2, s0, s1, late=False) for t in (a, f1))
+        hn, h1 = (_stored_at(t, g1, g2, s0, s1, late=True) for t in (fin, rel))
     stored = polys(
-        (a, off), (a, off + s0), (f1, off + s0), (fin, off + s1), (rel, off + s1), (rel, off)
+        (a, off), (a, off + h0), (f1, off + hf), (fin, off + hn), (rel, off + h1), (rel, off)
     )
     reserved = polys(
-        (a, off + s0),
-        (f1, off + s0),
-        (fin, off + s1),
-        (rel, off + s1),
+        (a, off + h0),
+        (f1, off + hf),
+        (fin, off + hn),
+        (rel, off + h1),
         (rel, off + final),
         (a, off + final),
     )
     internal = polys((a, off + final), (rel, off + final), (rel, off + peak), (a, off + peak))
     outline = polys((a, off), (rel, off), (rel, off + peak), (a, off + peak))
     return {"token_states": stored, "reserved": reserved, "internal": internal, "outline": outline}
+
+
+def _stored_at(
+    t: np.ndarray, g1: np.ndarray, g2: np.ndarray, s0: np.ndarray, s1: np.ndarray, late: bool
+) -> np.ndarray:
+    """A slab's stored height at `t`: `s0` until `g1`, growing linearly to `s1` at `g2`, then
+    `s1`; where `g1 == g2` the step is `s0` at it, or `s1` if `late`."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ramp = s0 + (s1 - s0) * (t - g1) / (g2 - g1)
+    if late:
+        return np.where(t >= g2, s1, np.where(t <= g1, s0, ramp))
+    return np.where(t <= g1, s0, np.where(t >= g2, s1, ramp))
+
+
+#: Columns of requests.parquet written for allocators that compacted: where each request's
+#: (first) slab was placed over time, as times and offsets: its admission, then each move.
+MOVE_T = "slab_move_t_s"
+MOVE_OFFSET = "slab_move_offset_bytes"
+#: Columns `slab_pieces` adds: when the piece of a slab begins and ends (NaN: its admission,
+#: its release).
+PIECE_START = "piece_start_s"
+PIECE_END = "piece_end_s"
+
+
+def moves_known(requests: pd.DataFrame) -> bool:
+    """Whether the results record where these requests' slabs moved (`MOVE_T`)."""
+    return MOVE_T in requests.columns and bool(requests[MOVE_T].notna().any())
+
+
+def slab_pieces(slabs: pd.DataFrame) -> pd.DataFrame:
+    """Slabs (rows of `_slabs`) cut into one row per place each was held at, where the results
+    record moves (`MOVE_T`, `MOVE_OFFSET`): `offset_bytes` the place, `PIECE_START` and
+    `PIECE_END` when it was there (NaN: from admission, to release). Only a request's first
+    slab's moves are recorded: its other sequences' slabs stay as they are."""
+    if MOVE_T not in slabs.columns:
+        return slabs
+    first = ~slabs.index.duplicated()
+    times = slabs[MOVE_T].to_numpy(object)
+    places = slabs[MOVE_OFFSET].to_numpy(object)
+    offset = slabs["offset_bytes"].to_numpy(float)
+    counts, starts, ends, offsets = [], [], [], []
+    nan = math.nan
+    for j in range(len(slabs)):
+        t, o = times[j], places[j]
+        if not first[j] or not isinstance(t, list | tuple | np.ndarray) or not len(t):
+            counts.append(1)
+            starts.append(nan)
+            ends.append(nan)
+            offsets.append(offset[j])
+            continue
+        t = [float(x) for x in t]
+        n = 0
+        for k in range(len(t)):  # (a piece left at once, by a second move then, is not drawn)
+            end = t[k + 1] if k + 1 < len(t) else nan
+            if end == t[k]:
+                continue
+            starts.append(t[k] if k else nan)
+            ends.append(end)
+            offsets.append(float(o[k]))
+            n += 1
+        counts.append(n)
+    out = slabs.iloc[np.repeat(np.arange(len(slabs)), counts)].drop(columns=[MOVE_T, MOVE_OFFSET])
+    return out.assign(offset_bytes=np.array(offsets, dtype=float),
+                      **{PIECE_START: np.array(starts, dtype=float),
+                         PIECE_END: np.array(ends, dtype=float)})
 
 
 #: The column of requests.parquet that lists every sequence's slab offset of a request (n
@@ -1159,7 +1237,9 @@ def address_map_figure(
     tokens green, reserved orange, internal fragmentation red, holes white; a panel per
     allocator and sweep point (`point`: that one only). None when no allocator has slabs. More
     than `max_slabs` slabs in a panel: the first by admission are drawn. A panel that cannot
-    be drawn as it was (slabs moved by compaction) says why. Addresses are in the unit that
+    be drawn as it was (slabs moved by compaction, in results that do not record the moves)
+    says why; slabs whose moves are recorded are drawn a piece per place they were held at
+    (`slab_pieces`). Addresses are in the unit that
     fits the budget; torch's caching allocator's are virtual (its segments' addresses are
     never reused), drawn from its first segment."""
     requests = _with_keys(requests)
@@ -1236,6 +1316,8 @@ def address_map_figure(
         "Address space of the slab allocators: one rectangle per slab, "
         "from admission to release"
     )
+    if any(moves_known(requests[requests["label"].astype(str) == lb]) for lb in labels):
+        title += " (moved by compaction: a piece at each place it was held)"
     if swept and len(keep) == 1:
         title += f"\n({names.get(keep[0], f'point {keep[0]}')})"
     if any(note.startswith("only each request's 1st") for note in all_notes):
@@ -1276,7 +1358,8 @@ def _map_panel(
         if len(tsl):
             end_s = float((tsl["t"] + tsl["dt"]).max())
     ax.set_ylim(0, cap / scale if cap else 1)
-    if compactions is not None and pd.notna(compactions) and compactions > 0:
+    if (compactions is not None and pd.notna(compactions) and compactions > 0
+            and not moves_known(req)):  # (results from before moves were recorded)
         moved = row.get("bytes_moved")
         stall = row.get("stall_s")
         what = f"{int(compactions):,} compactions"
@@ -1315,6 +1398,7 @@ def _map_panel(
         base = float(ADDRESS_BASE)
         notes.append("virtual addresses from the first segment (never reused: they pass the "
                      "budget)")
+    slabs = slab_pieces(slabs)  # (compaction: a piece per place a slab was held at)
     polys = slab_polygons(slabs, bpt, end_s, scale=scale, base=base)
     for part in ("token_states", "reserved", "internal"):
         ax.add_collection(

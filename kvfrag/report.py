@@ -182,7 +182,8 @@ def _map(
     bpt = P._row_value(row, "bytes_per_token", summary, "bytes_per_token") or 0.0
     kind = str(row["kind"]) if row is not None and "kind" in row.index else ""
     compactions = row.get("compactions") if row is not None else None
-    if compactions is not None and pd.notna(compactions) and compactions > 0:
+    if (compactions is not None and pd.notna(compactions) and compactions > 0
+            and not P.moves_known(req)):  # (results from before moves were recorded)
         return None, (f"not drawn: {int(compactions):,} compactions moved slabs, and "
                       "requests.parquet keeps only the offset each slab had when it was freed.")
     placed = req[req["admitted_s"].notna() & req["offset_bytes"].notna()]
@@ -212,6 +213,7 @@ def _map(
     if kind == "torch-caching":
         base = float(ADDRESS_BASE)
         notes.append("virtual addresses from the first segment")
+    slabs = P.slab_pieces(slabs)  # (compaction: a piece per place a slab was held at)
     slabs = slabs[slabs["admitted_s"].notna() & slabs["offset_bytes"].notna()]
     polys = P.slab_polygons(slabs, bpt, end_s, scale=scale, base=base)
     fig = go.Figure()
@@ -272,7 +274,7 @@ def _map(
             "stored at the end: %{customdata[4]:,.2f} MiB<br>"
             "reserved at admission (not yet written): %{customdata[5]:,.2f} MiB<br>"
             "internal: %{customdata[6]:,.2f} MiB<br>"
-            "admitted %{customdata[7]:,.2f} s, released %{customdata[8]:,.2f} s"
+            "admitted %{customdata[7]:,.2f} s, held here until %{customdata[8]:,.2f} s"
             "<extra></extra>"
         ),
     ))

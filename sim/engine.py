@@ -189,6 +189,7 @@ class _Req:
         "hits",
         "idx",
         "lead",
+        "moves",
         "offset",
         "offsets",
         "output",
@@ -227,6 +228,9 @@ class _Req:
         self.hits = 0  # prompt tokens found in the prefix cache at its first admission
         self.offset = math.nan
         self.offsets: tuple[int, ...] = ()  # each sequence's slab (slab allocators, n > 1)
+        # Where its (first) slab was placed, as (time, offset): each admission, then each
+        # compaction move; None unless the allocator compacts (see `Engine.track_moves`).
+        self.moves: list[tuple[float, int]] | None = None
         self.final = 0
         self.user = -1
         self.think = 0.0
@@ -265,6 +269,9 @@ class Engine:
             )
         self.alloc = allocator
         self.cfg = config
+        # A compacting allocator moves slabs: each request's placements are then recorded
+        # (`_Req.moves`), so that its slab can be drawn where it was at each moment.
+        self.track_moves = bool(getattr(allocator, "compaction", False))
         self.st = config.step_time
         self.chunk_cost = self.st.decode_kv_only  # prefill chunks' attention is timed apart
         self.prefill_attn_s = 0.0  # this iteration's prefill chunks' attention
@@ -571,6 +578,10 @@ class Engine:
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:
             r.offset = grant.offset
+            if self.track_moves:
+                if r.moves is None:
+                    r.moves = []
+                r.moves.append((self.env.now, grant.offset))
             if self.groups:
                 r.offsets = alloc.slab_offsets(r.req.rid)
         self.running[r] = None
@@ -743,6 +754,8 @@ class Engine:
             r = self.by_rid[rid]
             if r.offset == old:  # its first slab (other samples' copies have no record here)
                 r.offset = new
+                if r.moves is not None:
+                    r.moves.append((self.env.now, new))
             self._log_op("move", rid, nbytes, new, from_offset=old)
 
     def _log_free(self, r: _Req) -> None:
@@ -825,7 +838,7 @@ class Engine:
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
         for r in list(self.made.values()):  # running, waiting, or held when the run stopped
             out.store(r)
-        requests = out.frame(at_end)
+        requests = out.frame(at_end, moved=self.track_moves and alloc.compactions > 0)
         if self.rows or not self.row_frames:
             self.row_frames.append(pd.DataFrame(self.rows, columns=list(_SERIES)))
         frames, self.row_frames, self.rows = self.row_frames, [], []
@@ -1039,6 +1052,7 @@ class _Outcomes:
         self.status = bytearray(n)  # codes into _STATUS: 0, pending
         self.reasons: dict[int, str] = {}  # idx -> reason, for the rejected
         self.offsets: dict[int, tuple[int, ...]] = {}  # idx -> each sequence's slab offset
+        self.moves: dict[int, list[tuple[float, int]]] = {}  # idx -> placements (compaction)
         self.frag_refused = bytearray(n)
         self.int_offsets = True  # every offset an int (slab allocators): an integer column
 
@@ -1063,9 +1077,13 @@ class _Outcomes:
             self.reasons[i] = r.reason
         if r.offsets:
             self.offsets[i] = r.offsets
+        if r.moves:
+            self.moves[i] = r.moves
         self.frag_refused[i] = r.frag_refused
 
-    def frame(self, at_end: np.ndarray) -> pd.DataFrame:
+    def frame(self, at_end: np.ndarray, moved: bool = False) -> pd.DataFrame:
+        """The request table; `moved` (the allocator compacted): with where each slab was over
+        time (`slab_move_t_s`, `slab_move_offset_bytes`)."""
         inp = self.inputs
         n = len(inp)
 
@@ -1116,6 +1134,10 @@ class _Outcomes:
         requests["tpot_s"] = np.where(per_seq >= 2, tpot, math.nan)
         if inp.groups:  # where each sequence's slab was (slab allocators; [] for the others)
             requests["slab_offsets_bytes"] = [list(self.offsets.get(i, ())) for i in range(n)]
+        if moved:  # each placement of its (first) slab: admissions, then compaction moves
+            moves = [self.moves.get(i, ()) for i in range(n)]
+            requests["slab_move_t_s"] = [[float(t) for t, _ in m] for m in moves]
+            requests["slab_move_offset_bytes"] = [[int(o) for _, o in m] for m in moves]
         return requests
 
     @staticmethod

@@ -244,7 +244,7 @@ def test_dictionary_lists_every_column_a_run_writes(run):
     # The swept keys sit between `point` and `model`, named after the keys.
     assert columns[columns.index("point") + 1:columns.index("model")] == SWEEP_KEYS
     assert set(_listed("summary.csv")) == set(columns) - set(SWEEP_KEYS)
-    optional = {"slab_offsets_bytes"}  # (only with sample groups or beams)
+    optional = {"slab_offsets_bytes", "slab_move_t_s", "slab_move_offset_bytes"}  # (when present)
     for name in ("timeseries.parquet", "requests.parquet"):
         columns = set(pd.read_parquet(out / name).columns)
         assert set(_listed(name)) - optional == columns - optional, name

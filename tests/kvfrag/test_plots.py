@@ -889,3 +889,87 @@ def test_torch_addresses_are_drawn_from_its_first_segment(results):
     assert ax.get_ylabel() == "virtual address (GiB)"
     rects = _rectangles(ax.collections[3])
     assert rects[:, 1].min() >= 0 and rects[:, 3].max() <= ax.get_ylim()[1] <= 4
+
+
+# --------------------------------------------------------------- compaction: slabs that move
+@pytest.fixture(scope="module")
+def compaction(tmp_path_factory) -> Path:
+    """compaction as shipped: first fit without and with compaction, and paged blocks."""
+    from kvfrag.cli import main
+
+    out = tmp_path_factory.mktemp("compaction") / "compaction"
+    scenario = ROOT / "scenarios" / "compaction.yaml"
+    assert main(["run", str(scenario), "-o", str(out), "-q", "--no-plots", "-j", "1"]) == 0
+    return out
+
+
+def _overlapping_pieces(rects: np.ndarray) -> int:
+    """Pairs of (left, bottom, right, top) rectangles of positive width that overlap in both
+    time and address."""
+    return _overlapping_pairs(rects[rects[:, 2] > rects[:, 0]])
+
+
+def test_address_map_draws_slabs_moved_by_compaction_piece_by_piece(compaction):
+    """The results record where each slab moved: compacting allocators' slabs are drawn a
+    piece per place they were held, all within the budget, none over another."""
+    requests = pd.read_parquet(compaction / "requests.parquet")
+    summary = plots.read_summary(compaction / "summary.csv")
+    assert plots.MOVE_T in requests.columns
+    fig = plots.address_map_figure(requests, summary)
+    axes = {ax.get_title(loc="left").split(":")[0]: ax for ax in fig.axes}
+    assert list(axes) == ["first-fit", "compact-1.6TBps", "compact-0.8TBps"]
+    budget = 8.0  # GiB
+    for label, ax in axes.items():
+        assert not ax.texts, label  # drawn, not explained away
+        rows = requests[requests["label"] == label]
+        compacted = summary.loc[summary["label"] == label, "compactions"].iloc[0] > 0
+        assert compacted == (label != "first-fit")
+        rects = _rectangles(ax.collections[3])
+        pieces = rows[plots.MOVE_T].map(len).sum() if compacted else len(rows)
+        assert 0 < len(rects) <= pieces and (len(rects) > len(rows)) == compacted
+        assert _overlapping_pieces(rects) == 0, label
+        assert rects[:, 1].min() >= 0 and rects[:, 3].max() <= budget + 1e-9
+    # Results from before moves were recorded: the panel says why it is not drawn.
+    old = plots.address_map_figure(requests.drop(columns=[plots.MOVE_T, plots.MOVE_OFFSET]),
+                                   summary)
+    said = [t.get_text() for ax in old.axes for t in ax.texts]
+    assert len(said) == 2 and all("is not known" in " ".join(t.split()) for t in said)
+
+
+def test_pieces_of_a_moved_slab_keep_its_parts_continuous():
+    """A slab moved twice: three pieces at their offsets, from admission to release, whose
+    stored part grows across them as the unmoved slab's would."""
+    one = 100 * BPT
+    req = pd.DataFrame(
+        {
+            "request_id": [7], "admitted_s": [0.0], "first_token_s": [1.0],
+            "finished_s": [5.0], "released_s": [5.0], "offset_bytes": [0],
+            "peak_bytes": [one], "prompt_tokens": [19], "final_tokens": [80],
+            "tokens_at_end": [0],
+            plots.MOVE_T: [[0.0, 3.0, 4.0]], plots.MOVE_OFFSET: [[2 * one, one, 0]],
+        }
+    )
+    pieces = plots.slab_pieces(req)
+    assert list(pieces["offset_bytes"]) == [2 * one, one, 0]
+    whole = plots.slab_polygons(req.drop(columns=[plots.MOVE_T, plots.MOVE_OFFSET]), BPT,
+                                scale=one)
+    cut = plots.slab_polygons(pieces, BPT, scale=one)
+    outline = cut["outline"]
+    assert np.allclose(outline[:, 0, 0], [0, 3, 4]) and np.allclose(outline[:, 1, 0], [3, 4, 5])
+    assert np.allclose(outline[:, 0, 1], [2, 1, 0]) and np.allclose(outline[:, 2, 1], [3, 2, 1])
+
+    def stored_top(polys: np.ndarray, base: np.ndarray, t: float) -> float:
+        """The stored part's height at `t` in the piece that holds it."""
+        for poly, b in zip(polys, base, strict=True):
+            xs, ys = poly[1:5, 0], poly[1:5, 1] - b
+            if xs[0] <= t <= xs[-1]:
+                return float(np.interp(t, xs, ys))
+        raise AssertionError(t)
+
+    for t in (0.0, 0.5, 1.0, 2.0, 3.0, 3.5, 4.0, 4.5, 5.0):
+        expect = stored_top(whole["token_states"], np.zeros(1), t)
+        assert stored_top(cut["token_states"], np.array([2, 1, 0]), t) == pytest.approx(expect)
+    # At each move both pieces meet at the same height above their offsets.
+    ts = cut["token_states"]
+    assert ts[0, 4, 1] - 2 == pytest.approx(ts[1, 1, 1] - 1)
+    assert ts[1, 4, 1] - 1 == pytest.approx(ts[2, 1, 1])

@@ -255,3 +255,50 @@ def test_allocation_log_moves_keep_offsets_consistent():
     last = log[log["op"].isin(["admit", "move"])].groupby("rid")["offset"].last()
     offsets = res.requests.set_index("request_id")["offset_bytes"]
     assert (offsets.loc[last.index] == last).all()
+
+
+def _pieces(requests: pd.DataFrame) -> list[tuple[int, float, float, int, int]]:
+    """(rid, start, end, offset, bytes) of every place a slab was held, from the request
+    table's move columns."""
+    out = []
+    for row in requests.itertuples(index=False):
+        times, offsets = list(row.slab_move_t_s), list(row.slab_move_offset_bytes)
+        ends = [*times[1:], row.released_s]
+        out += [(row.request_id, t0, t1, off, row.peak_bytes)
+                for t0, t1, off in zip(times, ends, offsets, strict=True)]
+    return out
+
+
+def test_request_table_records_each_slab_move():
+    """A compacting run writes where each slab was over time (admission, then each move); the
+    pieces stay in the budget, follow one another from admission to release, and no two live
+    pieces overlap. A run without compaction writes no such columns."""
+    assert "slab_move_t_s" not in engine_run().requests.columns
+    res = engine_run(log=True, compaction=True, bandwidth="1GB/s")
+    req = res.requests
+    assert res.summary["compactions"] > 0
+    assert req["slab_move_t_s"].map(len).equals(req["slab_move_offset_bytes"].map(len))
+    assert (req["status"] == "completed").all() and (req["slab_move_t_s"].map(len) >= 1).all()
+    moved = 0
+    for row in req.itertuples(index=False):
+        times, offsets = list(row.slab_move_t_s), list(row.slab_move_offset_bytes)
+        assert times[0] == row.admitted_s  # from its admission ...
+        assert offsets[-1] == row.offset_bytes  # ... to where it was freed
+        assert all(t0 <= t1 for t0, t1 in itertools.pairwise([*times, row.released_s]))
+        assert all(o1 > o0 for o0, o1 in itertools.pairwise(offsets[::-1]))  # slides down
+        moved += len(times) - 1
+    log = res.log
+    assert moved > 0 and moved == (log["op"] == "move").sum()  # every move is recorded
+    pieces = _pieces(req)
+    assert all(off >= 0 and off + n <= 1024 * 20_000 for _, _, _, off, n in pieces)
+    # Sweep over time: at each moment, the pieces held then lie apart.
+    live = [p for p in pieces if p[2] > p[1]]
+    for t in sorted({p[1] for p in live}):
+        spans = sorted((off, n) for _, t0, t1, off, n in live if t0 <= t < t1)
+        for (o1, n1), (o2, _) in itertools.pairwise(spans):
+            assert o1 + n1 <= o2, f"slabs overlap at t = {t}"
+    # The moves' times and places are the log's.
+    logged = log[log["op"] == "move"].groupby("rid")["offset"].apply(list)
+    for rid, offsets in logged.items():
+        row = req[req["request_id"] == rid].iloc[0]
+        assert list(row["slab_move_offset_bytes"])[1:] == offsets
