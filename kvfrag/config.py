@@ -227,15 +227,18 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+def _given_by_set(dotted: str, origins: dict[str, str]) -> bool:
+    """Whether a --set wrote the value at `dotted` (itself or a mapping above it)."""
+    return any(dotted == k or dotted.startswith(k + ".") for k in origins)
+
+
 def _resolve_set_paths(data: dict, origins: dict[str, str]) -> None:
     """A workload file named on the command line (`--set workload.trace.path=...`) is relative
     to the current folder, as a shell user means it; those in the YAML stay relative to it."""
     if not origins:
         return
     for loc, value in list(workload_paths(data.get("workload"), ["workload"])):
-        dotted = ".".join(map(str, loc))
-        given = any(dotted == k or dotted.startswith(k + ".") for k in origins)
-        if given and not value.startswith("sample:"):
+        if _given_by_set(".".join(map(str, loc)), origins) and not value.startswith("sample:"):
             node = data
             for part in loc[:-1]:
                 node = node[part]
@@ -249,8 +252,7 @@ def _resolve_profile(data: dict, base_dir: Path, origins: dict[str, str]) -> Non
     step = engine.get("step_time") if isinstance(engine, dict) else None
     if not isinstance(step, dict) or not isinstance(step.get("profile"), str):
         return
-    keys = ("engine", "engine.step_time", "engine.step_time.profile")
-    base = Path.cwd() if any(k in origins for k in keys) else base_dir
+    base = Path.cwd() if _given_by_set("engine.step_time.profile", origins) else base_dir
     step["profile"] = str((base / Path(step["profile"]).expanduser()).resolve())
 
 

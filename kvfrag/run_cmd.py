@@ -318,10 +318,10 @@ def _derived(scenario: Any) -> str:
 def profile_files(scenario: Any) -> list[Path]:
     """The step-time profile a point reads, if any (its path is absolute by now)."""
     from kvfrag.sim.scenario import ProfileSpec
-    from kvfrag.sim.timing import read_profile
+    from kvfrag.sim.timing import profile_file
 
     step = scenario.engine.step_time
-    return [read_profile(step.profile).path] if isinstance(step, ProfileSpec) else []
+    return [profile_file(step.profile).resolve()] if isinstance(step, ProfileSpec) else []
 
 
 def input_files(spec: Any, base_dir: Path) -> list[Path]:

@@ -392,7 +392,7 @@ class Engine:
                 continue  # every waiting request was rejected, or the step only preempted
             if prefill_tokens:
                 # A compaction during admission stalls every running request.
-                dt = self._iteration_time(decoders + prefill_tokens) + self.alloc.take_stall()
+                dt = self._iteration_time(decoders + prefill_tokens)[0] + self.alloc.take_stall()
                 self._record(dt, 1)
                 yield env.timeout(dt)
                 self._sync_log()
@@ -604,20 +604,20 @@ class Engine:
             return self.alloc.decoding_sequence_tokens()
         return self.alloc.sequence_tokens() - self.held_done_tokens
 
-    def _iteration_time(self, batched: int) -> float:
-        """This iteration's time (its prefill chunks' attention is in prefill_attn_s)."""
+    def _iteration_time(self, batched: int) -> tuple[float, float]:
+        """This iteration's seconds (its prefill chunks' attention is in prefill_attn_s), and
+        the step time's cost per KV token read (what a decode stretch grows by)."""
         decoders = self.alloc.decoding_weight
         # Sampled positions: one per decoding sequence and per prompt whose prefill ends now.
         logits = min(decoders + len(self.prefilled), batched)
         base, per_kv = self.st.affine(batched, logits, decoders > 0)
-        return base + per_kv * self._kv_read_tokens() + self.prefill_attn_s
+        return base + per_kv * self._kv_read_tokens() + self.prefill_attn_s, per_kv
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
         """How many decode-only iterations run before the next event, and their timing."""
         alloc = self.alloc
-        w0 = self._iteration_time(decoders)
-        # each iteration adds one token per decoding sequence
-        w1 = self.st.affine(decoders, decoders, True)[1] * decoders
+        w0, per_kv = self._iteration_time(decoders)
+        w1 = per_kv * decoders  # each iteration adds one token per decoding sequence
         n = 1 + alloc.steps_until_done()
         if self.preempted_now and self.queue:
             n = 1  # admissions were skipped this iteration: the next one tries them
@@ -1054,7 +1054,6 @@ class _Outcomes:
         self.offsets: dict[int, tuple[int, ...]] = {}  # idx -> each sequence's slab offset
         self.moves: dict[int, list[tuple[float, int]]] = {}  # idx -> placements (compaction)
         self.frag_refused = bytearray(n)
-        self.int_offsets = True  # every offset an int (slab allocators): an integer column
 
     def store(self, r: _Req) -> None:
         i = r.idx
@@ -1063,8 +1062,6 @@ class _Outcomes:
         self.first_token[i] = r.first_token
         self.finished[i] = r.finished
         self.released[i] = r.released
-        if isinstance(r.offset, float):
-            self.int_offsets = False
         self.offset[i] = r.offset
         self.preemptions[i] = r.preemptions
         self.recomputed[i] = r.recomputed
@@ -1095,7 +1092,7 @@ class _Outcomes:
         for i, why in self.reasons.items():
             reason[i] = why
         offset = col(self.offset, np.float64)
-        if self.int_offsets and n and self.made_all_offsets(offset):
+        if n and not np.isnan(offset).any():  # every request placed in a slab: integers
             offset = offset.astype(np.int64)
         requests = pd.DataFrame(
             {
@@ -1140,10 +1137,6 @@ class _Outcomes:
             requests["slab_move_offset_bytes"] = [[int(o) for _, o in m] for m in moves]
         return requests
 
-    @staticmethod
-    def made_all_offsets(offset: np.ndarray) -> bool:
-        """Whether every request has an offset (else NaNs make the column float)."""
-        return not np.isnan(offset).any()
 
 
 def slot_request(

@@ -438,6 +438,17 @@ VIDUR_MODELS = {
 }
 
 
+def operator_medians_ms(raw: pd.DataFrame) -> pd.DataFrame:
+    """A Vidur-layout table (`mlp.csv`) as per-operator median milliseconds, one row per
+    (num_tokens, tp): columns num_tokens, tp, emb and OPERATORS. Repeated rows (some token
+    counts were measured twice) are reduced to their median."""
+    ops = ["emb", *OPERATORS]
+    med = raw.rename(
+        columns={f"time_stats.{o}.median": o for o in ops} | {"num_tensor_parallel_workers": "tp"}
+    )
+    return med.groupby(["num_tokens", "tp"], as_index=False)[ops].median()
+
+
 def load_vidur_profiles(root: str | Path) -> pd.DataFrame:
     """Vidur's per-operator medians, one row per (gpu, model, num_tokens, tp), in SECONDS.
 
@@ -460,11 +471,7 @@ def load_vidur_profiles(root: str | Path) -> pd.DataFrame:
         if got != {want}:
             raise ValueError(f"{path}: shape {sorted(got)} is not preset {model!r}'s {want}")
         ops = ["emb", *OPERATORS]
-        med = raw.rename(
-            columns={f"time_stats.{o}.median": o for o in ops}
-            | {"num_tensor_parallel_workers": "tp"}
-        )
-        med = med.groupby(["num_tokens", "tp"], as_index=False)[ops].median()
+        med = operator_medians_ms(raw)
         med[ops] = med[ops] / 1e3  # ms -> s
         med.insert(0, "model", model)
         med.insert(0, "gpu", gpu_name)

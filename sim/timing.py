@@ -47,6 +47,7 @@ from kvfrag.sim.steptime import (
     layer_ops,
     lm_head_op,
     op_time,
+    operator_medians_ms,
 )
 
 #: Seconds of CPU work per iteration (see the module docstring). An assumption.
@@ -245,12 +246,16 @@ class ProfileTable:
         return (tokens, emb), (tokens, layer)
 
 
+def profile_file(path: str | Path) -> Path:
+    """The file a profile path names: itself, or the `mlp.csv` of a folder."""
+    p = Path(path)
+    return p / "mlp.csv" if p.is_dir() else p
+
+
 def read_profile(path: str | Path) -> ProfileTable:
     """Read a profile: a Vidur-layout CSV, or a folder holding `mlp.csv`. Errors name the file
     and, for a bad value, its 1-based data row. Read once per process while it is unchanged."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "mlp.csv"
+    p = profile_file(path)
     if not p.is_file():
         raise FileNotFoundError(f"step_time profile {p}: no such file")
     info = p.stat()
@@ -290,11 +295,10 @@ def _read_profile(path: str, mtime_ns: int, size: int) -> ProfileTable:
                 raise ValueError(f"{p}: {column} takes several values {sorted(values)}: "
                                  "a profile holds one model")
             shape[column] = int(values.pop())
-    med = table.groupby([TP, TOKENS], as_index=False).median()  # repeated rows: their median
     rows = {}
-    for tp, g in med.groupby(TP):
-        tokens = g[TOKENS].to_numpy(dtype=float)
-        emb = g["time_stats.emb.median"].to_numpy(dtype=float) / 1e3
-        layer = g[[f"time_stats.{o}.median" for o in OPERATORS]].sum(axis=1).to_numpy() / 1e3
+    for tp, g in operator_medians_ms(table).groupby("tp"):
+        tokens = g["num_tokens"].to_numpy(dtype=float)
+        emb = g["emb"].to_numpy(dtype=float) / 1e3
+        layer = g[list(OPERATORS)].sum(axis=1).to_numpy() / 1e3
         rows[int(tp)] = (tokens, emb, layer)
     return ProfileTable(p, rows, shape)
