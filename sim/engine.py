@@ -39,14 +39,14 @@ import math
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
 import simpy
-from kvfrag.sim.allocators.base import PARTS, Allocator, Reason, Request
+from kvfrag.sim.allocators.base import PARTS, Allocator, Reason, Refusal, Request
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Why the engine rejects a request whose n sequences exceed max_num_seqs (it never fits a batch).
@@ -65,9 +65,11 @@ class IterationTime(Protocol):
     chunks' attention. `StepTime` (linear coefficients) and sim/timing.py's `TableTime` (from
     the hardware) are the two kinds."""
 
-    #: True: the KV read is the decoding sequences' tokens, prefill chunks pay `prefill_s`;
-    #: False: every token running requests hold, and `prefill_s` is 0.
-    decode_kv_only: ClassVar[bool]
+    @property
+    def decode_kv_only(self) -> bool:
+        """True: the KV read is the decoding sequences' tokens, prefill chunks pay
+        `prefill_s`; False: every token running requests hold, and `prefill_s` is 0."""
+        ...
 
     def affine(self, num_tokens: int, num_logits: int, decoding: bool) -> tuple[float, float]:
         """(base_s, per_kv_token_s) of an iteration with `num_tokens` batched tokens that
@@ -89,7 +91,9 @@ class StepTime:
     """Seconds per iteration: base + per_batched_token x batched + per_kv_token x KV read,
     where the KV read is every token running requests hold (prefills' included)."""
 
-    decode_kv_only: ClassVar[bool] = False
+    @property
+    def decode_kv_only(self) -> bool:
+        return False
 
     base_s: float = 0.02
     per_batched_token_s: float = 0.0
@@ -483,6 +487,7 @@ class Engine:
             hit = self.alloc.cached_prefix_tokens(r.req, r.prefill)
             work = r.prefill - hit
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
+            reason: Reason | None
             if chunk > budget - used and r.req.prompt >= self.alloc.max_model_len:
                 reason = Reason.PROMPT_TOO_LONG  # (it would wait for a token budget forever)
             else:
@@ -491,7 +496,7 @@ class Engine:
                 del self.queue[i]
                 used += chunk
                 continue
-            if reason in _NEVER:
+            if reason is not None and reason in _NEVER:
                 del self.queue[i]
                 self._reject(r, reason.value)
                 continue
@@ -527,7 +532,9 @@ class Engine:
             last = chunk == r.prefill_left
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
                 self.prefill_attn_s += self.st.prefill_s(chunk, r.prefill - r.prefill_left)
-            while not (grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0))):
+            while isinstance(
+                grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0)), Refusal
+            ):
                 victim = next(reversed(self.running))
                 self._preempt(victim)
                 if victim is r:
@@ -558,7 +565,7 @@ class Engine:
                 return Reason.OUT_OF_MEMORY
         grant = alloc.admit(r.req, tokens, decoding=False)
         self._apply_moves()
-        if not grant:
+        if isinstance(grant, Refusal):
             if grant.reason is Reason.FRAGMENTED:
                 r.frag_refused = True
             return grant.reason
@@ -577,7 +584,7 @@ class Engine:
             r.hits = hit
         r.final = alloc.final_tokens(r.req.rid)
         if grant.offset is not None:
-            r.offset = grant.offset
+            r.offset = float(grant.offset)
             if self.track_moves:
                 if r.moves is None:
                     r.moves = []
@@ -618,7 +625,9 @@ class Engine:
         alloc = self.alloc
         w0, per_kv = self._iteration_time(decoders)
         w1 = per_kv * decoders  # each iteration adds one token per decoding sequence
-        n = 1 + alloc.steps_until_done()
+        done = alloc.steps_until_done()
+        assert done is not None  # (a stretch has decoders)
+        n = 1 + done
         if self.preempted_now and self.queue:
             n = 1  # admissions were skipped this iteration: the next one tries them
         full = alloc.steps_until_full()
@@ -652,7 +661,9 @@ class Engine:
                     r.first_token = now
         self.prefilled.clear()
         while alloc.n_decoding and alloc.steps_until_done() == 0:
-            self._complete(self.by_rid[alloc.first_done()])
+            first = alloc.first_done()
+            assert first is not None  # (a decoder is done)
+            self._complete(self.by_rid[first])
         if self.cfg.batching == "static" and not self.running:
             self._release_batch()
 
@@ -706,6 +717,7 @@ class Engine:
             tokens = alloc.tokens(rid)
             req = self.by_rid[rid].req
             ids = None
+            held: tuple[int, ...] | None
             if op == "admit":
                 prompt, keys = req.prompt, list(alloc.prefix_keys(rid))
                 whole, held = req.n > 1 or bool(keys), ()
@@ -716,7 +728,7 @@ class Engine:
             if whole:
                 tables = [list(t) for t in alloc.block_tables(rid)]
                 ids = table
-                before = set(held)
+                before = set(held or ())
                 blocks = [b for b in ids if b not in before]
             if req.n > 1:
                 offsets = list(alloc.slab_offsets(rid))
@@ -737,8 +749,10 @@ class Engine:
         token_states: int = 0, held_unwritten: int = 0, free: int = 0, from_offset: int = -1,
         prompt: int = -1, tables=(), offsets=(), keys=(),
     ) -> None:
-        self.log.append(
-            (len(self.log), self.env.now, op, rid, tokens, nbytes, offset, list(blocks),
+        log = self.log
+        assert log is not None  # (only called while logging)
+        log.append(
+            (len(log), self.env.now, op, rid, tokens, nbytes, offset, list(blocks),
              token_states, held_unwritten, free, from_offset, prompt, list(tables),
              list(offsets), list(keys))
         )
@@ -753,7 +767,7 @@ class Engine:
         for rid, old, new, nbytes in self.alloc.take_moves():
             r = self.by_rid[rid]
             if r.offset == old:  # its first slab (other samples' copies have no record here)
-                r.offset = new
+                r.offset = float(new)
                 if r.moves is not None:
                     r.moves.append((self.env.now, new))
             self._log_op("move", rid, nbytes, new, from_offset=old)
@@ -814,7 +828,9 @@ class Engine:
             integrals[p] += v
         self._row(duration, n, [v / duration for v in sums], alloc.largest_hole())
 
-    def _row(self, dt: float, iterations: int, parts: list, largest_hole: int) -> None:
+    def _row(
+        self, dt: float, iterations: int, parts: Sequence[float], largest_hole: int
+    ) -> None:
         running = len(self.running)
         self.busy_running += running * dt
         blocked = self.head_reason is Reason.FRAGMENTED and bool(self.queue)
@@ -1037,18 +1053,18 @@ class _Outcomes:
     """The per-request result columns, filled as requests retire (and, at the end, from those
     still in flight); a request never made keeps the defaults of a fresh `_Req`."""
 
-    _FLOATS = ("admitted", "first_token", "finished", "released", "offset")
-    _INTS = ("preemptions", "recomputed", "peak", "final", "hits", "generated")
-
     def __init__(self, inputs: _Inputs) -> None:
         n = len(inputs)
         self.inputs = inputs
         self.arrival = array("d", inputs.arrival)  # (closed loop: set when the user sends it)
         nan = array("d", [math.nan]) * n
-        for name in self._FLOATS:
-            setattr(self, name, array("d", nan))
-        for name in self._INTS:
-            setattr(self, name, array("q", bytes(8 * n)))
+        self.admitted, self.first_token, self.finished, self.released, self.offset = (
+            array("d", nan) for _ in range(5)
+        )
+        zeros = bytes(8 * n)
+        self.preemptions, self.recomputed, self.peak, self.final, self.hits, self.generated = (
+            array("q", zeros) for _ in range(6)
+        )
         self.status = bytearray(n)  # codes into _STATUS: 0, pending
         self.reasons: dict[int, str] = {}  # idx -> reason, for the rejected
         self.offsets: dict[int, tuple[int, ...]] = {}  # idx -> each sequence's slab offset
@@ -1084,7 +1100,7 @@ class _Outcomes:
         inp = self.inputs
         n = len(inp)
 
-        def col(values: array, dtype: type) -> np.ndarray:
+        def col(values: array | bytearray, dtype: type) -> np.ndarray:
             return np.frombuffer(values, dtype=dtype) if n else np.zeros(0, dtype=dtype)
 
         status = np.array(_STATUS, dtype=object)[np.frombuffer(self.status, dtype=np.uint8)]

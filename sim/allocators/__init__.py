@@ -7,8 +7,6 @@ need the model's KV shape (a `geometry` constructor argument) get `geometry=` pa
 
 from __future__ import annotations
 
-import inspect
-
 from kvfrag.sim.allocators.base import (
     PARTS,
     Accounting,
@@ -39,13 +37,28 @@ REGISTRY: dict[str, type[Allocator]] = {
     )
 }
 
-_COMMON = ("capacity", "bytes_per_token", "max_model_len", "geometry")
+#: Each kind's options (its constructor's keyword arguments beyond capacity, bytes_per_token
+#: and max_model_len), in their order there. Written out rather than read from the signature:
+#: compiled classes (setup.py) have none to read. tests/sim/test_allocators_registry.py holds
+#: them to the constructors in the source.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "contiguous": ("reserve", "placement", "compaction", "bandwidth"),
+    "buddy": ("reserve",),
+    "paged": ("block_size",),
+    "prefix-caching": ("block_size", "cache_generated"),
+    "torch-caching": (
+        "reserve", "expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
+    ),
+    "vattention": ("page_size",),
+}
+#: Kinds whose constructor also takes the model's KV shape (`geometry=`).
+TAKES_GEOMETRY = frozenset({"vattention"})
 
 
 def options_of(kind: str) -> list[str]:
     """The options (beyond capacity, bytes_per_token, max_model_len) an allocator kind takes."""
-    params = inspect.signature(allocator_class(kind).__init__).parameters
-    return [p for p in params if p not in ("self", *_COMMON)]
+    allocator_class(kind)  # (an unknown kind: the error that lists the valid ones)
+    return list(OPTIONS[kind])
 
 
 def allocator_class(kind: str) -> type[Allocator]:
@@ -82,14 +95,16 @@ def make_allocator(
             raise ValueError(
                 f"allocator {kind!r} has no option {name!r} (valid: {', '.join(valid) or 'none'})"
             )
-    if "geometry" in inspect.signature(cls.__init__).parameters:
+    if kind in TAKES_GEOMETRY:
         options["geometry"] = geometry
     return cls(capacity, bytes_per_token, max_model_len, **options)
 
 
 __all__ = [
+    "OPTIONS",
     "PARTS",
     "REGISTRY",
+    "TAKES_GEOMETRY",
     "Accounting",
     "Allocator",
     "BuddyAllocator",

@@ -34,6 +34,8 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import ClassVar
 
+from mypy_extensions import mypyc_attr
+
 #: The five parts of the budget, in the order plots stack them.
 PARTS = ("token_states", "reserved", "internal", "external", "usable_free")
 
@@ -80,6 +82,9 @@ class Request:
         """Tokens stored once every output token is generated."""
         return self.prompt + self.output
 
+    def __deepcopy__(self, memo: dict) -> Request:
+        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
+
 
 @dataclass(frozen=True, slots=True)
 class Grant:
@@ -93,6 +98,9 @@ class Grant:
 
     def __bool__(self) -> bool:
         return True
+
+    def __deepcopy__(self, memo: dict) -> Grant:
+        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +116,14 @@ class Refusal:
     def __bool__(self) -> bool:
         return False
 
+    def __deepcopy__(self, memo: dict) -> Refusal:
+        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
+
 
 @dataclass(frozen=True, slots=True)
 class Accounting:
     """The budget split into its five parts, in bytes, at one instant."""
+
 
     capacity: int
     token_states: int
@@ -144,7 +156,11 @@ class Accounting:
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def __deepcopy__(self, memo: dict) -> Accounting:
+        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
 
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 @dataclass(slots=True)
 class Live:
     """One live request inside an allocator."""
@@ -166,6 +182,14 @@ class Live:
         return self.req.n
 
 
+def positive_int(name: str, value: object) -> int:
+    """`value` if it is a positive integer (not a bool); else a ValueError naming `name`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class Allocator(ABC):
     """Common bookkeeping: live requests, the decode clock, and the protocol's checks.
 
@@ -180,17 +204,12 @@ class Allocator(ABC):
     stall_s: float = 0.0
     evictions: int = 0  # prefix caching: idle cached blocks evicted so far
 
-    def __init__(self, capacity: int, bytes_per_token: int, max_model_len: int) -> None:
-        for name, value in (
-            ("capacity", capacity),
-            ("bytes_per_token", bytes_per_token),
-            ("max_model_len", max_model_len),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.capacity = capacity
-        self.bytes_per_token = bytes_per_token
-        self.max_model_len = max_model_len
+    def __init__(self, capacity: object, bytes_per_token: object, max_model_len: object) -> None:
+        # (Constructors take `object` where a user's value is checked: compiled, a parameter
+        # typed `int` would turn True into 1 and reject 1.5 with a TypeError before the check.)
+        self.capacity = positive_int("capacity", capacity)
+        self.bytes_per_token = positive_int("bytes_per_token", bytes_per_token)
+        self.max_model_len = positive_int("max_model_len", max_model_len)
         self._live: dict[int, Live] = {}
         self._clock = 0  # decode steps taken so far
         self._fixed_tokens = 0  # stored tokens of non-decoding requests

@@ -16,9 +16,11 @@ from bisect import bisect_right
 
 from kvfrag.sim.allocators.base import Request
 from kvfrag.sim.allocators.slab import Reserve, SlabAllocator
+from mypy_extensions import mypyc_attr
 from sortedcontainers import SortedList
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class BuddyAllocator(SlabAllocator):
     """Power-of-two blocks of token slots with split and merge."""
 
@@ -26,13 +28,13 @@ class BuddyAllocator(SlabAllocator):
 
     def __init__(
         self,
-        capacity: int,
-        bytes_per_token: int,
-        max_model_len: int,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
         reserve: Reserve | str = Reserve.MAX_MODEL_LEN,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len, reserve)
-        slots = capacity // bytes_per_token
+        slots = self.capacity // self.bytes_per_token
         self.slots = slots
         self._top_starts: list[int] = []  # slot offset of each top block
         self._top_orders: list[int] = []

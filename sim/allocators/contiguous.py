@@ -29,6 +29,7 @@ from itertools import chain
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.slab import Reserve, SlabAllocator, parse_enum
 from kvfrag.sim.units import parse_rate
+from mypy_extensions import mypyc_attr
 from sortedcontainers import SortedDict, SortedList
 
 #: Fitting holes up to which `_find` picks among them rather than walking holes by address.
@@ -42,6 +43,7 @@ class Placement(str, Enum):
     NEXT_FIT = "next-fit"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class ContiguousAllocator(SlabAllocator):
     """One contiguous slab per request, placed in a byte address space by a fit policy."""
 
@@ -49,12 +51,12 @@ class ContiguousAllocator(SlabAllocator):
 
     def __init__(
         self,
-        capacity: int,
-        bytes_per_token: int,
-        max_model_len: int,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
         reserve: Reserve | str = Reserve.MAX_MODEL_LEN,
         placement: Placement | str = Placement.FIRST_FIT,
-        compaction: bool = False,
+        compaction: object = False,
         bandwidth: float | str = "4.8TB/s",
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len, reserve)
@@ -96,7 +98,7 @@ class ContiguousAllocator(SlabAllocator):
 
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         result = super()._admit(live, tokens)
-        if not result and result.reason is Reason.FRAGMENTED and self.compaction:
+        if isinstance(result, Refusal) and result.reason is Reason.FRAGMENTED and self.compaction:
             self._compact()  # all free bytes become one hole: now it fits
             result = super()._admit(live, tokens)
         return result
@@ -116,6 +118,7 @@ class ContiguousAllocator(SlabAllocator):
                 if i == 0:
                     lv.offset = at
                 else:
+                    assert lv.extra is not None  # (i > 0: it has extra slabs)
                     lv.extra[i - 1] = at
                 self._moves.append((lv.req.rid, offset, at, size))
                 moved += size

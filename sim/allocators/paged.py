@@ -43,7 +43,16 @@ from collections.abc import Iterable, Iterator
 from itertools import accumulate
 
 import numpy as np
-from kvfrag.sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
+from kvfrag.sim.allocators.base import (
+    Allocator,
+    Grant,
+    Live,
+    Reason,
+    Refusal,
+    Request,
+    positive_int,
+)
+from mypy_extensions import mypyc_attr
 from sortedcontainers import SortedList
 
 #: Largest block (tokens) modeled: larger is more likely a typo than a block size. (vattention's
@@ -60,6 +69,7 @@ def _prefix_sums(y: int, bs: int) -> tuple[int, int]:
     return p1, full + q * (m * q * bs + m * (m - 1) // 2)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class FloorSum:
     """sum_i coef_i * floor((x_i + K)/bs) over registered terms, as a function of the clock K.
 
@@ -206,6 +216,7 @@ class FloorSum:
 _VECTOR_RESIDUES = 48
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class FreeIds:
     """The free block ids as a LIFO stack whose memory does not grow with the pool: ids never
     handed out are the range [fresh, size) under the ids given back (pop() gives 0 first), so a
@@ -255,30 +266,34 @@ class FreeIds:
         self.back.extend(blocks)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class PagedAllocator(Allocator):
     """Fixed-size KV blocks taken on demand."""
 
     kind = "paged"
 
     def __init__(
-        self, capacity: int, bytes_per_token: int, max_model_len: int, block_size: int = 16
+        self,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
+        block_size: object = 16,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len)
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if block_size > MAX_BLOCK_SIZE:
+        bs = positive_int("block_size", block_size)
+        if bs > MAX_BLOCK_SIZE:
             raise ValueError(
-                f"blocks of {block_size} tokens are larger than kvfrag models "
+                f"blocks of {bs} tokens are larger than kvfrag models "
                 f"(at most {MAX_BLOCK_SIZE} tokens a block)"
             )
-        self.block_size = block_size
-        self._set_pool(block_size * bytes_per_token)
+        self.block_size = bs
+        self._set_pool(bs * self.bytes_per_token)
         self._fixed_blocks = 0  # blocks of non-decoding requests, and decoders' constants
         self._fixed_internal = 0  # internal fragmentation of non-decoding requests, bytes
         self._fixed_saved = 0  # blocks sharing saves that do not move with the clock
-        self._blocks = FloorSum(block_size)  # decoders' blocks
-        self._tokens = FloorSum(block_size)  # decoders' stored tokens beyond n*(c + K)
-        self._saved = FloorSum(block_size)  # decoders' saved blocks that move (beams)
+        self._blocks = FloorSum(bs)  # decoders' blocks
+        self._tokens = FloorSum(bs)  # decoders' stored tokens beyond n*(c + K)
+        self._saved = FloorSum(bs)  # decoders' saved blocks that move (beams)
         self._dec_internal = 0  # internal bytes of decoders already in their last block
         self._pending = SortedList()  # (clock at which a decoder reaches its last block, rid)
         self._groups: dict[int, tuple[int, list[list[int]]]] = {}  # rid -> (tokens, tables)
@@ -502,7 +517,8 @@ class PagedAllocator(Allocator):
             if len(self._stack) >= need:
                 return
             live = self._live[rid]
-            if rid != asking and live.req.beam and len(live.table) > self.blocks_of(rid):
+            table = live.table
+            if rid != asking and live.req.beam and table and len(table) > self.blocks_of(rid):
                 self._materialize_group(live, self.blocks_of(rid), self.tokens(rid))
                 self._renamed[rid] = None
         if len(self._stack) < need:

@@ -85,6 +85,7 @@ from collections import deque
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
+from mypy_extensions import mypyc_attr
 
 #: A block's key: (hash chain up to the block's last chunk h, block index j) for the blocks a
 #: trace's hash chain names, (rid, block index j) for a request's blocks of its own (generated
@@ -99,6 +100,7 @@ _J = 2**64 + 0x9E3779B97F4A7C15
 _OWN = 2**256
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Run:
     """Idle blocks that one free gave back, in LRU order, with their keys. Evictions take
     them from `pos` on; a block found again by a lookup leaves the run (`gone` counts those
@@ -116,6 +118,7 @@ class _Run:
         return len(self.ids) - self.pos - self.gone
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class PrefixCachingAllocator(PagedAllocator):
     """Paged blocks plus a cache of full blocks keyed by their token hash chain."""
 
@@ -123,11 +126,11 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def __init__(
         self,
-        capacity: int,
-        bytes_per_token: int,
-        max_model_len: int,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
         block_size: int = 16,
-        cache_generated: bool = True,
+        cache_generated: object = True,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len, block_size)
         if not isinstance(cache_generated, bool):
@@ -235,7 +238,7 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
         live = self._get(rid)
-        keys = [divmod(key, _J) for key in self._keys_of.get(rid, ())]  # (h, j)
+        keys: list[tuple[int, ...]] = [divmod(key, _J) for key in self._keys_of.get(rid, ())]
         if self._caches_own(live.req):
             keys += [(rid, j, -1) for j in range(len(keys), live.final // self.block_size)]
         return tuple(hash(key) for key in keys)
@@ -325,6 +328,7 @@ class PrefixCachingAllocator(PagedAllocator):
                 else:
                     del first[key]
             else:
+                assert younger is not None  # (not the first under its key: a duplicate)
                 younger.remove(block)
             if younger is not None and not younger:
                 del dups[key]
@@ -348,6 +352,7 @@ class PrefixCachingAllocator(PagedAllocator):
     def _revive(self, block: int) -> None:
         """An idle block found by a lookup is in use again (its run no longer holds it)."""
         run = self._run_of[block]
+        assert run is not None  # (an idle block)
         self._run_of[block] = None
         self._idle_blocks -= 1
         run.gone += 1
@@ -480,8 +485,10 @@ class PrefixCachingAllocator(PagedAllocator):
             full = tokens // bs if self._caches_own(live.req) else min(tokens // bs, len(named))
             if full > len(held):
                 self._materialize(live, self._blocks_at(live, tokens), tokens)
-                own = live.table[: full - len(held)]
-                del live.table[: len(own)]
+                table = live.table
+                assert table is not None  # (materialised just now)
+                own = table[: full - len(held)]
+                del table[: len(own)]
         super()._release(live)
         # vLLM frees a request's blocks last first, so that eviction (least recently freed
         # first) takes a prefix's tail before its head, which later requests are likelier to

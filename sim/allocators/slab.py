@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from enum import Enum
+from typing import TypeVar
 
 from kvfrag.sim.allocators.base import Allocator, Grant, Live, Reason, Refusal, Request
+from mypy_extensions import mypyc_attr
 
 
 class Reserve(str, Enum):
@@ -44,7 +46,10 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def parse_enum(enum: type[Enum], value: str | Enum, what: str) -> Enum:
+E = TypeVar("E", bound=Enum)
+
+
+def parse_enum(enum: type[E], value: str | E, what: str) -> E:
     """Turn a user's string into an enum member, listing the valid names when it is not one."""
     try:
         return enum(value)
@@ -53,14 +58,15 @@ def parse_enum(enum: type[Enum], value: str | Enum, what: str) -> Enum:
         raise ValueError(f"unknown {what} {value!r} (valid: {valid})") from None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class SlabAllocator(Allocator):
     """One fixed-size slab per request; subclasses say where slabs go and how big they are."""
 
     def __init__(
         self,
-        capacity: int,
-        bytes_per_token: int,
-        max_model_len: int,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
         reserve: Reserve | str = Reserve.MAX_MODEL_LEN,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len)

@@ -75,6 +75,7 @@ from dataclasses import dataclass
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.slab import Reserve, SlabAllocator
+from mypy_extensions import mypyc_attr
 from sortedcontainers import SortedKeyList
 
 KiB = 1024
@@ -140,6 +141,7 @@ def get_allocation_size(rounded: int) -> int:
 
 
 # ------------------------------------------------------------------------ structures
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class Block:
     """A range of one segment: allocated, free (cached) or unmapped (expandable only)."""
 
@@ -174,6 +176,19 @@ class Block:
         return f"Block({self.ptr:#x}, {self.size}, {state})"
 
 
+def _size_then_address(b: Block) -> tuple[int, int]:
+    return b.size, b.ptr
+
+
+def _address(b: Block) -> int:
+    return b.ptr
+
+
+def _no_units(size: int, unit: int) -> int:
+    return 0
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class Pool:
     """A BlockPool: free blocks by (size, address); unmapped expandable blocks by address.
 
@@ -185,10 +200,11 @@ class Pool:
     def __init__(self, small: bool) -> None:
         self.is_small = small
         self.name = "small_pool" if small else "large_pool"
-        self.blocks = SortedKeyList(key=lambda b: (b.size, b.ptr))
-        self.unmapped = SortedKeyList(key=lambda b: b.ptr)
+        # (module-level keys, not lambdas: compiled lambdas do not deep-copy)
+        self.blocks = SortedKeyList(key=_size_then_address)
+        self.unmapped = SortedKeyList(key=_address)
         self.unit = 0  # the allocation size counted (0: none)
-        self._units: Callable[[int, int], int] = lambda size, unit: 0
+        self._units: Callable[[int, int], int] = _no_units
         self.served = 0  # sum over the free blocks of the units each serves, x unit
         self.whole_serving = 0  # bytes of those serving any that are whole segments
 
@@ -218,6 +234,7 @@ class Pool:
                 self.whole_serving += sign * block.size
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 @dataclass
 class ExpandableSegment:
     ptr: int
@@ -229,6 +246,7 @@ class ExpandableSegment:
         return self.page * self.npages
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class Stat:
     __slots__ = ("allocated", "current", "freed", "peak")
 
@@ -247,6 +265,7 @@ class Stat:
 
 
 # ------------------------------------------------------------------------ the allocator
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class TorchCachingAllocator(SlabAllocator):
     """PyTorch's CUDA caching allocator under a per-process memory cap of `capacity` bytes."""
 
@@ -254,13 +273,13 @@ class TorchCachingAllocator(SlabAllocator):
 
     def __init__(
         self,
-        capacity: int,
-        bytes_per_token: int,
-        max_model_len: int,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
         reserve: Reserve | str = Reserve.MAX_MODEL_LEN,
-        expandable_segments: bool = False,
-        max_split_size_mb: float | None = None,
-        roundup_power2_divisions: int = 1,
+        expandable_segments: object = False,
+        max_split_size_mb: object = None,
+        roundup_power2_divisions: object = 1,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len, reserve)
         if not isinstance(expandable_segments, bool):
@@ -282,7 +301,7 @@ class TorchCachingAllocator(SlabAllocator):
         if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d & (d - 1):
             raise ValueError(f"roundup_power2_divisions must be a power of 2 >= 1, got {d!r}")
         self.expandable_segments = expandable_segments
-        self.max_split_size_mb = max_split_size_mb
+        self.max_split_size_mb: object = max_split_size_mb  # as given (512 stays an int)
         self.roundup_power2_divisions = d
         self.small_pool = Pool(small=True)
         self.large_pool = Pool(small=False)
@@ -406,14 +425,11 @@ class TorchCachingAllocator(SlabAllocator):
         alloc_size = get_allocation_size(size)
         block = self.get_free_block(pool, size)
         if block is None:
-            block = (
-                self.alloc_block(pool, size, alloc_size, False)
-                or (
-                    self.release_available_cached_blocks(pool, size)
-                    and self.alloc_block(pool, size, alloc_size, False)
-                )
-                or (self.release_cached_blocks() and self.alloc_block(pool, size, alloc_size, True))
-            )
+            block = self.alloc_block(pool, size, alloc_size, False)
+        if block is None and self.release_available_cached_blocks(pool, size):
+            block = self.alloc_block(pool, size, alloc_size, False)
+        if block is None and self.release_cached_blocks():
+            block = self.alloc_block(pool, size, alloc_size, True)
         if not block:
             self._trace("oom", max(0, self.capacity - self.reserved_bytes), size)
             self.num_ooms += 1
@@ -622,7 +638,7 @@ class TorchCachingAllocator(SlabAllocator):
 
         def has_space(b: Block | None) -> bool:
             total = 0
-            while total < size and allocatable(b):
+            while total < size and b is not None and not b.allocated:
                 total += b.size
                 b = b.next
             return total >= size
@@ -996,11 +1012,11 @@ class TorchCachingAllocator(SlabAllocator):
         items: list[list[int]] = []
         for segptr in sorted(heads):
             items.append([_SEP, segptr, 0, segptr])
-            b: Block | None = heads[segptr]
-            while b is not None:
-                kind = _ALLOC if b.allocated else (_FREE if b.mapped else _UNMAPPED)
-                items.append([kind, b.ptr, b.size, segptr])
-                b = b.next
+            cur: Block | None = heads[segptr]
+            while cur is not None:
+                kind = _ALLOC if cur.allocated else (_FREE if cur.mapped else _UNMAPPED)
+                items.append([kind, cur.ptr, cur.size, segptr])
+                cur = cur.next
         return items
 
     @staticmethod

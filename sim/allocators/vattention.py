@@ -45,8 +45,10 @@ from kvfrag.sim.allocators.base import Allocator, Live, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.units import format_size, parse_size
+from mypy_extensions import mypyc_attr
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class VAttentionAllocator(PagedAllocator):
     """Per-buffer physical pages of `page_size` bytes mapped on demand (vAttention-style)."""
 
@@ -54,9 +56,9 @@ class VAttentionAllocator(PagedAllocator):
 
     def __init__(
         self,
-        capacity: int,
-        bytes_per_token: int,
-        max_model_len: int,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
         page_size: int | str = "2MiB",
         geometry: KVGeometry | None = None,
     ) -> None:

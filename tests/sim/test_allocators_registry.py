@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from kvfrag.sim.allocators import (
     REGISTRY,
+    TAKES_GEOMETRY,
     BuddyAllocator,
     ContiguousAllocator,
     PagedAllocator,
@@ -36,6 +37,37 @@ def test_options_of():
     assert options_of("contiguous") == ["reserve", "placement", "compaction", "bandwidth"]
     assert options_of("buddy") == ["reserve"]
     assert options_of("paged") == ["block_size"]
+
+
+def _constructor_params(cls: type) -> list[str]:
+    """The parameters of `cls.__init__` as written in its source (compiled classes keep no
+    signature to inspect), from the first class in its MRO that defines one."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        module = Path(sys.modules[klass.__module__].__file__)
+        tree = ast.parse(module.with_name(module.name.split(".")[0] + ".py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
+                init = next(f for f in node.body
+                            if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+                args = init.args
+                return [a.arg for a in (*args.args, *args.kwonlyargs)][1:]
+    raise AssertionError(f"{cls.__name__} defines no __init__")
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRY))
+def test_options_match_the_constructors(kind):
+    """The registry's written-out options are each constructor's keyword arguments."""
+    params = _constructor_params(REGISTRY[kind])
+    assert params[:3] == ["capacity", "bytes_per_token", "max_model_len"]
+    rest = [p for p in params[3:] if p != "geometry"]
+    assert options_of(kind) == rest
+    assert (kind in TAKES_GEOMETRY) == ("geometry" in params)
 
 
 def test_unknown_kind_lists_valid_kinds():
