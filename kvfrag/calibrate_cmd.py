@@ -66,7 +66,9 @@ def format_yaml(fit: StepTimeFit, source: Path) -> str:
 
 
 def format_json(fit: StepTimeFit, source: Path) -> str:
-    """Full-precision coefficients; errors as fractions of the measured seconds."""
+    """Full-precision coefficients; errors as fractions of the measured seconds; with the
+    `schema_version` every `--json` output carries, so a reader can tell layouts apart."""
+    from kvfrag.results import SCHEMA_VERSION
     from kvfrag.sim.calibrate import FOLDS
 
     def stats(s: ErrorStats | None) -> dict[str, float] | None:
@@ -75,6 +77,7 @@ def format_json(fit: StepTimeFit, source: Path) -> str:
     low, mean, high = fit.batch_size
     return json.dumps(
         {
+            "schema_version": SCHEMA_VERSION,
             "file": str(source),
             "iterations": fit.rows,
             "step_time": fit.step_time(),

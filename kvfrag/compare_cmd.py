@@ -61,11 +61,11 @@ if TYPE_CHECKING:  # the command line imports pandas only when a command runs
 #: column that must be above zero in some row of some folder for the metric to be shown).
 #: "pct" columns are fractions: shown as %, their differences in percentage points.
 METRICS: tuple[tuple[str, str, str, str | None], ...] = (
-    ("token_states", "token states", "pct", None),
-    ("reserved", "reserved", "pct", None),
-    ("internal", "internal", "pct", None),
-    ("external", "external", "pct", None),
-    ("usable_free", "usable free", "pct", None),
+    ("token_states_frac", "token states", "pct", None),
+    ("reserved_frac", "reserved", "pct", None),
+    ("internal_frac", "internal", "pct", None),
+    ("external_frac", "external", "pct", None),
+    ("usable_free_frac", "usable free", "pct", None),
     ("kv_utilization", "kv utilization", "pct", None),
     ("mean_running", "mean running", "{:,.1f}", None),
     ("max_running", "max running", "int", None),
@@ -79,7 +79,7 @@ METRICS: tuple[tuple[str, str, str, str | None], ...] = (
     ("mean_ttft_s", "mean ttft s", "s", None),
     ("mean_tpot_s", "mean tpot ms", "ms", None),
     ("prefix_hit_rate_tokens", "prefix hit rate", "pct", "prefix_hit_rate_tokens"),
-    ("memory_saved_by_sharing", "saved by sharing", "pct", "memory_saved_by_sharing"),
+    ("memory_saved_by_sharing_frac", "saved by sharing", "pct", "memory_saved_by_sharing_frac"),
     ("stall_s", "compaction stall s", "s", "compactions"),
 )
 #: The table's sections (a blank line after each of these metrics): memory, requests, speed.
@@ -88,13 +88,13 @@ _SECTION_ENDS = {"kv_utilization", "frag_refusals", "mean_tpot_s"}
 #: Summary columns that are fractions (of the budget, of what was allocated, of lookups):
 #: their differences are in percentage points.
 FRACTIONS = {
-    "token_states", "reserved", "internal", "external", "usable_free", "free",
-    "internal_overreservation", "internal_rounding", "kv_utilization",
-    "memory_saved_by_sharing", "prefix_hit_rate_first_tokens", "prefix_hit_rate_tokens",
+    "token_states_frac", "reserved_frac", "internal_frac", "external_frac", "usable_free_frac",
+    "internal_overreservation_frac", "internal_rounding_frac", "kv_utilization",
+    "memory_saved_by_sharing_frac", "prefix_hit_rate_first_tokens", "prefix_hit_rate_tokens",
     "prefix_hit_rate_blocks",
 }
 #: Columns that say where a row belongs, not how it went: never compared as metrics.
-_IDENTITY = {"label", "kind", "point", "allocator"}
+_IDENTITY = {"label", "kind", "point"}
 
 #: Keys of scenario.resolved.yaml left out of the scenario diff.
 _IGNORED_KEYS = {"kvfrag_version"}
@@ -192,6 +192,7 @@ def read_folder(path: Path, name: str) -> Folder:
     import yaml
 
     from kvfrag.plots import read_summary
+    from kvfrag.results import SCHEMA_VERSION, check_schema, folder_schema
 
     path = Path(path)
     if not path.exists():
@@ -200,25 +201,17 @@ def read_folder(path: Path, name: str) -> Folder:
         raise ValueError(f"{path}: not a folder (give a results folder written by kvfrag run)")
     if not (path / "summary.csv").is_file():
         raise ValueError(f"{path}: not a kvfrag results folder (no summary.csv)")
-    summary = read_summary(path / "summary.csv")
+    version, doc = folder_schema(path)
+    check_schema(version, path, "compare")
+    # (an older layout is translated to this kvfrag's names: folders of any schema up to this
+    # one compare alike)
+    summary = read_summary(path / "summary.csv", version)
     summary["label"] = summary["label"].astype(str)
-    if "usable_free" not in summary.columns and "free" in summary.columns:
-        summary["usable_free"] = summary["free"]
-    folder = Folder(name, path, summary)
-    doc_path = path / "summary.json"
-    if doc_path.is_file():
-        try:
-            doc = json.loads(doc_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{doc_path}: cannot be read ({_reason(exc)})") from None
-        if isinstance(doc, list):  # before schema versions: a bare list of rows
-            folder.schema_version = 0
-        elif isinstance(doc, dict) and isinstance(doc.get("schema_version"), int):
-            folder.schema_version = doc["schema_version"]
-            folder.scenario = doc.get("scenario")
-        else:
-            raise ValueError(f"{doc_path}: not a summary written by kvfrag run (no "
-                             "schema_version)")
+    folder = Folder(name, path, summary, version)
+    folder.scenario = (doc or {}).get("scenario")
+    if version is not None and version < SCHEMA_VERSION:
+        folder.notes.append(f"{name} was written by schema_version {version}: its columns were "
+                            f"read under this kvfrag's names (schema_version {SCHEMA_VERSION})")
     resolved_path = path / "scenario.resolved.yaml"
     try:
         resolved = yaml.safe_load(resolved_path.read_text(encoding="utf-8"))
@@ -245,23 +238,13 @@ def _reason(exc: BaseException) -> str:
 
 
 def check_schemas(folders: list[Folder]) -> None:
-    """Refuse folders of a layout this kvfrag does not read, or of different layouts."""
-    from kvfrag.results import SCHEMA_VERSION
+    """Refuse folders of a layout this kvfrag does not read (a newer schema). Older layouts
+    are translated as they are read (`read_folder`), so folders of different schema versions
+    up to this kvfrag's compare alike."""
+    from kvfrag.results import check_schema
 
     for f in folders:
-        if f.schema_version is not None and f.schema_version > SCHEMA_VERSION:
-            raise ValueError(
-                f"{f.path}: schema_version {f.schema_version}, newer than this kvfrag reads "
-                f"({SCHEMA_VERSION}); upgrade kvfrag to compare it"
-            )
-    versions = {f.schema_version for f in folders if f.schema_version is not None}
-    if len(versions) > 1:
-        each = ", ".join(f"{f.path} has {f.schema_version}" for f in folders
-                         if f.schema_version is not None)
-        raise ValueError(
-            f"schema_version differs ({each}): the folders hold different layouts of "
-            "results; run the older scenario again with this kvfrag, then compare"
-        )
+        check_schema(f.schema_version, f.path, "compare")
 
 
 # ------------------------------------------------------------------------ matching
@@ -473,13 +456,15 @@ def _metric_columns(folders: list[Folder]) -> list[dict[str, Any]]:
     headline metrics first, in the table's order, then the others in summary.csv's order."""
     import pandas as pd
 
+    from kvfrag.results import OPTION_PREFIX
+
     sweep = {k for f in folders for k in f.sweep_keys}
     numeric: list[str] = []
     for f in folders:
         for col in f.summary.columns:
             col = str(col)
-            if col in _IDENTITY or col in sweep or col in numeric:
-                continue
+            if col in _IDENTITY or col in sweep or col in numeric or col.startswith(OPTION_PREFIX):
+                continue  # (options are settings: the scenario diff shows them)
             values = f.summary[col]
             if pd.api.types.is_bool_dtype(values) or not pd.api.types.is_numeric_dtype(values):
                 continue
@@ -947,7 +932,7 @@ def breakdown_figure(doc: dict[str, Any], folders: list[Folder]) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from kvfrag.plots import HATCH, INTERNAL_SPLIT, PALETTE, PART_NAMES, PARTS, _bars
+    from kvfrag.plots import FRAC, HATCH, INTERNAL_SPLIT, PALETTE, PART_NAMES, PARTS, _bars
 
     rows = doc["rows"]
     names = [f["name"] for f in doc["folders"]]
@@ -955,8 +940,8 @@ def breakdown_figure(doc: dict[str, Any], folders: list[Folder]) -> Figure:
     keys = {m["key"] for m in doc["metrics"]}
     parts = []  # bottom to top; internal as its two parts when the summaries have them
     for p in PARTS:
-        split = p == "internal" and all(q in keys for q in INTERNAL_SPLIT)
-        parts += [q for q in (INTERNAL_SPLIT if split else (p,)) if q in keys]
+        split = p == "internal" and all(FRAC[q] in keys for q in INTERNAL_SPLIT)
+        parts += [q for q in (INTERNAL_SPLIT if split else (p,)) if FRAC[q] in keys]
     n = len(names)
     step = 0.8 / n
     per_group, rotate = _group_width(rows, 0.45 * n)
@@ -970,7 +955,7 @@ def breakdown_figure(doc: dict[str, Any], folders: list[Folder]) -> Figure:
         have = np.array([nm in r["values"] for r in rows])
         bottom = np.zeros(len(rows))
         for p in parts:
-            h = np.array([100 * (r["values"][nm][p] or 0.0) if nm in r["values"] else 0.0
+            h = np.array([100 * (r["values"][nm][FRAC[p]] or 0.0) if nm in r["values"] else 0.0
                           for r in rows])
             _bars(ax, x[have], h[have], step * 0.9, bottom=bottom[have],
                   facecolors=PALETTE[p], edgecolors="white", linewidths=0.5,
@@ -980,11 +965,11 @@ def breakdown_figure(doc: dict[str, Any], folders: list[Folder]) -> Figure:
             if nm not in r["values"]:
                 ax.text(x[g], 1, "n/a", ha="center", va="bottom", fontsize=7, color="#666666")
                 continue
-            ts = 100 * (r["values"][nm]["token_states"] or 0.0)
+            ts = 100 * (r["values"][nm]["token_states_frac"] or 0.0)
             ax.text(x[g], ts / 2 if ts >= 7 else ts + 1, f"{ts:.0f}%", ha="center",
                     va="center" if ts >= 7 else "bottom", fontsize=7 if n > 2 else 8,
                     fontweight="bold", color="white" if ts >= 7 else "#1a5e1a")
-            delta = r["diff"].get(nm, {}).get("token_states", {}).get("abs")
+            delta = r["diff"].get(nm, {}).get("token_states_frac", {}).get("abs")
             if nm != base and delta is not None:
                 ax.text(x[g], 101, _signed(100 * delta, "pp") if delta else "=",
                         ha="center", va="bottom", fontsize=7, color="#1a5e1a")
@@ -1019,8 +1004,8 @@ _PANELS = (
      1e3, None),
     ("prefix_hit_rate_tokens", None, "Prefix cache hits\n(prompt tokens found cached)", "%",
      100.0, "prefix_hit_rate_tokens"),
-    ("memory_saved_by_sharing", None, "Memory saved by sharing", "%", 100.0,
-     "memory_saved_by_sharing"),
+    ("memory_saved_by_sharing_frac", None, "Memory saved by sharing", "%", 100.0,
+     "memory_saved_by_sharing_frac"),
     ("stall_s", None, "Compaction stall", "s", 1.0, "compactions"),
 )
 

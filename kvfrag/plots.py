@@ -49,7 +49,14 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from kvfrag.results import short_labels
+from kvfrag.results import (
+    OPTION_PREFIX,
+    check_schema,
+    folder_schema,
+    short_labels,
+    upgrade_summary,
+    upgrade_timeseries,
+)
 from kvfrag.sim.allocators.base import PARTS  # the five parts, bottom to top of every stack
 from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
 from kvfrag.sim.engine import REJECT_REASONS
@@ -131,15 +138,13 @@ _BASE_COLUMNS = {
     "kv_budget_bytes",
     "bytes_per_token",
     "max_model_len",
-    "allocator",
     "capacity_bytes",
     "sim_time_s",
-    "token_states",
-    "reserved",
-    "internal",
-    "external",
-    "usable_free",
-    "free",
+    "token_states_frac",
+    "reserved_frac",
+    "internal_frac",
+    "external_frac",
+    "usable_free_frac",
     "kv_utilization",
     "mean_running",
     "max_running",
@@ -162,11 +167,11 @@ _BASE_COLUMNS = {
     "p50_latency_s",
     "p99_latency_s",
     "events",
-    "memory_saved_by_sharing",
+    "memory_saved_by_sharing_frac",
     "prefill_tokens_skipped",
     "prefill_tokens_skipped_first",
-    "internal_overreservation",
-    "internal_rounding",
+    "internal_overreservation_frac",
+    "internal_rounding_frac",
     *(f"{stat}_{col}" for col in ("ttft_s", "tpot_s") for stat in ("mean", "p50", "p90", "p99")),
     "prefix_hit_rate_tokens",
     "prefix_hit_rate_first_tokens",
@@ -175,15 +180,20 @@ _BASE_COLUMNS = {
     "stall_s",
     "seed",
     "wall_s",
-    "options",
 }
 # Run settings that a sweep may change although they are not sweep-key columns themselves.
 _SETTING_COLUMNS = ("kv_budget_bytes", "max_model_len", "bytes_per_token")
 
-#: Columns of each results file that the figures cannot do without (in summary.csv, `free`
-#: may stand in for `usable_free`). A file without them was not written by `kvfrag run`.
-SUMMARY_COLUMNS = ("label", "point", *PARTS)
-TIMESERIES_COLUMNS = ("t", "dt")
+#: The summary's column of each part: a fraction of the budget (summary.csv, `<part>_frac`).
+FRAC = {p: f"{p}_frac" for p in (*PARTS, "internal_overreservation", "internal_rounding")}
+#: The time series' column of each part: bytes (timeseries.parquet, `<part>_bytes`).
+BYTES = {p: f"{p}_bytes" for p in PARTS}
+
+#: Columns of each results file that the figures cannot do without (old layouts are
+#: translated first: `kvfrag.results.upgrade_summary`). A file without them was not written
+#: by `kvfrag run`.
+SUMMARY_COLUMNS = ("label", "point", *(FRAC[p] for p in PARTS))
+TIMESERIES_COLUMNS = ("t_s", "dt_s")
 REQUESTS_COLUMNS = ("prompt_tokens", "output_tokens")
 
 
@@ -490,7 +500,8 @@ def sweep_columns(summary: pd.DataFrame) -> list[str]:
         between = cols[cols.index("point") + 1 : cols.index("model")]
         keys = [c for c in between if varies(c)]
     else:
-        keys = [c for c in summary.columns if c not in _BASE_COLUMNS and varies(c)]
+        keys = [c for c in summary.columns
+                if c not in _BASE_COLUMNS and not c.startswith(OPTION_PREFIX) and varies(c)]
     if keys:
         return keys
     return [c for c in _SETTING_COLUMNS if c in summary.columns and varies(c)]
@@ -606,19 +617,13 @@ def _pick_points(points: list[int], point: int | None, where: str = "") -> list[
 
 # ------------------------------------------------------------------------ 1. the breakdown
 def _fractions(summary: pd.DataFrame) -> pd.DataFrame:
-    """The five parts as fractions of the budget (`free` stands in for a missing
-    `usable_free`)."""
+    """The five parts as fractions of the budget (the summary's `<part>_frac`), by part."""
     out = pd.DataFrame(index=summary.index)
     for p in PARTS:
-        if p in summary.columns:
-            out[p] = summary[p].astype(float)
-        elif p == "usable_free" and "free" in summary.columns:
-            out[p] = summary["free"].astype(float)
-        else:
-            out[p] = 0.0
+        out[p] = summary[FRAC[p]].astype(float) if FRAC[p] in summary.columns else 0.0
     for p in INTERNAL_SPLIT:  # results written before the split have none
-        if p in summary.columns:
-            out[p] = summary[p].astype(float)
+        if FRAC[p] in summary.columns:
+            out[p] = summary[FRAC[p]].astype(float)
     return out.fillna(0.0)
 
 
@@ -795,14 +800,14 @@ def _zoom_bars(ax: Axes, x: np.ndarray, frac: pd.DataFrame, top: float) -> None:
 
 # ------------------------------------------------------------------------- 2. over time
 def resample(ts: pd.DataFrame, bins: int, columns: Sequence[str]) -> pd.DataFrame:
-    """A piecewise-constant series (t, dt, columns) as `bins` equal steps, each the exact
+    """A piecewise-constant series (t_s, dt_s, columns) as `bins` equal steps, each the exact
     time-weighted mean of `columns` over its interval (areas are kept)."""
-    t = ts["t"].to_numpy(float)
-    dt = ts["dt"].to_numpy(float)
+    t = ts["t_s"].to_numpy(float)
+    dt = ts["dt_s"].to_numpy(float)
     edges_in = np.append(t, t[-1] + dt[-1])
     edges = np.linspace(edges_in[0], edges_in[-1], bins + 1)
     width = np.diff(edges)
-    out = {"t": edges[:-1], "dt": width}
+    out = {"t_s": edges[:-1], "dt_s": width}
     for c in columns:
         cum = np.concatenate(([0.0], np.cumsum(ts[c].to_numpy(float) * dt)))
         at = np.interp(edges, edges_in, cum)
@@ -812,8 +817,8 @@ def resample(ts: pd.DataFrame, bins: int, columns: Sequence[str]) -> pd.DataFram
 
 def _steps(ts: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
     """x and y for a `step='post'` drawing of a piecewise-constant column."""
-    t = ts["t"].to_numpy(float)
-    x = np.append(t, t[-1] + float(ts["dt"].iloc[-1]))
+    t = ts["t_s"].to_numpy(float)
+    x = np.append(t, t[-1] + float(ts["dt_s"].iloc[-1]))
     y = ts[col].to_numpy(float)
     return x, np.append(y, y[-1])
 
@@ -897,16 +902,17 @@ def timeline_figure(
         if not len(ts):
             series.append(None)
             continue
-        ts = ts.sort_values("t", kind="stable")
-        ts = ts[ts["dt"] > 0] if (ts["dt"] > 0).any() else ts
+        ts = ts.sort_values("t_s", kind="stable")
+        ts = ts[ts["dt_s"] > 0] if (ts["dt_s"] > 0).any() else ts
         if "frag_blocked" in ts.columns:
             ts = ts.assign(frag_blocked=ts["frag_blocked"].astype(float))
         if len(ts) > max_segments:
-            cols = [c for c in (*PARTS, "running", "waiting", "frag_blocked") if c in ts.columns]
+            cols = [c for c in (*BYTES.values(), "running", "waiting", "frag_blocked")
+                    if c in ts.columns]
             ts = resample(ts, max_segments, cols)
             resampled = True
         series.append(ts)
-        parts = [p for p in PARTS if p in ts.columns]
+        parts = [BYTES[p] for p in PARTS if BYTES[p] in ts.columns]
         if parts:
             top_bytes = max(top_bytes, float(np.nanmax(ts[parts].to_numpy(float).sum(axis=1))))
         if summary is not None and "kv_budget_bytes" in summary.columns:
@@ -964,9 +970,9 @@ def timeline_figure(
         # The budget, stacked.
         bottom = None
         for p in PARTS:
-            if p not in ts.columns:
+            if BYTES[p] not in ts.columns:
                 continue
-            x, y = _steps(ts, p)
+            x, y = _steps(ts, BYTES[p])
             y = y / scale
             base = np.zeros_like(y) if bottom is None else bottom
             low.fill_between(
@@ -1356,7 +1362,7 @@ def _map_panel(
         tsl = _with_keys(timeseries)
         tsl = tsl[(tsl["point"] == point) & (tsl["label"].astype(str) == label)]
         if len(tsl):
-            end_s = float((tsl["t"] + tsl["dt"]).max())
+            end_s = float((tsl["t_s"] + tsl["dt_s"]).max())
     ax.set_ylim(0, cap / scale if cap else 1)
     if (compactions is not None and pd.notna(compactions) and compactions > 0
             and not moves_known(req)):  # (results from before moves were recorded)
@@ -1474,9 +1480,9 @@ def _capacity_metrics(summary: pd.DataFrame) -> list[dict[str, Any]]:
              "bar_note": "bar: at every admission, black line: first admissions only",
              "line_note": "filled, joined: every admission; hollow: first admissions"}
         )
-    if shows("memory_saved_by_sharing"):
+    if shows("memory_saved_by_sharing_frac"):
         metrics.append(
-            {"main": "memory_saved_by_sharing", "factor": 100.0, "fmt": "{:.1f}%",
+            {"main": "memory_saved_by_sharing_frac", "factor": 100.0, "fmt": "{:.1f}%",
              "ylabel": "memory saved by sharing (%)", "title": "Memory saved by sharing",
              "bar_note": "share of what separate copies would need"}
         )
@@ -1715,11 +1721,23 @@ def lengths_figure(
 
 
 # ------------------------------------------------------------------------ reading files
-def read_summary(path: Path | str) -> pd.DataFrame:
+#: `read_summary`'s default: the schema version is read from the summary.json beside.
+_BESIDE = -1
+
+
+def read_summary(path: Path | str, version: int | None = _BESIDE) -> pd.DataFrame:
     """`summary.csv`, checked before it is drawn: pandas reads a truncated or foreign file into
     NaN-padded rows (or none) without a word, and the figures would then silently show
-    nothing, or the wrong thing. Raises `ResultsFileError` naming the file and the damage."""
+    nothing, or the wrong thing. Raises `ResultsFileError` naming the file and the damage.
+
+    Written by an older kvfrag (schema `version`, by default the summary.json's beside it),
+    its columns are translated to this kvfrag's names (`kvfrag.results.upgrade_summary`); a
+    newer one is refused (ValueError). Without a version (no summary.json), a header with the
+    schema-1 names is taken as schema 1."""
     path = Path(path)
+    if version == _BESIDE:
+        version = folder_schema(path.parent)[0]
+        check_schema(version, path.parent)
 
     def bad(what: str) -> ResultsFileError:
         return ResultsFileError(f"{path}: {what}")
@@ -1762,7 +1780,7 @@ def read_summary(path: Path | str) -> pd.DataFrame:
         raise bad("empty file")
     if not text.endswith(("\n", "\r")):
         raise bad("truncated (its last line does not end)")
-    present = set(header) | ({"usable_free"} if "free" in header else set())
+    present = set(upgrade_summary(pd.DataFrame(columns=header), version).columns)
     missing = [c for c in SUMMARY_COLUMNS if c not in present]
     if len(missing) == len(SUMMARY_COLUMNS):
         raise foreign(f"no {', '.join(SUMMARY_COLUMNS)} columns")
@@ -1770,10 +1788,8 @@ def read_summary(path: Path | str) -> pd.DataFrame:
         raise bad(f"missing columns {', '.join(missing)}")
     if not rows:
         raise bad("no rows, only a header")
-    summary = pd.read_csv(io.StringIO(text))
-    for col in ("point", *PARTS):
-        if col not in summary.columns:
-            continue  # `usable_free`, when `free` stands in for it
+    summary = upgrade_summary(pd.read_csv(io.StringIO(text)), version)
+    for col in ("point", *(FRAC[p] for p in PARTS)):
         values = pd.to_numeric(summary[col], errors="coerce")
         if col == "point" and not values.isna().any() and (values % 1 != 0).any():
             raise bad("column point holds values that are not whole numbers")
@@ -1784,9 +1800,14 @@ def read_summary(path: Path | str) -> pd.DataFrame:
     return summary
 
 
-def read_frame(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
-    """A Parquet file of a results folder, with the `columns` the figures need; a damaged
-    one raises `ResultsFileError` naming it (pyarrow's own errors do not always)."""
+def read_frame(
+    path: Path | str,
+    columns: Sequence[str],
+    upgrade: Callable[[pd.DataFrame], pd.DataFrame] | None = None,
+) -> pd.DataFrame:
+    """A Parquet file of a results folder, with the `columns` the figures need (after
+    `upgrade`, which translates an older layout's names); a damaged one raises
+    `ResultsFileError` naming it (pyarrow's own errors do not always)."""
     from pyarrow import ArrowException
 
     path = Path(path)
@@ -1799,6 +1820,8 @@ def read_frame(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
             why = why.split(str(path))[-1].lstrip("'\": ")
         why = why or type(exc).__name__
         raise ResultsFileError(f"{path}: not a readable Parquet file, damaged? ({why})") from None
+    if upgrade is not None:
+        frame = upgrade(frame)
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise ResultsFileError(f"{path}: missing columns {', '.join(missing)}")
@@ -1828,12 +1851,17 @@ def plot_results(
     folder's manifest, which lists the file already, stays right as it is."""
     results_dir = Path(results_dir)
     out = results_dir / "plots"
-    summary = read_summary(results_dir / "summary.csv")
+    version = folder_schema(results_dir)[0]
+    check_schema(version, results_dir, "draw")
+    summary = read_summary(results_dir / "summary.csv", version)
     if point is not None:
         _pick_points(sorted(int(p) for p in pd.unique(_with_keys(summary)["point"])), point,
                      f"{results_dir}: ")
     ts_path, req_path = results_dir / "timeseries.parquet", results_dir / "requests.parquet"
-    timeseries = read_frame(ts_path, TIMESERIES_COLUMNS) if ts_path.exists() else None
+    timeseries = (
+        read_frame(ts_path, TIMESERIES_COLUMNS, lambda ts: upgrade_timeseries(ts, version))
+        if ts_path.exists() else None
+    )
     requests = read_frame(req_path, REQUESTS_COLUMNS) if req_path.exists() else None
     has_ts = timeseries is not None and len(timeseries) > 0
     has_req = requests is not None and len(requests) > 0

@@ -37,11 +37,11 @@ _HOVER_STEPS = 80
 _TABLE = (
     ("label", "allocator", "text"),
     ("kind", "kind", "text"),
-    ("token_states", "token states", "pct"),
-    ("reserved", "reserved", "pct"),
-    ("internal", "internal frag.", "pct"),
-    ("external", "external frag.", "pct"),
-    ("free", "free", "pct"),
+    ("token_states_frac", "token states", "pct"),
+    ("reserved_frac", "reserved", "pct"),
+    ("internal_frac", "internal frag.", "pct"),
+    ("external_frac", "external frag.", "pct"),
+    ("usable_free_frac", "free", "pct"),
     ("kv_utilization", "KV utilization", "pct"),
     ("mean_running", "mean running", "f1"),
     ("max_running", "max running", "int"),
@@ -197,7 +197,7 @@ def _map(
         tsl = P._with_keys(timeseries)
         tsl = tsl[(tsl["point"] == point) & (tsl["label"].astype(str) == label)]
         if len(tsl):
-            end_s = float((tsl["t"] + tsl["dt"]).max())
+            end_s = float((tsl["t_s"] + tsl["dt_s"]).max())
     placed = placed.sort_values("admitted_s", kind="stable")
     notes = []
     total = len(placed)
@@ -331,9 +331,12 @@ def render(folder: Path | str) -> str:
     import pandas as pd
 
     from kvfrag import plots as P
+    from kvfrag.results import check_schema, folder_schema, timeseries_names, upgrade_timeseries
 
     folder = Path(folder)
-    summary = P.read_summary(folder / "summary.csv")
+    version = folder_schema(folder)[0]
+    check_schema(version, folder, "report on")
+    summary = P.read_summary(folder / "summary.csv", version)
     scenario_path = folder / "scenario.resolved.yaml"
     scenario_text = scenario_path.read_text(encoding="utf-8") if scenario_path.exists() else ""
     meta = P.load_meta(folder)
@@ -342,8 +345,10 @@ def render(folder: Path | str) -> str:
     if (folder / "requests.parquet").exists():
         requests = pd.read_parquet(folder / "requests.parquet")
     if (folder / "timeseries.parquet").exists():
-        timeseries = pd.read_parquet(folder / "timeseries.parquet", columns=["label", "point",
-                                                                            "t", "dt"])
+        columns = timeseries_names(["label", "point", "t_s", "dt_s"], version)
+        timeseries = upgrade_timeseries(
+            pd.read_parquet(folder / "timeseries.parquet", columns=columns), version
+        )
     maps: list = []
     notes: list[str] = []
     if requests is not None and len(requests):

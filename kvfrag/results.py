@@ -53,7 +53,7 @@ def write_results(
                 yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
             )
             summary = result.summary()
-            summary.to_csv(tmp / "summary.csv", index=False)
+            summary_table(summary).to_csv(tmp / "summary.csv", index=False)
             document = summary_document(result.scenario.name, summary)
             (tmp / "summary.json").write_text(dumps_json(document) + "\n", encoding="utf-8")
             result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
@@ -150,12 +150,186 @@ def json_value(value: Any) -> Any:
 #: timeseries.parquet, requests.parquet) and of the `--json` outputs, as
 #: docs/data-dictionary.md describes them. Bumped when a documented column or key is renamed or
 #: removed, or changes its unit or meaning; adding one does not bump it.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+#: Schema 1 -> 2, summary.csv / summary.json: the budget's parts, fractions of capacity_bytes,
+#: say so (`_frac`); `free` (a copy of `usable_free`) and `allocator` (of `kind`) are gone, and
+#: `options` (JSON text) became one `option.<key>` column per option key (see `summary_table`).
+SUMMARY_RENAMES_V1 = {
+    p: f"{p}_frac"
+    for p in (
+        "token_states", "reserved", "internal", "external", "usable_free",
+        "internal_overreservation", "internal_rounding", "memory_saved_by_sharing",
+    )
+}
+SUMMARY_DROPPED_V1 = ("free", "allocator")
+#: Schema 1 -> 2, timeseries.parquet: times in seconds end in `_s`, sizes in `_bytes`.
+TIMESERIES_RENAMES_V1 = {
+    "t": "t_s",
+    "dt": "dt_s",
+    **{p: f"{p}_bytes" for p in (
+        "token_states", "reserved", "internal", "external", "usable_free", "largest_hole",
+    )},
+}
+#: The prefix of summary.csv's option columns (`option.block_size`, ...).
+OPTION_PREFIX = "option."
+
+
+def cell_text(value: Any) -> Any:
+    """A summary value as a CSV cell holds it: a mapping or list as JSON text (one line, as
+    `json.dumps` writes it), anything else as it is."""
+    return json.dumps(value) if isinstance(value, dict | list | tuple) else value
+
+
+def _option_columns(options: pd.Series) -> pd.DataFrame:
+    """One `option.<key>` column per key of the `options` mappings (sorted by key), empty
+    (None) where a row's allocator lacks that option; object dtype, so that 16 stays 16 beside
+    an empty cell rather than becoming 16.0."""
+    keys = sorted({k for o in options if isinstance(o, dict) for k in o})
+    return pd.DataFrame(
+        {
+            f"{OPTION_PREFIX}{k}": pd.Series(
+                [cell_text(o.get(k)) if isinstance(o, dict) else None for o in options],
+                index=options.index, dtype=object,
+            )
+            for k in keys
+        },
+        index=options.index,
+    )
+
+
+def _expand_options(summary: pd.DataFrame) -> pd.DataFrame:
+    """`summary` with its `options` column (mappings) replaced, in place, by `option.<key>`
+    columns."""
+    if "options" not in summary.columns:
+        return summary
+    at = list(summary.columns).index("options")
+    return pd.concat(
+        [summary.iloc[:, :at], _option_columns(summary["options"]), summary.iloc[:, at + 1:]],
+        axis=1,
+    )
+
+
+def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """The summary as summary.csv (and the terminal table) lays it out: no JSON object in a
+    cell for the options (a column per option key, `option.<key>`, where `options` was), and a
+    swept mapping or list as JSON text, since a CSV cell holds text, not structure."""
+    table = _expand_options(summary)
+    for col in table.columns:
+        if table[col].dtype == object:  # (kept object: `map` would make 16 beside None 16.0)
+            table[col] = pd.Series([cell_text(v) for v in table[col]], index=table.index,
+                                   dtype=object)
+    return table
 
 
 def summary_records(summary: pd.DataFrame) -> list[dict[str, Any]]:
-    """The summary's rows as JSON holds them: the columns of summary.csv, NaN as null."""
+    """The summary's rows as JSON holds them: the columns of the summary, NaN as null, a
+    mapping or list (options, a swept mapping) native."""
     return [{k: json_value(v) for k, v in row.items()} for row in summary.to_dict("records")]
+
+
+def upgrade_summary(
+    summary: pd.DataFrame | list[dict[str, Any]], version: int | None
+) -> pd.DataFrame:
+    """A summary of schema `version` (the rows of summary.csv, or of an old summary.json's
+    `runs`) in this kvfrag's layout, so that readers of old results folders need only know
+    the current names. Schema 0 (summary.json a bare list) and 1 have the same columns: the
+    parts renamed with `_frac`, `free` and `allocator` dropped (`free` kept as
+    `usable_free_frac` when that is missing), the `options` JSON text split into `option.<key>`
+    columns. A current summary is returned as it is; with no version known (`None`: a
+    summary.csv without its summary.json), schema-1 names are recognised as such."""
+    frame = summary if isinstance(summary, pd.DataFrame) else pd.DataFrame(summary)
+    if version is None:
+        old = "token_states" in frame.columns and "token_states_frac" not in frame.columns
+        version = 1 if old else SCHEMA_VERSION
+    if version >= SCHEMA_VERSION:
+        return frame
+    frame = frame.copy()
+    if "usable_free" not in frame.columns and "free" in frame.columns:
+        frame = frame.rename(columns={"free": "usable_free"})
+    frame = frame.drop(columns=[c for c in SUMMARY_DROPPED_V1 if c in frame.columns])
+    frame = frame.rename(columns=SUMMARY_RENAMES_V1)
+    if "options" in frame.columns:
+        frame["options"] = frame["options"].map(_parse_options)
+        frame = _expand_options(frame)
+        for col in frame.columns:  # numbers as numbers, as summary.csv reads back
+            if col.startswith(OPTION_PREFIX):
+                frame[col] = _numbers(frame[col])
+    return frame
+
+
+def _numbers(column: pd.Series) -> pd.Series:
+    """An option column as numbers when every value it has is one (an empty cell: NaN), as
+    pandas reads it from a CSV; else as it is."""
+    values = column.dropna()
+    if len(values) and all(isinstance(v, int | float) and not isinstance(v, bool)
+                           for v in values):
+        return pd.to_numeric(column)
+    return column
+
+
+def _parse_options(text: Any) -> dict[str, Any] | None:
+    """Schema 1's `options` cell (JSON text of a mapping) as the mapping; None when empty or
+    not a mapping."""
+    if isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def upgrade_timeseries(timeseries: pd.DataFrame, version: int | None) -> pd.DataFrame:
+    """timeseries.parquet of schema `version` with this kvfrag's column names (`t_s`, `dt_s`,
+    the parts and largest hole in `_bytes`); a current one as it is (`None`, version unknown:
+    schema-1 names are recognised as such)."""
+    if version is None:
+        old = "t" in timeseries.columns and "t_s" not in timeseries.columns
+        version = 1 if old else SCHEMA_VERSION
+    if version >= SCHEMA_VERSION:
+        return timeseries
+    return timeseries.rename(columns=TIMESERIES_RENAMES_V1)
+
+
+def timeseries_names(names: Iterable[str], version: int | None) -> list[str]:
+    """What the current timeseries columns `names` are called in a file of schema `version`
+    (to read only those columns of an old file)."""
+    if version is None or version >= SCHEMA_VERSION:
+        return list(names)
+    old = {new: name for name, new in TIMESERIES_RENAMES_V1.items()}
+    return [old.get(n, n) for n in names]
+
+
+def folder_schema(folder: Path) -> tuple[int | None, dict[str, Any] | None]:
+    """The schema version of a results folder, from its summary.json (0 for the bare list of
+    rows written before versions; None when there is no summary.json), and that document
+    (None unless an object). Raises ValueError naming the file when it cannot be read or is not
+    a summary."""
+    path = Path(folder) / "summary.json"
+    if not path.is_file():
+        return None, None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else (
+            (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+        raise ValueError(f"{path}: cannot be read ({reason})") from None
+    if isinstance(doc, list):  # before schema versions: a bare list of rows
+        return 0, None
+    if isinstance(doc, dict) and isinstance(doc.get("schema_version"), int):
+        return doc["schema_version"], doc
+    raise ValueError(f"{path}: not a summary written by kvfrag run (no schema_version)")
+
+
+def check_schema(version: int | None, folder: Path, doing: str = "read") -> None:
+    """Refuse a results folder written by a newer kvfrag (a layout this one cannot translate):
+    a ValueError, one line, that says what to do."""
+    if version is not None and version > SCHEMA_VERSION:
+        raise ValueError(
+            f"{folder}: schema_version {version}, newer than this kvfrag reads "
+            f"({SCHEMA_VERSION}); upgrade kvfrag to {doing} it"
+        )
 
 
 def summary_document(scenario: str, summary: pd.DataFrame) -> dict[str, Any]:
@@ -408,11 +582,11 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
 #: about, left out of the tables of the others).
 TABLE = (
     ("label", "label", str),
-    ("token_states", "tokens", "pct"),
-    ("reserved", "reserved", "pct"),
-    ("internal", "internal", "pct"),
-    ("external", "external", "pct"),
-    ("free", "free", "pct"),
+    ("token_states_frac", "tokens", "pct"),
+    ("reserved_frac", "reserved", "pct"),
+    ("internal_frac", "internal", "pct"),
+    ("external_frac", "external", "pct"),
+    ("usable_free_frac", "free", "pct"),
     ("kv_utilization", "kv util", "pct"),
     ("mean_running", "mean run", "{:.1f}"),
     ("max_running", "max run", "{:d}"),
@@ -427,7 +601,7 @@ TABLE = (
     ("mean_tpot_s", "tpot ms", "ms"),
     ("p99_tpot_s", "p99 tpot", "ms"),
     ("prefix_hit_rate_tokens", "hit %", "pct", "prefix_hit_rate_tokens"),
-    ("memory_saved_by_sharing", "saved", "pct", "memory_saved_by_sharing"),
+    ("memory_saved_by_sharing_frac", "saved", "pct", "memory_saved_by_sharing_frac"),
     ("stall_s", "stall s", "{:.2f}", "compactions"),
 )
 
@@ -464,6 +638,7 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def format_table(summary: pd.DataFrame, sweep_keys: list[str]) -> str:
     """The summary as a fixed-width table for the terminal (fractions as % of the budget); the
     columns of `TABLE` with a condition only when some row meets it."""
+    summary = summary_table(summary)  # (swept mappings as the JSON text `short_labels` reads)
 
     def shown(when: str) -> bool:
         return when in summary and bool((pd.to_numeric(summary[when], errors="coerce") > 0).any())

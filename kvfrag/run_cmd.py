@@ -102,7 +102,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--json",
         action="store_true",
         help="print the summary as JSON on stdout instead of the table (schema_version, "
-        "scenario, results_dir, runs: the rows of summary.csv; see docs/data-dictionary.md)",
+        "scenario, results_dir, runs: summary.json's rows; see docs/data-dictionary.md)",
     )
     p.set_defaults(func=cmd_run)
 

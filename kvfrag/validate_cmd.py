@@ -127,7 +127,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         finally:
             bar.close()
         outcomes += skipped
-        write_report(outcomes, out, loaded.resolved())
+        write_report(outcomes, out, loaded.resolved(), scenario.name)
     if not args.quiet and not args.json:
         print(format_table(outcomes))
     if not args.quiet:
@@ -142,9 +142,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def report_document(scenario: str, out: Path, outcomes: list) -> dict:
     """What `validate --json` prints: the rows of validate.json (one per allocator, mode and
     sweep point) and the verdict the exit status gives (fail: some replay failed or errored)."""
-    from kvfrag.results import SCHEMA_VERSION, summary_records
+    from kvfrag.results import SCHEMA_VERSION
     from kvfrag.validate.outcome import FAILING
-    from kvfrag.validate.report import table
+    from kvfrag.validate.report import report_rows
 
     failed = sum(o.status in FAILING for o in outcomes)
     return {
@@ -154,5 +154,5 @@ def report_document(scenario: str, out: Path, outcomes: list) -> dict:
         "verdict": "fail" if failed else "pass",
         "ok": len(outcomes) - failed,  # (as the table's last line: skipped ones count as ok)
         "failed": failed,
-        "rows": summary_records(table(outcomes)),
+        "rows": report_rows(outcomes),
     }

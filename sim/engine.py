@@ -243,13 +243,13 @@ class _Req:
 #: Time-series rows gathered before they are put into a frame (bounds their Python objects).
 _ROWS_PER_FRAME = 65536
 _SERIES = (
-    "t",
-    "dt",
+    "t_s",
+    "dt_s",
     "iterations",
     "running",
     "waiting",
-    *PARTS,
-    "largest_hole",
+    *(f"{p}_bytes" for p in PARTS),
+    "largest_hole_bytes",
     "frag_blocked",
 )
 
@@ -864,7 +864,7 @@ class Engine:
 
     def _summary(self, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
         cap = self.alloc.capacity
-        total = float(ts["dt"].sum()) if len(ts) else 0.0
+        total = float(ts["dt_s"].sum()) if len(ts) else 0.0
         # Figures of a run in which no time passed (every request rejected at its arrival at
         # t = 0, no requests, max_time_s = 0): time averages are 0/0 there, so the parts and
         # mean_running are the state at that instant (the allocator as it stands, empty: its
@@ -893,20 +893,20 @@ class Engine:
             return float(np.percentile(done[col], q)) if len(done) else math.nan
 
         return {
-            "allocator": self.alloc.kind,
             "capacity_bytes": cap,
             "bytes_per_token": self.alloc.bytes_per_token,
             "max_model_len": self.alloc.max_model_len,
             "sim_time_s": total,
-            **frac,
-            "free": frac["usable_free"],
+            **{f"{p}_frac": v for p, v in frac.items()},
             # internal = over-reservation (room for tokens never reached) + rounding (the
             # allocation granularity past the reservation): see Allocator.overreserved_bytes.
-            "internal_overreservation": over,
-            "internal_rounding": max(frac["internal"] - over, 0.0),
+            "internal_overreservation_frac": over,
+            "internal_rounding_frac": max(frac["internal"] - over, 0.0),
             "kv_utilization": self.integrals["token_states"] / allocated if allocated else math.nan,
             # Of the memory separate copies would have needed, the share sharing saved.
-            "memory_saved_by_sharing": self.saved / (allocated + self.saved) if self.saved else 0.0,
+            "memory_saved_by_sharing_frac": (
+                self.saved / (allocated + self.saved) if self.saved else 0.0
+            ),
             "prefill_tokens_skipped": self.prefix_hits,
             # At first admissions only: reuse across requests, bounded by the trace's ideal
             # reuse (`kvfrag trace stats`); the rest is re-admissions finding their own blocks.

@@ -585,7 +585,9 @@ class ScenarioResult:
     def summary(self) -> pd.DataFrame:
         """One row per allocator x sweep point, with the sweep values as columns, and what
         building the point's workload dropped, clipped or rejected (kept on record, not only
-        printed)."""
+        printed). Values stay native (a swept mapping or list as itself; `options` a dict of
+        the allocator's scenario options): summary.json keeps them so, and
+        `kvfrag.results.summary_table` lays them out for summary.csv and the terminal."""
         rows = []
         for r in self.runs:
             s = r.scenario
@@ -600,14 +602,14 @@ class ScenarioResult:
                     "label": r.label,
                     "kind": r.kind,
                     "point": r.point,
-                    **{k: _scalar(v) for k, v in r.sweep.items()},
+                    **r.sweep,
                     "model": s.geometry.name,
                     "hardware": s.gpu.name if s.gpu is not None else "",
                     "tp": s.tp,
                     "step_time": s.engine_config().step_time.source,
                     "kv_budget_bytes": s.budget_bytes,
                     **r.result.summary,
-                    "options": json.dumps(_allocator(s, r.label).options, sort_keys=True),
+                    "options": dict(sorted(_allocator(s, r.label).options.items())),
                     **counts,
                 }
             )
@@ -630,10 +632,6 @@ def _arrival_rate(workload: Workload | None) -> float:
     arrivals = workload.requests["arrival_s"].dropna().to_numpy()
     span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
     return (len(arrivals) - 1) / span if span > 0 else float("nan")
-
-
-def _scalar(value: Any) -> Any:
-    return value if isinstance(value, int | float | str | bool) else json.dumps(value)
 
 
 def _allocator(scenario: Scenario, label: str) -> AllocatorSpec:

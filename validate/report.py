@@ -5,7 +5,10 @@ written into a temporary sibling folder and renamed into place, whole or not at 
 Per quantity q the table has q_pred and q_meas (at the reference instant: the first failing
 one, else the one with the most memory allocated), q_abs_err (the largest |measured -
 predicted| over the whole replay, bytes or counts), q_rel_err (that, over the KV budget) and
-q_tol (the tolerance it is held to: 0 everywhere, arena and paged bytes are exact).
+q_tol (the tolerance it is held to: 0 everywhere, arena and paged bytes are exact). A quantity
+measured in bytes is named with its unit (`token_states_bytes_pred`, `free_bytes_meas`, ...):
+the summary's `token_states_frac` is a fraction, this one bytes. validate.json holds the same
+rows in an object with the `schema_version` (`{"schema_version", "scenario", "rows"}`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ QUANTITIES = (
     "token_states", "held_unwritten", "free", "allocated", "reserved", "inactive_split",
     "segments", "peak_allocated", "peak_reserved", "ooms", "num_ooms", "num_alloc_retries",
 )
+#: The quantities measured in bytes: named `<q>_bytes` in the table (the rest are counts).
+BYTE_QUANTITIES = frozenset({
+    "token_states", "held_unwritten", "free", "allocated", "reserved", "inactive_split",
+    "peak_allocated", "peak_reserved",
+})
 FIELDS = ("pred", "meas", "abs_err", "rel_err", "tol")
 GREEN, ORANGE, GREY = "#2ca02c", "#ff7f0e", "#7f7f7f"
 SERIES_STYLE = {  # quantity -> colour; token_states is green wherever it appears
@@ -53,22 +61,38 @@ def table(outcomes: list[Outcome]) -> pd.DataFrame:
         row: dict[str, Any] = {rename.get(k, k): getattr(o, k) for k in META}
         for q in present:
             fig = o.figures.get(q, {})
+            name = quantity_name(q)
             for f in FIELDS:
-                row[f"{q}_{f}"] = fig.get(f)
+                row[f"{name}_{f}"] = fig.get(f)
         rows.append(row)
     return pd.DataFrame(rows)
 
 
+def quantity_name(q: str) -> str:
+    """A quantity's name in the table: with `_bytes` when it is measured in bytes."""
+    return f"{q}_bytes" if q in BYTE_QUANTITIES else q
+
+
+def report_rows(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """The table's rows as JSON holds them (NaN as null)."""
+    return [{k: json_value(v) for k, v in r.items()} for r in table(outcomes).to_dict("records")]
+
+
 def write_report(
-    outcomes: list[Outcome], out_dir: Path, resolved: dict[str, Any] | None = None
+    outcomes: list[Outcome],
+    out_dir: Path,
+    resolved: dict[str, Any] | None = None,
+    scenario: str | None = None,
 ) -> Path:
-    """Write the report folder atomically; returns it."""
+    """Write the report folder atomically; returns it. `scenario` names it in validate.json
+    (default: the resolved scenario's `name`)."""
     out_dir = Path(out_dir)
     outdir.make_dirs(out_dir.parent)
     tmp = outdir.temp_dir(out_dir)
     try:
         with outdir.writing(tmp):
-            _write_files(outcomes, tmp, resolved)
+            name = scenario if scenario is not None else (resolved or {}).get("name")
+            _write_files(outcomes, tmp, resolved, name)
         outdir.replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -76,12 +100,16 @@ def write_report(
     return out_dir
 
 
-def _write_files(outcomes: list[Outcome], tmp: Path, resolved: dict[str, Any] | None) -> None:
+def _write_files(
+    outcomes: list[Outcome], tmp: Path, resolved: dict[str, Any] | None, scenario: str | None
+) -> None:
     """Every file of the report, into the temporary folder `tmp`; the manifest last."""
-    df = table(outcomes)
-    df.to_csv(tmp / "validate.csv", index=False)
-    records = [{k: json_value(v) for k, v in r.items()} for r in df.to_dict("records")]
-    (tmp / "validate.json").write_text(json.dumps(records, indent=2), encoding="utf-8")
+    from kvfrag.results import SCHEMA_VERSION
+
+    table(outcomes).to_csv(tmp / "validate.csv", index=False)
+    document = {"schema_version": SCHEMA_VERSION, "scenario": scenario,
+                "rows": report_rows(outcomes)}
+    (tmp / "validate.json").write_text(json.dumps(document, indent=2), encoding="utf-8")
     series = [
         o.series.assign(label=o.label, mode=o.mode, point=o.point)
         for o in outcomes

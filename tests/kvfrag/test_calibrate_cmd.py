@@ -13,6 +13,7 @@ from kvfrag.sim.engine import StepTime
 
 from kvfrag.calibrate_cmd import _yaml_float
 from kvfrag.cli import main
+from kvfrag.results import SCHEMA_VERSION
 
 
 def write_iterations(path: Path, n: int = 120, noise: float = 0.02) -> Path:
@@ -49,6 +50,7 @@ def test_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_iterations(tmp_path / "iterations.csv", n=8, noise=0.0)
     assert main(["calibrate", "--json", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert next(iter(data)) == "schema_version" and data["schema_version"] == SCHEMA_VERSION
     assert data["file"] == str(path) and data["iterations"] == 8
     assert data["step_time"] == pytest.approx(
         {"base_s": 0.01, "per_batched_token_s": 1e-4, "per_kv_token_s": 5e-8}, rel=1e-6

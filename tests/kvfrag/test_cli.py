@@ -15,7 +15,7 @@ from kvfrag.cli import main
 from kvfrag.outdir import write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["token_states", "reserved", "internal", "external", "free"]
+PARTS = ["token_states_frac", "reserved_frac", "internal_frac", "external_frac", "usable_free_frac"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_summary_fractions_sum_to_one(quickstart):
     assert (summary[PARTS].sum(axis=1) - 1).abs().max() < 1e-9
     assert (summary["completed"] == 1000).all()
     # The layouts order as expected: paged stores the most, worst-case slabs the least.
-    by = summary.set_index("label")["token_states"]
+    by = summary.set_index("label")["token_states_frac"]
     assert by["paged-16"] > by["slab-oracle"] > by["slab-max"]
     assert summary.set_index("label").loc["slab-max", "max_running"] == 16
     records = json.loads((quickstart / "summary.json").read_text())["runs"]

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from kvfrag.cli import main
+from kvfrag.results import SCHEMA_VERSION
 
 SCENARIO = """\
 name: cmp-tiny
@@ -90,9 +91,9 @@ def test_the_table_shows_both_runs_and_their_differences(folders):
     cells = _table_row(out, "token states")
     for i, label in enumerate(["slab-oracle", "paged-16"]):
         va, vb, delta = cells[1 + 3 * i : 4 + 3 * i]
-        assert va == f"{100 * a.loc[label, 'token_states']:.1f}%"
-        assert vb == f"{100 * b.loc[label, 'token_states']:.1f}%"
-        pp = 100 * (b.loc[label, "token_states"] - a.loc[label, "token_states"])
+        assert va == f"{100 * a.loc[label, 'token_states_frac']:.1f}%"
+        assert vb == f"{100 * b.loc[label, 'token_states_frac']:.1f}%"
+        pp = 100 * (b.loc[label, "token_states_frac"] - a.loc[label, "token_states_frac"])
         assert delta == f"{pp:+.1f}pp"
     cells = _table_row(out, "mean latency s")
     rel = 100 * (b.loc["paged-16", "mean_latency_s"] / a.loc["paged-16", "mean_latency_s"] - 1)
@@ -113,7 +114,7 @@ def test_json_is_the_same_comparison(folders):
     rc, out, _ = _main(["compare", str(folders["a"]), str(folders["b"]), "--json"])
     assert rc == 0
     doc = json.loads(out, parse_constant=lambda token: pytest.fail(f"not JSON: {token}"))
-    assert doc["baseline"] == "A" and doc["schema_version"] == 1
+    assert doc["baseline"] == "A" and doc["schema_version"] == SCHEMA_VERSION
     assert [f["path"] for f in doc["folders"]] == [str(folders["a"]), str(folders["b"])]
     assert doc["scenario_diff"] == [
         {"key": "kv_budget", "values": {"A": 2 * 2**20, "B": 4 * 2**20}, "absent": []}
@@ -123,7 +124,7 @@ def test_json_is_the_same_comparison(folders):
     assert list(rows) == ["slab-oracle", "paged-16"]
     for label, row in rows.items():
         assert row["in"] == ["A", "B"]
-        for col in ("token_states", "mean_running", "throughput_tok_s", "p99_latency_s"):
+        for col in ("token_states_frac", "mean_running", "throughput_tok_s", "p99_latency_s"):
             assert row["values"]["A"][col] == pytest.approx(a.loc[label, col], rel=1e-12)
             assert row["values"]["B"][col] == pytest.approx(b.loc[label, col], rel=1e-12)
             d = row["diff"]["B"][col]
@@ -133,7 +134,9 @@ def test_json_is_the_same_comparison(folders):
             )
     # Every numeric column is compared; the table's metrics are the headline ones.
     metrics = {m["key"]: m for m in doc["metrics"]}
-    assert metrics["token_states"]["diff"] == "pp" and metrics["completed"]["diff"] == "relative"
+    assert not [k for k in metrics if k.startswith("option.")]  # settings, not outcomes
+    assert metrics["token_states_frac"]["diff"] == "pp"
+    assert metrics["completed"]["diff"] == "relative"
     assert metrics["kv_budget_bytes"]["headline"] is False
     assert not metrics["prefix_hit_rate_tokens"]["headline"]  # no prefix caching here
     assert doc["only_in"] == []
@@ -148,13 +151,13 @@ def test_three_folders_differ_from_the_first(folders):
     assert re.split(r"\s+", heads.strip())[:6] == ["metric", "A", "B", "ΔB", "C", "ΔC"]
     a, c = _summary(folders["a"]), _summary(folders["c"])
     cells = _table_row(out, "usable free")
-    pp = 100 * (c.loc["slab-oracle", "usable_free"] - a.loc["slab-oracle", "usable_free"])
+    pp = 100 * (c.loc["slab-oracle", "usable_free_frac"] - a.loc["slab-oracle", "usable_free_frac"])
     assert cells[5] == f"{pp:+.1f}pp"  # C against A, not against B
     rc, out, _ = _main([*args, "--json"])
     doc = json.loads(out)
     row = doc["rows"][0]
     assert set(row["diff"]) == {"B", "C"}
-    assert row["diff"]["C"]["usable_free"]["abs"] == pytest.approx(pp / 100)
+    assert row["diff"]["C"]["usable_free_frac"]["abs"] == pytest.approx(pp / 100)
     assert [e["values"] for e in doc["scenario_diff"]] == [
         {"A": 2 * 2**20, "B": 4 * 2**20, "C": 8 * 2**20}
     ]
@@ -184,7 +187,7 @@ def test_a_single_run_meets_the_sweep_point_of_its_value(folders):
     matched = [r for r in doc["rows"] if r["diff"]]
     assert [r["name"] for r in matched] == ["paged-16 @ kv_budget=2.0 MiB"]
     assert matched[0]["points"] == {"A": 0, "B": 0}
-    assert matched[0]["diff"]["B"]["token_states"]["abs"] == pytest.approx(0, abs=1e-12)
+    assert matched[0]["diff"]["B"]["token_states_frac"]["abs"] == pytest.approx(0, abs=1e-12)
     assert {"in": ["B"], "rows": ["paged-16 @ kv_budget=4.0 MiB"]} in doc["only_in"]
 
 
@@ -262,7 +265,6 @@ def _schema(folder: Path, tmp_path: Path, version) -> Path:
         ("missing", "no such folder"),
         ("empty", "not a kvfrag results folder (no summary.csv)"),
         ("damaged", "(truncated or damaged)"),
-        ("list", "schema_version differs"),
         ("newer", "newer than this kvfrag reads"),
     ],
 )
@@ -274,7 +276,6 @@ def test_bad_inputs_are_one_line_and_exit_2(folders, tmp_path, case, expected):
         "none": [],
         "missing": [a, str(tmp_path / "nowhere")],
         "empty": [a, str(tmp_path / "empty")],
-        "list": [a, str(_schema(folders["b"], tmp_path, "list"))],
         "newer": [a, str(_schema(folders["b"], tmp_path, 99))],
     }.get(case)
     if case == "damaged":
@@ -288,3 +289,19 @@ def test_bad_inputs_are_one_line_and_exit_2(folders, tmp_path, case, expected):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvfrag: error: ") and expected in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("version", ["list", 1])
+def test_an_older_schema_is_translated_not_refused(folders, tmp_path, version):
+    """A folder of an older schema (0: summary.json a bare list) compares with a current one:
+    its columns are read under the current names (the full translation of a schema-1 folder:
+    test_schema.py), and the comparison says so in a note."""
+    old = _schema(folders["b"], tmp_path, version)
+    rc, out, err = _main(["compare", str(folders["a"]), str(old), "--json"])
+    assert rc == 0, err
+    doc = json.loads(out)
+    number = 0 if version == "list" else version
+    assert [f["schema_version"] for f in doc["folders"]] == [SCHEMA_VERSION, number]
+    assert any(f"schema_version {number}" in n for n in doc["notes"])
+    rc, same, _ = _main(["compare", str(folders["a"]), str(folders["b"]), "--json"])
+    assert rc == 0 and json.loads(same)["rows"] == doc["rows"]

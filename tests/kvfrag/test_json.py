@@ -95,16 +95,28 @@ def _same(csv_value, json_value) -> bool:
 def test_run_json_is_the_summary(run):
     out, doc, stderr = run
     assert list(doc) == ["schema_version", "scenario", "results_dir", "runs", "failures"]
-    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert doc["schema_version"] == SCHEMA_VERSION == 2
     assert doc["scenario"] == "json-tiny" and doc["results_dir"] == str(out)
     assert doc["failures"] == []
     assert "wrote" in stderr and "workload:" in stderr  # notes on stderr, not in the JSON
     summary = pd.read_csv(out / "summary.csv")
     assert len(doc["runs"]) == len(summary) == 6
+    options = [c for c in summary.columns if c.startswith("option.")]
+    assert options == ["option.block_size", "option.reserve"]  # sorted, where `options` is
     for row, rec in zip(doc["runs"], summary.to_dict("records"), strict=True):
-        assert list(row) == list(summary.columns)
-        bad = {k: (v, row[k]) for k, v in rec.items() if not _same(v, row[k])}
+        # The JSON's `options` object stands where the CSV's option columns are.
+        at = list(summary.columns).index(options[0])
+        expected = [*summary.columns[:at], "options", *summary.columns[at + len(options):]]
+        assert list(row) == expected
+        for col in options:  # an empty cell: the allocator has no such option
+            key = col.removeprefix("option.")
+            assert row["options"].get(key) == (None if pd.isna(rec[col]) else rec[col])
+        bad = {k: (v, row[k]) for k, v in rec.items() if k not in options
+               and not _same(v, row[k])}
         assert not bad
+    assert {r["label"]: r["options"] for r in doc["runs"][:3]} == {
+        "slab-oracle": {"reserve": "oracle"}, "paged-16": {"block_size": 16},
+        "cached-16": {"block_size": 16}}
     # NaN is null: the prefix-caching columns of the other allocators' rows, for one.
     paged = next(r for r in doc["runs"] if r["label"] == "paged-16")
     assert paged["prefix_hit_blocks"] is None
@@ -189,7 +201,13 @@ def test_validate_json(tmp_path):
     doc = _strict(stdout)
     assert doc["schema_version"] == SCHEMA_VERSION and doc["scenario"] == "validate-tiny"
     assert doc["verdict"] == "pass" and doc["failed"] == 0 and doc["report_dir"] == str(out)
-    assert doc["rows"] == json.loads((out / "validate.json").read_text())
+    written = json.loads((out / "validate.json").read_text())
+    assert written == {"schema_version": SCHEMA_VERSION, "scenario": "validate-tiny",
+                       "rows": doc["rows"]}
+    paged = next(r for r in doc["rows"] if r["label"] == "paged-16")
+    assert {"token_states_bytes_pred", "token_states_bytes_meas", "free_bytes_abs_err",
+            "allocated_bytes_tol"} <= set(paged)
+    assert not {"token_states_pred", "free_pred"} & set(paged)  # (bytes say so)
     assert doc["ok"] == len(doc["rows"]) == 5  # torch-caching is skipped on cpu: not a failure
     assert "paged-16 [paged]: pass" in stderr
 
@@ -241,9 +259,13 @@ def test_dictionary_lists_every_column_a_run_writes(run):
     out, doc, _ = run
     summary = pd.read_csv(out / "summary.csv")
     columns = list(summary.columns)
-    # The swept keys sit between `point` and `model`, named after the keys.
+    # The swept keys sit between `point` and `model`, named after the keys; the option columns
+    # (one per option key the scenario's allocators set) after the engine's figures.
     assert columns[columns.index("point") + 1:columns.index("model")] == SWEEP_KEYS
-    assert set(_listed("summary.csv")) == set(columns) - set(SWEEP_KEYS)
+    options = ["option.block_size", "option.reserve"]
+    at = columns.index("events") + 1
+    assert columns[at:at + len(options)] == options
+    assert set(_listed("summary.csv")) == set(columns) - set(SWEEP_KEYS) - set(options)
     optional = {"slab_offsets_bytes", "slab_move_t_s", "slab_move_offset_bytes"}  # (when present)
     for name in ("timeseries.parquet", "requests.parquet"):
         columns = set(pd.read_parquet(out / name).columns)

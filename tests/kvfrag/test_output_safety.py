@@ -437,7 +437,8 @@ def test_a_run_that_rejects_most_requests_says_why(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: paged-16 (point 0) rejected 30 of 30 requests (too_large: 30)" in err
     summary = pd.read_csv(tmp_path / "r" / "summary.csv")
-    parts = ["token_states", "reserved", "internal", "external", "free"]
+    parts = ["token_states_frac", "reserved_frac", "internal_frac", "external_frac",
+             "usable_free_frac"]
     assert (summary[parts].sum(axis=1) - 1).abs().max() < 1e-12
 
 
@@ -494,9 +495,13 @@ def test_swept_mappings_get_short_labels():
     nested = [json.dumps({"synthetic": {"seed": s, "count": 5}}) for s in (1, 2)]
     assert list(short_labels(nested).values()) == ["synthetic.seed=1", "synthetic.seed=2"]
     summary = pd.DataFrame({"engine.step_time": [a, b], "label": ["x", "x"],
-                            "token_states": [0.5, -4.8e-18]})
+                            "token_states_frac": [0.5, -4.8e-18]})
     table = format_table(summary, ["engine.step_time"])
     assert "base_s=0.02" in table and "{" not in table and "-0.0%" not in table
+    # The run's own summary holds the mappings themselves (summary.json keeps them native):
+    # the same table.
+    native = summary.assign(**{"engine.step_time": [json.loads(a), json.loads(b)]})
+    assert format_table(native, ["engine.step_time"]) == table
 
 
 def test_sigterm_inside_the_simulation_stops_the_run(tmp_path, monkeypatch, capsys):

@@ -184,8 +184,8 @@ def test_sweep_of_one_allocator_option():
                 {
                     "label": label,
                     "point": point,
-                    "token_states": 0.5,
-                    "usable_free": 0.5,
+                    "token_states_frac": 0.5,
+                    "usable_free_frac": 0.5,
                     "mean_running": 3.0,
                     "max_running": 5,
                     "throughput_tok_s": 10.0 * (point + 1),
@@ -225,17 +225,18 @@ def test_breakdown_stacks_the_palette_in_order(results):
         assert len(face) == 1 and np.allclose(face[0][:3], matplotlib_rgb(plots.PALETTE[part]))
     assert ax.collections[3].get_hatch() == "///"
     # Results written before the split draw internal whole.
-    old = plots.breakdown_figure(summary.drop(columns=list(plots.INTERNAL_SPLIT)), META)
+    split = [plots.FRAC[p] for p in plots.INTERNAL_SPLIT]
+    old = plots.breakdown_figure(summary.drop(columns=split), META)
     assert len(old.axes[0].collections) == len(plots.PARTS)
     assert plots.PALETTE["token_states"] == "#2ca02c"
     # Each bar is annotated with its token-states share.
     texts = [t.get_text() for t in ax.texts]
-    expected = [f"{100 * v:.0f}%" for v in summary["token_states"]]
+    expected = [f"{100 * v:.0f}%" for v in summary["token_states_frac"]]
     assert texts == expected
     # Each part sits on the one below, at its share; the stacks add up to the whole budget.
     rects = np.array([_rectangles(c) for c in ax.collections])  # (part, bar, ltrb)
     assert np.allclose(rects[1:, :, 1], rects[:-1, :, 3])
-    shares = [summary[p].to_numpy(float) * 100 for p in drawn]
+    shares = [summary[plots.FRAC[p]].to_numpy(float) * 100 for p in drawn]
     assert np.allclose(rects[..., 3] - rects[..., 1], shares, atol=1e-9)
     assert np.allclose(rects[:, :, 2] - rects[:, :, 0], 0.7)
     assert np.allclose(rects[-1, :, 3], 100, atol=1e-6)
@@ -293,10 +294,11 @@ def test_address_map_draws_every_slab_in_one_collection_per_part(results):
 def test_timeline_resampling_keeps_areas(results):
     ts = pd.read_parquet(results / "timeseries.parquet")
     one = ts[ts["label"] == "paged-16"]
-    coarse = plots.resample(one, 7, [*plots.PARTS, "running"])
+    columns = [*plots.BYTES.values(), "running"]
+    coarse = plots.resample(one, 7, columns)
     assert len(coarse) == 7
-    for col in (*plots.PARTS, "running"):
-        assert np.isclose((coarse[col] * coarse["dt"]).sum(), (one[col] * one["dt"]).sum())
+    for col in columns:
+        assert np.isclose((coarse[col] * coarse["dt_s"]).sum(), (one[col] * one["dt_s"]).sum())
     fig = plots.timeline_figure(ts, None, META, max_segments=20)
     assert "time-averaged in 20 steps" in fig._suptitle.get_text()
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == [a[0] for a in ALLOCATORS]
@@ -448,12 +450,12 @@ DAMAGED_SUMMARIES = {
     "binary": (lambda d: b"PAR1\x00\x01\x02" + d, "not a CSV written by kvfrag run"),
     "foreign csv": (lambda d: b"name,value\na,1\nb,2\n", "not a CSV written by kvfrag run"),
     "missing columns": (
-        lambda d: _csv_without(d, "label", "token_states"),
-        "missing columns label, token_states",
+        lambda d: _csv_without(d, "label", "token_states_frac"),
+        "missing columns label, token_states_frac",
     ),
     "part not a number": (
-        lambda d: _csv_with(d, "token_states", "n/a"),
-        "column token_states holds values that are not numbers",
+        lambda d: _csv_with(d, "token_states_frac", "n/a"),
+        "column token_states_frac holds values that are not numbers",
     ),
 }
 
@@ -515,10 +517,10 @@ def test_summary_of_a_run_where_every_point_failed(written, tmp_path):
 
 def test_parquet_without_the_columns_figures_need(written, tmp_path):
     folder = _copy(written, tmp_path / "damaged")
-    pd.read_parquet(folder / "timeseries.parquet").drop(columns=["t"]).to_parquet(
+    pd.read_parquet(folder / "timeseries.parquet").drop(columns=["t_s"]).to_parquet(
         folder / "timeseries.parquet"
     )
-    with pytest.raises(plots.ResultsFileError, match=r"timeseries\.parquet: missing columns t$"):
+    with pytest.raises(plots.ResultsFileError, match=r"timeseries\.parquet: missing columns t_s$"):
         plots.redraw(folder)
 
 
@@ -535,7 +537,7 @@ def test_a_run_that_rejected_everything_is_drawn(written, tmp_path, capsys):
     assert (summary["requests"] > 0).all() and (summary["completed"] == 0).all()
     assert (summary["rejected"] == summary["requests"]).all()
     assert (summary["rejected_too_large"] == summary["requests"]).all()
-    sums = summary[list(plots.PARTS)].sum(axis=1)
+    sums = summary[[plots.FRAC[p] for p in plots.PARTS]].sum(axis=1)
     assert np.allclose(sums, 1.0, rtol=0, atol=1e-12)
     assert [p.name for p in (out / "plots").glob("breakdown.*")] == ["breakdown.png"]
     capsys.readouterr()
@@ -677,7 +679,7 @@ def test_address_map_draws_every_slab_of_several_sequences_where_results_list_th
     )
     summary = pd.DataFrame({"label": ["slab"], "point": [0], "kind": ["contiguous"],
                             "kv_budget_bytes": [4 * one], "bytes_per_token": [BPT],
-                            **{p: [0.2] for p in plots.PARTS}})
+                            **{plots.FRAC[p]: [0.2] for p in plots.PARTS}})
     fig = plots.address_map_figure(req, summary)
     (ax,) = fig.axes
     unit, size = plots.byte_unit(4 * one)
@@ -811,14 +813,14 @@ def test_small_parts_get_a_zoom(results):
     for part, value in (("token_states", 0.77), ("reserved", 0.058), ("internal", 0.022),
                         ("internal_overreservation", 0.0), ("internal_rounding", 0.022),
                         ("external", 0.0), ("usable_free", 0.15)):
-        paged[part] = value
+        paged[plots.FRAC[part]] = value
     fig = plots.breakdown_figure(paged)
     bars, zoom = fig.axes
     assert [t.get_text() for t in zoom.texts] == ["8.0%"]
     assert 8.0 < zoom.get_ylim()[1] <= 12.0 and bars.get_ylim() == (0, 100)
     assert len(zoom.collections) == 4  # reserved, the two internal parts, external
     wasteful = summary.copy()
-    wasteful["internal"] = wasteful["internal_rounding"] = 0.5
+    wasteful["internal_frac"] = wasteful["internal_rounding_frac"] = 0.5
     assert len(plots.breakdown_figure(wasteful).axes) == 1
 
 
@@ -831,7 +833,7 @@ def test_the_capacity_figure_shows_what_a_scenario_is_about(results):
     assert titles == ["Requests running at once", "Throughput", "Latency"]
     special = summary.copy()
     special["prefix_hit_rate_tokens"] = [0.0, 0.0, 0.061]
-    special["memory_saved_by_sharing"] = [0.0, 0.0, 0.49]
+    special["memory_saved_by_sharing_frac"] = [0.0, 0.0, 0.49]
     special["compactions"], special["stall_s"] = [693, 0, 0], [2.27, 0.0, 0.0]
     special["bytes_moved"] = [3.5e12, 0, 0]
     fig = plots.capacity_figure(special)

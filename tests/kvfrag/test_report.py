@@ -44,7 +44,7 @@ def test_run_writes_the_report_with_everything(results):
     assert "tiny-report" in page
     summary = pd.read_csv(results / "summary.csv").set_index("label")
     for label in ("slab-max", "paged-16"):  # the summary's numbers, as the table shows them
-        assert f"{100 * summary.loc[label, 'token_states']:.1f} %" in page
+        assert f"{100 * summary.loc[label, 'token_states_frac']:.1f} %" in page
         assert f"{int(summary.loc[label, 'max_running']):,}" in page
     pngs = sorted((results / "plots").glob("*.png"))
     assert pngs

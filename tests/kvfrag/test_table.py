@@ -47,7 +47,7 @@ def test_other_scenarios_tables_do_not_change():
     ("columns", "name", "cells"),
     [
         ({"prefix_hit_rate_tokens": [0.0, 0.0606]}, "hit %", ["0.0%", "6.1%"]),
-        ({"memory_saved_by_sharing": [0.0, 0.491]}, "saved", ["0.0%", "49.1%"]),
+        ({"memory_saved_by_sharing_frac": [0.0, 0.491]}, "saved", ["0.0%", "49.1%"]),
         ({"compactions": [0, 693], "stall_s": [0.0, 2.2677]}, "stall s", ["0.00", "2.27"]),
     ],
 )
@@ -64,11 +64,12 @@ def test_a_stall_column_needs_a_compaction():
 
 
 def test_headline_columns_keep_their_order_and_old_results_print():
-    summary = _summary(prefix_hit_rate_tokens=[0.0, 0.06], memory_saved_by_sharing=[0.0, 0.036],
-                       compactions=[1, 0], stall_s=[0.5, 0.0])
+    summary = _summary(prefix_hit_rate_tokens=[0.0, 0.06],
+                       memory_saved_by_sharing_frac=[0.0, 0.036], compactions=[1, 0],
+                       stall_s=[0.5, 0.0])
     assert _header(format_table(summary, []))[-3:] == ["hit %", "saved", "stall s"]
     # Results from before these columns existed: no column, no error.
-    old = summary.drop(columns=["prefix_hit_rate_tokens", "memory_saved_by_sharing",
+    old = summary.drop(columns=["prefix_hit_rate_tokens", "memory_saved_by_sharing_frac",
                                 "compactions", "stall_s"])
     assert [h for h in _header(format_table(old, [])) if h] == BASE_HEADER
 
@@ -78,7 +79,7 @@ def test_swept_mappings_are_labelled_by_what_differs():
                  json.dumps({"trace": {"path": "t"}, "n": 4}),
                  json.dumps({"trace": {"path": "t"}, "beam_width": 3})]
     summary = _summary().iloc[[0, 0, 0]].assign(workload=workloads,
-                                                memory_saved_by_sharing=[0.3, 0.5, 0.6])
+                                                memory_saved_by_sharing_frac=[0.3, 0.5, 0.6])
     table = format_table(summary.reset_index(drop=True), ["workload"])
     assert [line.split()[0] for line in table.split("\n")[1:]] == ["n=2", "n=4", "beam_width=3"]
     assert "{" not in table and _header(table)[-1] == "saved"

@@ -151,10 +151,11 @@ def test_fast_engine_matches_per_iteration_reference(
             assert row["generated_tokens"] == r["generated"]
     assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
     for p in [*PARTS, "internal_overreservation"]:
-        assert fast.summary[p] == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
-    assert sum(fast.summary[p] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
-    split = fast.summary["internal_overreservation"] + fast.summary["internal_rounding"]
-    assert split == pytest.approx(fast.summary["internal"], abs=1e-12)
+        got = fast.summary[f"{p}_frac"]
+        assert got == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+    assert sum(fast.summary[f"{p}_frac"] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
+    split = fast.summary["internal_overreservation_frac"] + fast.summary["internal_rounding_frac"]
+    assert split == pytest.approx(fast.summary["internal_frac"], abs=1e-12)
 
 
 def at_once(n: int, prompt: int, output: int) -> pd.DataFrame:
@@ -210,10 +211,10 @@ def test_opt13b_buddy_worst_case_strands_memory_as_external():
     saturated = result.timeseries[result.timeseries["waiting"] > 0]
     assert len(saturated) > 0
     # 15,728 slots hold 7 blocks of 2,048; the 1,392 left are free but fit no request.
-    assert (saturated["usable_free"] == 0).all()
+    assert (saturated["usable_free_bytes"] == 0).all()
     stranded = (15728 - 7 * 2048) * preset("opt-13b").bytes_per_token
-    assert (saturated[saturated["running"] == 7]["external"] >= stranded).all()
-    assert result.summary["external"] > 0.05
+    assert (saturated[saturated["running"] == 7]["external_bytes"] >= stranded).all()
+    assert result.summary["external_frac"] > 0.05
 
 
 def test_conservation_and_truncation():
@@ -400,7 +401,7 @@ def test_rejects_what_never_fits():
 
 
 def _parts(summary: dict) -> list[float]:
-    return [summary[p] for p in PARTS]
+    return [summary[f"{p}_frac"] for p in PARTS]
 
 
 @pytest.mark.parametrize(
@@ -435,7 +436,7 @@ def test_every_request_rejected_at_t0_reports_the_empty_allocator(
     assert abs(sum(_parts(s)) - 1.0) <= 1e-12
     empty = fresh().account(Request(-1, prompt, output))  # the probe: the median request
     assert _parts(s) == [getattr(empty, p) / empty.capacity for p in PARTS]
-    assert s["free"] == s["usable_free"]
+    assert not {"free", "allocator"} & set(s)  # (schema 2: copies of usable_free_frac, kind)
     assert s["requests"] == s["rejected"] == 5 and s["completed"] == s["unfinished"] == 0
     assert set(result.requests["reason"]) == {reason}
     counts = {f"rejected_{why}": 5 if why == reason else 0 for why in REJECT_REASONS}

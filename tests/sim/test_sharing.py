@@ -164,7 +164,7 @@ def test_saving_grows_with_the_number_of_samples():
         s = result.summary
         assert s["completed"] == 40
         assert s["generated_tokens"] == n * workload(n)["output_tokens"].sum()
-        saved.append(s["memory_saved_by_sharing"])
+        saved.append(s["memory_saved_by_sharing_frac"])
     assert saved[0] == 0
     assert saved[0] < saved[1] < saved[2] < saved[3]
 
@@ -182,7 +182,7 @@ def test_beam_search_saves_more_than_parallel_sampling():
         cfg = EngineConfig(max_num_seqs=256, max_num_batched_tokens=1024)
         s = run(workload(width, column=column), paged(4000), cfg).summary
         assert s["completed"] == 40
-        return s["memory_saved_by_sharing"]
+        return s["memory_saved_by_sharing_frac"]
 
     for width in (2, 4, 6):
         assert saved("beam_width", width) > saved("n", width) > 0

@@ -342,16 +342,16 @@ def test_runs_through_the_engine():
         )
         res = run(wl, a, cfg)
         s = res.summary
-        assert s["completed"] == 150 and s["allocator"] == kind
-        total = sum(s[p] for p in ("token_states", "reserved", "internal", "external"))
-        assert total + s["usable_free"] == pytest.approx(1.0)
+        assert s["completed"] == 150 and a.kind == kind
+        total = sum(s[f"{p}_frac"] for p in ("token_states", "reserved", "internal", "external"))
+        assert total + s["usable_free_frac"] == pytest.approx(1.0)
         assert s["compactions"] == s["bytes_moved"] == 0 and s["stall_s"] == 0.0
         results[(kind, opts.get("page_size"))] = s
     # 64 KiB pages hold 32 tokens: twice paged-16's tail; 2 MiB pages far more (and preempt).
-    assert results[("paged", None)]["internal"] < results[("vattention", "64KiB")]["internal"]
-    assert results[("vattention", "64KiB")]["internal"] < results[("vattention", "2MiB")][
-        "internal"
-    ]
+    assert (results[("paged", None)]["internal_frac"]
+            < results[("vattention", "64KiB")]["internal_frac"])
+    assert (results[("vattention", "64KiB")]["internal_frac"]
+            < results[("vattention", "2MiB")]["internal_frac"])
 
 
 def test_scenario_sweeps_the_model():
@@ -386,4 +386,4 @@ def test_scenario_sweeps_the_model():
     opt = run_scenario(Scenario.model_validate({**data, "sweep": {"model": ["opt-13b"]}}))
     summary = opt.summary().set_index("label")
     assert (summary["completed"] == 60).all()
-    assert summary.loc["va-2m", "internal"] > summary.loc["paged-16", "internal"]
+    assert summary.loc["va-2m", "internal_frac"] > summary.loc["paged-16", "internal_frac"]

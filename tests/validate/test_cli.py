@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvfrag.cli import main
+from kvfrag.results import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "scenarios" / "validate-tiny.yaml")
@@ -31,10 +32,14 @@ def test_cli_writes_report_and_passes(tmp_path, capsys):
     assert set(replayed["kind"]) == {"contiguous", "buddy", "paged"}
     assert (replayed["status"] == "pass").all()
     assert (replayed["checks"] > 0).all()
-    assert (replayed["token_states_abs_err"] == 0).all()
-    assert (replayed["token_states_tol"] == 0).all()
+    assert (replayed["token_states_bytes_abs_err"] == 0).all()
+    assert (replayed["token_states_bytes_tol"] == 0).all()
     assert set(df.loc[df["kind"] == "torch-caching", "status"]) <= {"skip"}
-    assert json.loads((out / "validate.json").read_text())[0]["label"] == df["label"][0]
+    doc = json.loads((out / "validate.json").read_text())
+    assert list(doc) == ["schema_version", "scenario", "rows"]
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["scenario"] == "validate-tiny"
+    assert doc["rows"][0]["label"] == df["label"][0]
+    assert list(doc["rows"][0]) == list(df.columns)
     assert "paged-16" in printed and "pass" in printed
     assert not list(tmp_path.glob(".report.tmp-*"))
 
@@ -80,7 +85,7 @@ def test_cli_fails_on_mismatch(tmp_path, capsys, monkeypatch):
     assert rc == 1
     df = pd.read_csv(out / "validate.csv")
     assert list(df["status"]) == ["fail"]
-    assert df["token_states_abs_err"][0] == 1
+    assert df["token_states_bytes_abs_err"][0] == 1
     assert "fail" in capsys.readouterr().out
 
 
