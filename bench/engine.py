@@ -133,6 +133,10 @@ def main() -> None:
         n = max(args.requests // 50, 100)
         jobs.append(("paged-16 20k-token outputs", "paged", {"block_size": 16}, "bench", n,
                      args.seed, 20_000, cap, 32768))
+    from kvfrag import sim
+
+    print("engine: " + ("compiled (mypyc)" if sim.COMPILED else "pure Python") +
+          " (KVFRAG_PURE=1 runs the pure-Python modules)")
     print(f"bench workload: {args.requests:,} requests of ~1,000 tokens, llama-3-8b, 50GB, "
           "mml 8192; mooncake: the shipped sample (1,000 requests, mml 131072, chunked prefill)")
     print(f"{'allocator':<28}{'requests':>10}{'wall s':>8}{'events':>11}{'ev/req':>7}"

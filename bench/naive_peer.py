@@ -339,6 +339,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per simulator: best is kept")
     args = parser.parse_args()
+    from kvfrag import sim
+
+    print("kvfrag's engine: " + ("compiled (mypyc)" if sim.COMPILED else "pure Python") +
+          " (KVFRAG_PURE=1 runs the pure-Python modules)")
     print(f"llama-3-8b, {CAPACITY / 1e9:g} GB of KV ({num_blocks():,} blocks of {BLOCK}), "
           f"max_num_seqs {MAX_NUM_SEQS}, FCFS, whole prompts, recompute preemption, "
           f"step {STEP.source}")
