@@ -340,7 +340,7 @@ def render(folder: Path | str) -> str:
     scenario_path = folder / "scenario.resolved.yaml"
     scenario_text = scenario_path.read_text(encoding="utf-8") if scenario_path.exists() else ""
     meta = P.load_meta(folder)
-    name = str(meta.get("name") or folder.name)
+    name = str(meta.get("scenario") or folder.name)  # (written in staging: not its folder)
     requests = timeseries = None
     if (folder / "requests.parquet").exists():
         requests = pd.read_parquet(folder / "requests.parquet")
