@@ -32,7 +32,7 @@ import heapq
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from mypy_extensions import mypyc_attr
 
@@ -49,7 +49,19 @@ class Reason(str, Enum):
     TOO_LARGE = "too_large"  # would not fit even in an empty allocator
 
 
-@dataclass(frozen=True, slots=True)
+def _fields_repr(obj: object, names: tuple[str, ...]) -> str:
+    """`Name(a=1, b=2)`, as a dataclass prints itself."""
+    args = ", ".join(f"{name}={getattr(obj, name)!r}" for name in names)
+    return f"{type(obj).__name__}({args})"
+
+
+# Request, Grant, Refusal and Live are plain classes, not dataclasses: compiled (setup.py), a
+# dataclass keeps its generated, interpreted __init__ (a frozen one sets every field through
+# object.__setattr__), and the engine makes one or more of each per request. The first three
+# are values: equal and hashed by their fields, never changed once made (`Final`: mypy, and so
+# the compiled build, refuses an assignment).
+
+
 class Request:
     """What an allocator may know of a request: its lengths and any declared output limit.
 
@@ -58,63 +70,127 @@ class Request:
     is never stored); `max_tokens` likewise bounds stored tokens past the prompt.
     """
 
-    rid: int
-    prompt: int
-    output: int
-    max_tokens: int | None = None
-    n: int = 1  # sequences sharing the prompt, generated in lockstep
-    beam: bool = False  # the n sequences are beams (they share more than the prompt)
-    prefix: tuple[int, ...] = ()  # hash chain of the prompt, one hash per chunk of tokens
-    prefix_tokens: int = 0  # tokens per hashed chunk (512 in the Mooncake trace)
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "rid", "prompt", "output", "max_tokens", "n", "beam", "prefix", "prefix_tokens",
+    )
 
-    def __post_init__(self) -> None:
-        if self.prompt < 1 or self.output < 0:
-            raise ValueError(f"request {self.rid}: prompt must be >= 1 token and output >= 0")
-        if self.n < 1:
-            raise ValueError(f"request {self.rid}: n must be >= 1")
-        if self.n > 1 and self.output < 1:
-            raise ValueError(f"request {self.rid}: a group of {self.n} stores >= 1 output token")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            raise ValueError(f"request {self.rid}: max_tokens must be >= 0")
+    def __init__(
+        self,
+        rid: int,
+        prompt: int,
+        output: int,
+        max_tokens: int | None = None,
+        n: int = 1,  # sequences sharing the prompt, generated in lockstep
+        beam: bool = False,  # the n sequences are beams (they share more than the prompt)
+        prefix: tuple[int, ...] = (),  # hash chain of the prompt, one hash per chunk of tokens
+        prefix_tokens: int = 0,  # tokens per hashed chunk (512 in the Mooncake trace)
+    ) -> None:
+        if prompt < 1 or output < 0:
+            raise ValueError(f"request {rid}: prompt must be >= 1 token and output >= 0")
+        if n < 1:
+            raise ValueError(f"request {rid}: n must be >= 1")
+        if n > 1 and output < 1:
+            raise ValueError(f"request {rid}: a group of {n} stores >= 1 output token")
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"request {rid}: max_tokens must be >= 0")
+        self.rid: Final = rid
+        self.prompt: Final = prompt
+        self.output: Final = output
+        self.max_tokens: Final = max_tokens
+        self.n: Final = n
+        self.beam: Final = beam
+        self.prefix: Final = prefix
+        self.prefix_tokens: Final = prefix_tokens
 
     @property
     def final(self) -> int:
         """Tokens stored once every output token is generated."""
         return self.prompt + self.output
 
+    def _key(self) -> tuple:
+        return (self.rid, self.prompt, self.output, self.max_tokens, self.n, self.beam,
+                self.prefix, self.prefix_tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Request) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return _fields_repr(self, Request.FIELDS)
+
     def __deepcopy__(self, memo: dict) -> Request:
         return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
 
 
-@dataclass(frozen=True, slots=True)
 class Grant:
     """A successful operation: what it newly allocated."""
 
-    rid: int
-    nbytes: int  # bytes newly allocated by this operation
-    capacity_tokens: int  # tokens the request may store in total (its truncation point)
-    offset: int | None = None  # slab allocators: byte offset of the slab
-    blocks: tuple[int, ...] = ()  # paged: block ids newly handed out
+    def __init__(
+        self,
+        rid: int,
+        nbytes: int,  # bytes newly allocated by this operation
+        capacity_tokens: int,  # tokens the request may store in total (its truncation point)
+        offset: int | None = None,  # slab allocators: byte offset of the slab
+        blocks: tuple[int, ...] = (),  # paged: block ids newly handed out
+    ) -> None:
+        self.rid: Final = rid
+        self.nbytes: Final = nbytes
+        self.capacity_tokens: Final = capacity_tokens
+        self.offset: Final = offset
+        self.blocks: Final = blocks
 
     def __bool__(self) -> bool:
         return True
+
+    def _key(self) -> tuple:
+        return self.rid, self.nbytes, self.capacity_tokens, self.offset, self.blocks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Grant) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return _fields_repr(self, ("rid", "nbytes", "capacity_tokens", "offset", "blocks"))
 
     def __deepcopy__(self, memo: dict) -> Grant:
         return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
 
 
-@dataclass(frozen=True, slots=True)
 class Refusal:
     """A refused operation and why; nothing was changed."""
 
-    rid: int
-    reason: Reason
-    needed: int  # bytes the operation needed
-    free: int  # bytes free at the time (capacity - allocated, as in `free_bytes()`)
-    detail: str = ""
+    def __init__(
+        self,
+        rid: int,
+        reason: Reason,
+        needed: int,  # bytes the operation needed
+        free: int,  # bytes free at the time (capacity - allocated, as in `free_bytes()`)
+        detail: str = "",
+    ) -> None:
+        self.rid: Final = rid
+        self.reason: Final = reason
+        self.needed: Final = needed
+        self.free: Final = free
+        self.detail: Final = detail
 
     def __bool__(self) -> bool:
         return False
+
+    def _key(self) -> tuple:
+        return self.rid, self.reason, self.needed, self.free, self.detail
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Refusal) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return _fields_repr(self, ("rid", "reason", "needed", "free", "detail"))
 
     def __deepcopy__(self, memo: dict) -> Refusal:
         return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
@@ -161,25 +237,42 @@ class Accounting:
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
-@dataclass(slots=True)
 class Live:
-    """One live request inside an allocator."""
+    """One live request inside an allocator (a plain class: see Request)."""
 
-    req: Request
-    final: int  # effective final length: min(true final, capacity in tokens)
-    cap: int  # tokens the request may ever store (reservation, or max_model_len)
-    base: int  # tokens stored, or the phase c (tokens = c + clock) while decoding
-    decoding: bool
-    nbytes: int = 0  # bytes held (slab allocators; paged keeps its own block counts)
-    offset: int = -1  # slab allocators: byte offset
-    table: list[int] | None = None  # paged: materialised block ids
-    extra: list[int] | None = None  # slab allocators: offsets of the other samples' copies
-    shared: int = 0  # paged: prompt tokens in full blocks, kept once for all samples
-    cached: int = 0  # prefix caching: tokens of the cached blocks its table starts with
+    def __init__(
+        self,
+        req: Request,
+        final: int,  # effective final length: min(true final, capacity in tokens)
+        cap: int,  # tokens the request may ever store (reservation, or max_model_len)
+        base: int,  # tokens stored, or the phase c (tokens = c + clock) while decoding
+        decoding: bool,
+        nbytes: int = 0,  # bytes held (slab allocators; paged keeps its own block counts)
+        offset: int = -1,  # slab allocators: byte offset
+        table: list[int] | None = None,  # paged: materialised block ids
+        extra: list[int] | None = None,  # slab allocators: offsets of the other samples' slabs
+        shared: int = 0,  # paged: prompt tokens in full blocks, kept once for all samples
+        cached: int = 0,  # prefix caching: tokens of the cached blocks its table starts with
+    ) -> None:
+        self.req = req
+        self.final = final
+        self.cap = cap
+        self.base = base
+        self.decoding = decoding
+        self.nbytes = nbytes
+        self.offset = offset
+        self.table = table
+        self.extra = extra
+        self.shared = shared
+        self.cached = cached
 
     @property
     def weight(self) -> int:
         return self.req.n
+
+    def __repr__(self) -> str:
+        return _fields_repr(self, ("req", "final", "cap", "base", "decoding", "nbytes", "offset",
+                                   "table", "extra", "shared", "cached"))
 
 
 def positive_int(name: str, value: object) -> int:
