@@ -302,7 +302,7 @@ class Engine:
         self._init_arrivals()
         self.rows: list[tuple] = []  # the time series' rows not yet put into a frame
         self.row_frames: list[pd.DataFrame] = []  # ... and those already (columns, compact)
-        self.integrals = dict.fromkeys(PARTS, 0.0)
+        self.integrals = [0.0] * len(PARTS)  # time integral of each part, in PARTS order
         self.busy_running = 0.0  # integral of running requests over time
         self.saved = 0.0  # integral of bytes saved by sharing
         self.overreserved = 0.0  # integral of internal bytes that are over-reservation
@@ -807,8 +807,8 @@ class Engine:
     def _record(self, dt: float, iterations: int) -> None:
         alloc, integrals = self.alloc, self.integrals
         parts = alloc.parts(self._probe())
-        for p, v in zip(PARTS, parts, strict=True):
-            integrals[p] += v * dt
+        for k in range(len(integrals)):
+            integrals[k] += parts[k] * dt
         self.saved += alloc.saved_by_sharing() * dt
         self.overreserved += alloc.overreserved_bytes() * dt
         self._row(dt, iterations, parts, alloc.largest_hole())
@@ -824,13 +824,15 @@ class Engine:
             more = alloc.integrate(n - 1, probe, w0 + w1, w1)
             sums = [s + more[p] for s, p in zip(sums, PARTS, strict=True)]
             self.saved += more["saved"]
-        for p, v in zip(PARTS, sums, strict=True):
-            integrals[p] += v
+        for k in range(len(integrals)):
+            integrals[k] += sums[k]
         self._row(duration, n, [v / duration for v in sums], alloc.largest_hole())
 
     def _row(
-        self, dt: float, iterations: int, parts: Sequence[float], largest_hole: int
+        self, dt: float, iterations: int, parts: Sequence[object], largest_hole: int
     ) -> None:
+        # (`object`: the parts go into the row as they come, ints as ints; compiled, an item of
+        # a Sequence[float] would come out as a float)
         running = len(self.running)
         self.busy_running += running * dt
         blocked = self.head_reason is Reason.FRAGMENTED and bool(self.queue)
@@ -838,7 +840,8 @@ class Engine:
             self.frag_blocked_s += dt
         rows = self.rows
         rows.append(
-            (self.env.now, dt, iterations, running, len(self.queue), *parts, largest_hole, blocked)
+            (self.env.now, dt, iterations, running, len(self.queue), parts[0], parts[1], parts[2],
+             parts[3], parts[4], largest_hole, blocked)  # (PARTS, spelled out: no unpacking)
         )
         if len(rows) == _ROWS_PER_FRAME:  # as columns: a tuple of Python numbers per row costs
             self.row_frames.append(pd.DataFrame(rows, columns=list(_SERIES)))  # ~10x the bytes
@@ -864,6 +867,7 @@ class Engine:
 
     def _summary(self, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
         cap = self.alloc.capacity
+        integrals = dict(zip(PARTS, self.integrals, strict=True))
         total = float(ts["dt_s"].sum()) if len(ts) else 0.0
         # Figures of a run in which no time passed (every request rejected at its arrival at
         # t = 0, no requests, max_time_s = 0): time averages are 0/0 there, so the parts and
@@ -873,15 +877,13 @@ class Engine:
         # rates of what was produced are 0 (throughput, prefix hits, memory saved by sharing).
         if total:
             # (a part that is 0 can come out as -1e-18 after float sums: clamp the round-off)
-            frac = {p: max(self.integrals[p] / (cap * total), 0.0) for p in PARTS}
+            frac = {p: max(integrals[p] / (cap * total), 0.0) for p in PARTS}
             over = min(self.overreserved / (cap * total), frac["internal"])
         else:
             now = self.alloc.parts(self._probe())
             frac = {p: v / cap for p, v in zip(PARTS, now, strict=True)}
             over = self.alloc.overreserved_bytes() / cap
-        allocated = self.integrals["token_states"] + self.integrals["reserved"] + self.integrals[
-            "internal"
-        ]
+        allocated = integrals["token_states"] + integrals["reserved"] + integrals["internal"]
         done = requests[requests["status"] == "completed"]
         rejected = requests[requests["status"] == "rejected"]
         reasons = rejected["reason"].value_counts()
@@ -902,7 +904,7 @@ class Engine:
             # allocation granularity past the reservation): see Allocator.overreserved_bytes.
             "internal_overreservation_frac": over,
             "internal_rounding_frac": max(frac["internal"] - over, 0.0),
-            "kv_utilization": self.integrals["token_states"] / allocated if allocated else math.nan,
+            "kv_utilization": integrals["token_states"] / allocated if allocated else math.nan,
             # Of the memory separate copies would have needed, the share sharing saved.
             "memory_saved_by_sharing_frac": (
                 self.saved / (allocated + self.saved) if self.saved else 0.0
@@ -1072,19 +1074,25 @@ class _Outcomes:
         self.frag_refused = bytearray(n)
 
     def store(self, r: _Req) -> None:
+        # (a column already holds its default, NaN or 0, until stored: defaults are skipped,
+        # as storing costs a boxed item each, and most requests are never preempted, ...)
         i = r.idx
         self.arrival[i] = r.arrival
         self.admitted[i] = r.admitted
         self.first_token[i] = r.first_token
         self.finished[i] = r.finished
         self.released[i] = r.released
-        self.offset[i] = r.offset
-        self.preemptions[i] = r.preemptions
-        self.recomputed[i] = r.recomputed
+        if not math.isnan(r.offset):
+            self.offset[i] = r.offset
+        if r.preemptions:
+            self.preemptions[i] = r.preemptions
+            self.recomputed[i] = r.recomputed
         self.peak[i] = r.peak
         self.final[i] = r.final
-        self.hits[i] = r.hits
-        self.generated[i] = r.generated
+        if r.hits:
+            self.hits[i] = r.hits
+        if r.generated:
+            self.generated[i] = r.generated
         self.status[i] = _STATUS.index(r.status)
         if r.reason:
             self.reasons[i] = r.reason
@@ -1092,7 +1100,8 @@ class _Outcomes:
             self.offsets[i] = r.offsets
         if r.moves:
             self.moves[i] = r.moves
-        self.frag_refused[i] = r.frag_refused
+        if r.frag_refused:
+            self.frag_refused[i] = 1
 
     def frame(self, at_end: np.ndarray, moved: bool = False) -> pd.DataFrame:
         """The request table; `moved` (the allocator compacted): with where each slab was over
