@@ -844,7 +844,7 @@ class Engine:
              parts[3], parts[4], largest_hole, blocked)  # (PARTS, spelled out: no unpacking)
         )
         if len(rows) == _ROWS_PER_FRAME:  # as columns: a tuple of Python numbers per row costs
-            self.row_frames.append(pd.DataFrame(rows, columns=list(_SERIES)))  # ~10x the bytes
+            self.row_frames.append(_rows_frame(rows))  # ~10x the bytes
             self.rows = []
 
     # ------------------------------------------------------------------ result
@@ -859,7 +859,7 @@ class Engine:
             out.store(r)
         requests = out.frame(at_end, moved=self.track_moves and alloc.compactions > 0)
         if self.rows or not self.row_frames:
-            self.row_frames.append(pd.DataFrame(self.rows, columns=list(_SERIES)))
+            self.row_frames.append(_rows_frame(self.rows))
         frames, self.row_frames, self.rows = self.row_frames, [], []
         timeseries = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
@@ -950,6 +950,15 @@ class Engine:
             },
             "events": len(ts),
         }
+
+
+def _rows_frame(rows: list[tuple]) -> pd.DataFrame:
+    """Time-series rows as a frame, column by column: numpy infers each column's type as
+    pandas would from the rows (float64 where any float, int64, bool), in half the time."""
+    if not rows:
+        return pd.DataFrame(rows, columns=list(_SERIES))
+    columns = zip(*rows, strict=True)
+    return pd.DataFrame({c: np.array(v) for c, v in zip(_SERIES, columns, strict=True)})
 
 
 def _stats(values: pd.Series) -> dict[str, float]:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import kvfrag.sim.sweep  # noqa: F401 (sim.sweep below: the CLI imports it only when it runs)
 import pandas as pd
 import pytest
 from kvfrag.sim.scenario import run as run_serial
@@ -150,7 +151,8 @@ def test_resume_after_an_interrupt_runs_only_the_missing_points(
 
 def test_resume_after_sigkill_of_a_parallel_sweep(scenario, reference, tmp_path, monkeypatch):
     out = tmp_path / "r"
-    slow = ["--set", "workload.synthetic.count=1500"]  # ~0.2 s a point, to kill it mid-way
+    # ~0.2 s a point with the compiled engine (0.5 s pure): long enough to kill it mid-way
+    slow = ["--set", "workload.synthetic.count=4000"]
     cmd = [sys.executable, "-m", "kvfrag.cli", "run", str(scenario), "-o", str(out), "-q",
            "--no-plots", "-j", "2", *slow]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)

@@ -102,9 +102,6 @@ def test_rejects_bad_options():
     assert build().bandwidth == 4.8e12
 
 
-@pytest.mark.skipif(
-    "n" not in getattr(Request, "__dataclass_fields__", {}), reason="no parallel sampling"
-)
 def test_every_sample_slab_moves():
     a = build(capacity=120)
     a.compaction = True
