@@ -139,7 +139,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(f"compare takes at most {len(string.ascii_uppercase)} folders")
     folders = [read_folder(path, name) for path, name in
                zip(args.folders, string.ascii_uppercase, strict=False)]
-    check_schemas(folders)
     if args.output is not None:
         check_output(args.output, args.folders)  # before the figures are drawn
     doc = compare(folders)
@@ -192,7 +191,7 @@ def read_folder(path: Path, name: str) -> Folder:
     import yaml
 
     from kvfrag.plots import read_summary
-    from kvfrag.results import SCHEMA_VERSION, check_schema, folder_schema
+    from kvfrag.results import SCHEMA_VERSION, check_schema, error_reason, folder_schema
 
     path = Path(path)
     if not path.exists():
@@ -219,7 +218,7 @@ def read_folder(path: Path, name: str) -> Folder:
         folder.notes.append(f"{name} has no scenario.resolved.yaml: its scenario is not compared")
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         folder.notes.append(f"{name}'s scenario.resolved.yaml cannot be read "
-                            f"({_reason(exc)}): its scenario is not compared")
+                            f"({error_reason(exc)}): its scenario is not compared")
     else:
         if isinstance(resolved, dict):
             folder.resolved = resolved
@@ -228,23 +227,6 @@ def read_folder(path: Path, name: str) -> Folder:
             folder.notes.append(f"{name}'s scenario.resolved.yaml is not a mapping: its "
                                 "scenario is not compared")
     return folder
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def check_schemas(folders: list[Folder]) -> None:
-    """Refuse folders of a layout this kvfrag does not read (a newer schema). Older layouts
-    are translated as they are read (`read_folder`), so folders of different schema versions
-    up to this kvfrag's compare alike."""
-    from kvfrag.results import check_schema
-
-    for f in folders:
-        check_schema(f.schema_version, f.path, "compare")
 
 
 # ------------------------------------------------------------------------ matching

@@ -312,14 +312,21 @@ def folder_schema(folder: Path) -> tuple[int | None, dict[str, Any] | None]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else (
-            (str(exc).strip().splitlines() or [type(exc).__name__])[0])
-        raise ValueError(f"{path}: cannot be read ({reason})") from None
+        raise ValueError(f"{path}: cannot be read ({error_reason(exc)})") from None
     if isinstance(doc, list):  # before schema versions: a bare list of rows
         return 0, None
     if isinstance(doc, dict) and isinstance(doc.get("schema_version"), int):
         return doc["schema_version"], doc
     raise ValueError(f"{path}: not a summary written by kvfrag run (no schema_version)")
+
+
+def error_reason(exc: BaseException) -> str:
+    """Why a file could not be read, in a few words: an OSError's message, else the first
+    line of the exception's."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def check_schema(version: int | None, folder: Path, doing: str = "read") -> None:

@@ -58,11 +58,36 @@ def _fields_repr(obj: object, names: tuple[str, ...]) -> str:
 # Request, Grant, Refusal and Live are plain classes, not dataclasses: compiled (setup.py), a
 # dataclass keeps its generated, interpreted __init__ (a frozen one sets every field through
 # object.__setattr__), and the engine makes one or more of each per request. The first three
-# are values: equal and hashed by their fields, never changed once made (`Final`: mypy, and so
-# the compiled build, refuses an assignment).
+# are values (`_Value`), never changed once made (`Final`: mypy, and so the compiled build,
+# refuses an assignment).
 
 
-class Request:
+class _Value:
+    """Equality, hash and repr by the fields a subclass names (as a frozen dataclass has them),
+    and a deep copy that is the value itself (immutable: a copy may share it; compiled, it
+    could not be rebuilt)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__ or not isinstance(other, _Value):
+            return False
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return _fields_repr(self, self.FIELDS)
+
+    def __deepcopy__(self, memo: dict) -> _Value:
+        return self
+
+
+class Request(_Value):
     """What an allocator may know of a request: its lengths and any declared output limit.
 
     `output` counts the tokens stored past the prompt, which the engine derives from a served
@@ -107,25 +132,11 @@ class Request:
         """Tokens stored once every output token is generated."""
         return self.prompt + self.output
 
-    def _key(self) -> tuple:
-        return (self.rid, self.prompt, self.output, self.max_tokens, self.n, self.beam,
-                self.prefix, self.prefix_tokens)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Request) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return _fields_repr(self, Request.FIELDS)
-
-    def __deepcopy__(self, memo: dict) -> Request:
-        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
-
-
-class Grant:
+class Grant(_Value):
     """A successful operation: what it newly allocated."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("rid", "nbytes", "capacity_tokens", "offset", "blocks")
 
     def __init__(
         self,
@@ -144,24 +155,11 @@ class Grant:
     def __bool__(self) -> bool:
         return True
 
-    def _key(self) -> tuple:
-        return self.rid, self.nbytes, self.capacity_tokens, self.offset, self.blocks
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Grant) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return _fields_repr(self, ("rid", "nbytes", "capacity_tokens", "offset", "blocks"))
-
-    def __deepcopy__(self, memo: dict) -> Grant:
-        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
-
-
-class Refusal:
+class Refusal(_Value):
     """A refused operation and why; nothing was changed."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("rid", "reason", "needed", "free", "detail")
 
     def __init__(
         self,
@@ -179,21 +177,6 @@ class Refusal:
 
     def __bool__(self) -> bool:
         return False
-
-    def _key(self) -> tuple:
-        return self.rid, self.reason, self.needed, self.free, self.detail
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Refusal) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return _fields_repr(self, ("rid", "reason", "needed", "free", "detail"))
-
-    def __deepcopy__(self, memo: dict) -> Refusal:
-        return self  # immutable: a copy may share it (compiled, it could not be rebuilt)
 
 
 @dataclass(frozen=True, slots=True)
