@@ -240,6 +240,51 @@ class _Req:
         self.think = 0.0
 
 
+class _Arrivals:
+    """Requests not yet arrived, earliest first (ties: workload order): the open-loop ones as
+    a cursor over their indices sorted once by time, and the closed-loop ones, which are
+    timed only when the user's previous request ends, in a heap. `next_s` (inf when none is
+    left) is what the loop compares with the clock at every turn."""
+
+    def __init__(self, arrival: np.ndarray, idx: np.ndarray) -> None:
+        order = idx[np.argsort(arrival[idx], kind="stable")]
+        self.times = array("d", arrival[order].tobytes())
+        self.order = array("q", order.astype(np.int64).tobytes())
+        self.at = 0
+        self.heap: list[tuple[float, int]] = []  # (time, idx) of closed-loop requests
+        self.left = len(order)
+        self.next_s = math.inf
+        self._next()
+
+    def _next(self) -> None:
+        at = self.at
+        t = self.times[at] if at < len(self.times) else math.inf
+        if self.heap and self.heap[0] < (t, self.order[at] if at < len(self.order) else 0):
+            t = self.heap[0][0]
+        self.next_s = t
+
+    def pop(self) -> int:
+        """The index of the earliest request; it has arrived."""
+        at, heap = self.at, self.heap
+        if at < len(self.times):
+            t: float = self.times[at]
+            idx: int = self.order[at]
+            if not heap or (t, idx) < heap[0]:
+                self.at = at + 1
+                self.left -= 1
+                self._next()
+                return idx
+        idx = heapq.heappop(heap)[1]
+        self.left -= 1
+        self._next()
+        return idx
+
+    def push(self, t: float, idx: int) -> None:
+        heapq.heappush(self.heap, (t, idx))
+        self.left += 1
+        self._next()
+
+
 #: Time-series rows gathered before they are put into a frame (bounds their Python objects).
 _ROWS_PER_FRAME = 65536
 _SERIES = (
@@ -297,9 +342,8 @@ class Engine:
         self.prefilled: list[_Req] = []  # prompt fully stored this iteration
         self.batch_done: list[_Req] = []  # static batching: finished, still holding memory
         self.held_done_tokens = 0
-        self.arrivals: list[tuple[float, int]] = []  # heap of (time, idx)
         self.next_of_user: dict[int, deque[int]] = {}
-        self._init_arrivals()
+        self.arrivals = self._init_arrivals()
         self.rows: list[tuple] = []  # the time series' rows not yet put into a frame
         self.row_frames: list[pd.DataFrame] = []  # ... and those already (columns, compact)
         self.integrals = [0.0] * len(PARTS)  # time integral of each part, in PARTS order
@@ -329,14 +373,13 @@ class Engine:
         self.retired = 0  # requests retired (completed and released, or rejected)
 
     # ------------------------------------------------------------------ set-up
-    def _init_arrivals(self) -> None:
+    def _init_arrivals(self) -> _Arrivals:
         inp = self.inputs
-        for idx, (arrival, user) in enumerate(zip(inp.arrival, inp.users, strict=True)):
-            if user >= 0 and math.isnan(arrival):
-                self.next_of_user.setdefault(user, deque()).append(idx)
-            else:
-                self.arrivals.append((arrival, idx))
-        heapq.heapify(self.arrivals)
+        arrival = np.frombuffer(inp.arrival, dtype=np.float64)
+        later = (np.frombuffer(inp.users, dtype=np.int64) >= 0) & np.isnan(arrival)
+        for idx in np.flatnonzero(later).tolist():  # closed loop: sent after the user's last
+            self.next_of_user.setdefault(inp.users[idx], deque()).append(idx)
+        return _Arrivals(arrival, np.flatnonzero(~later))
 
     def _req(self, idx: int) -> _Req:
         """The engine state of request `idx`, made on its first use."""
@@ -375,9 +418,9 @@ class Engine:
                 self.stopped = True
                 return
             if not self.running and not self.queue:
-                if not self.arrivals:
+                if not self.arrivals.left:
                     return
-                wait = self.arrivals[0][0] - env.now
+                wait = self.arrivals.next_s - env.now
                 if cfg.max_time_s is not None:
                     wait = min(wait, cfg.max_time_s - env.now)
                 self._record(wait, 0)
@@ -414,9 +457,8 @@ class Engine:
     # -------------------------------------------------------------- arrivals
     def _release_arrivals(self, now: float) -> None:
         arrivals = self.arrivals
-        while arrivals and arrivals[0][0] <= now:
-            _, idx = heapq.heappop(arrivals)
-            r = self._req(idx)
+        while arrivals.next_s <= now:
+            r = self._req(arrivals.pop())
             r.status = "waiting"
             self.queue.append(r)
 
@@ -426,7 +468,7 @@ class Engine:
         if pending:
             nxt = self._req(pending.popleft())
             nxt.arrival = now + nxt.think
-            heapq.heappush(self.arrivals, (nxt.arrival, nxt.idx))
+            self.arrivals.push(nxt.arrival, nxt.idx)
 
     # ------------------------------------------------------------- scheduling
     def _ensure_decode_room(self) -> None:
@@ -639,7 +681,7 @@ class Engine:
         evict = alloc.steps_until_evict() if self.queue and self.groups else None
         if evict is not None:  # a waiting group may fit then (see `_released`)
             n = min(n, evict)
-        horizon = self.arrivals[0][0] if self.arrivals else math.inf
+        horizon = self.arrivals.next_s
         if self.queue and self.cfg.admission == "fcfs":
             # Behind a waiting head, strict FCFS admits nobody new before the head, and the
             # head waits for memory or room that only a completion gives back: an arrival now

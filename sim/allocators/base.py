@@ -298,6 +298,8 @@ class Allocator(ABC):
         # sorted list for the engine's push / peek / leave pattern.
         self._done: list[tuple[int, int]] = []
         self._done_at: dict[int, int] = {}
+        self._top: tuple[int, int] | None = None  # `_done_top`'s answer while `_top_ok`
+        self._top_ok = True  # (the engine asks it several times between changes)
         self.frees = 0  # how many frees so far: memory can only come back through one
 
     # ----------------------------------------------------------------- queries
@@ -373,13 +375,18 @@ class Allocator(ABC):
         return None if top is None else top[0] - self._clock
 
     def _done_top(self) -> tuple[int, int] | None:
+        if self._top_ok:
+            return self._top
         heap, valid = self._done, self._done_at
+        top = None
         while heap:
             done, rid = heap[0]
             if valid.get(rid) == done:
-                return heap[0]
+                top = heap[0]
+                break
             heapq.heappop(heap)  # left the cohort since it was pushed
-        return None
+        self._top, self._top_ok = top, True
+        return top
 
     def is_decoding(self, rid: int) -> bool:
         return self._get(rid).decoding
@@ -518,8 +525,10 @@ class Allocator(ABC):
             done = live.final - live.base
             self._done_at[rid] = done
             heapq.heappush(self._done, (done, rid))
+            self._top_ok = False
         else:
             del self._done_at[rid]
+            self._top_ok = False
             self._phase_sum -= self._linear(live, live.base)
             self._seq_phase_sum -= live.weight * live.base
             self._dec_weight -= live.weight

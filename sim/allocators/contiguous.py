@@ -8,7 +8,9 @@ placement policy decides how much of it builds up:
 - best-fit: the smallest hole that fits (lowest address on ties);
 - worst-fit: the largest hole (lowest address on ties);
 - next-fit: first-fit, starting where the previous placement ended, wrapping around.
-The free list is kept twice, by address (to coalesce) and by size (for best/worst fit).
+The free list is kept twice, by address (to coalesce) and by size (for best/worst fit), as
+plain sorted lists searched with `bisect`: holes number at most the live slabs + 1, so an
+insertion's memmove costs less than a sorted container's interpreted bookkeeping.
 
 Compaction (`compaction=True`): when an admission would be refused as FRAGMENTED (enough bytes
 free, no hole fits), every live slab is moved down to the lowest addresses, in address order,
@@ -23,14 +25,13 @@ offsets and log them.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
 from enum import Enum
-from itertools import chain
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.slab import Reserve, SlabAllocator, parse_enum
 from kvfrag.sim.units import parse_rate
 from mypy_extensions import mypyc_attr
-from sortedcontainers import SortedDict, SortedList
 
 #: Fitting holes up to which `_find` picks among them rather than walking holes by address.
 _FEW = 32
@@ -70,8 +71,9 @@ class ContiguousAllocator(SlabAllocator):
         self.stall_s = 0.0
         self._stall = 0.0  # stall accrued since the engine last took it
         self._moves: list[tuple[int, int, int, int]] = []  # (rid, old, new, bytes) not yet taken
-        self._holes = SortedDict({0: capacity})  # offset -> size
-        self._by_size = SortedList([(capacity, 0)])  # (size, offset)
+        self._offsets: list[int] = [0]  # every hole's offset, ascending
+        self._sizes: dict[int, int] = {0: self.capacity}  # offset -> size
+        self._by_size: list[tuple[int, int]] = [(self.capacity, 0)]  # (size, offset), ascending
         self._rover = 0  # next-fit: where the last placement ended
         self._usable: tuple[int, int] = (0, 0)  # (unit, usable bytes), kept as holes change
 
@@ -83,7 +85,7 @@ class ContiguousAllocator(SlabAllocator):
 
     def holes(self) -> list[tuple[int, int]]:
         """(offset, size) of every free hole, by address."""
-        return list(self._holes.items())
+        return [(offset, self._sizes[offset]) for offset in self._offsets]
 
     def _place(self, nbytes: int) -> int | None:
         hole = self._find(nbytes)
@@ -123,7 +125,8 @@ class ContiguousAllocator(SlabAllocator):
                 self._moves.append((lv.req.rid, offset, at, size))
                 moved += size
             at += size
-        self._holes.clear()
+        self._offsets.clear()
+        self._sizes.clear()
         self._by_size.clear()
         self._usable = (0, 0)
         if at < self.capacity:
@@ -146,50 +149,54 @@ class ContiguousAllocator(SlabAllocator):
         return moves
 
     def _find(self, nbytes: int) -> tuple[int, int] | None:
+        by_size = self._by_size
         if self.placement is Placement.BEST_FIT:
-            i = self._by_size.bisect_left((nbytes, -1))
-            if i == len(self._by_size):
+            i = bisect_left(by_size, (nbytes, -1))
+            if i == len(by_size):
                 return None
-            size, offset = self._by_size[i]
+            size, offset = by_size[i]
             return offset, size
         if self.placement is Placement.WORST_FIT:
-            if not self._by_size or self._by_size[-1][0] < nbytes:
+            if not by_size or by_size[-1][0] < nbytes:
                 return None
-            largest = self._by_size[-1][0]
-            size, offset = self._by_size[self._by_size.bisect_left((largest, -1))]
+            size, offset = by_size[bisect_left(by_size, (by_size[-1][0], -1))]
             return offset, size
-        holes = self._holes
+        offsets, sizes = self._offsets, self._sizes
         start = self._rover if self.placement is Placement.NEXT_FIT else 0
         # Holes at or after `start` first (the one containing `start` included), then wrap.
-        first = max(holes.bisect_right(start) - 1, 0)
-        if first < len(holes) and sum(holes.peekitem(first)) <= start:
+        first = max(bisect_right(offsets, start) - 1, 0)
+        if first < len(offsets) and offsets[first] + sizes[offsets[first]] <= start:
             first += 1  # that hole ends before the rover
-        fit = self._by_size.bisect_left((nbytes, -1))  # the holes large enough: _by_size[fit:]
-        if fit == len(self._by_size):
+        fit = bisect_left(by_size, (nbytes, -1))  # the holes large enough: by_size[fit:]
+        if fit == len(by_size):
             return None
-        if len(self._by_size) - fit <= _FEW:
+        if len(by_size) - fit <= _FEW:
             # Few fit (as among the many small holes oracle slabs leave): the first of them
             # from `first` on by address, else the first of them.
-            offsets = [offset for _, offset in self._by_size.islice(fit)]
-            if first < len(holes):
-                after = holes.peekitem(first)[0]
-                offsets = [offset for offset in offsets if offset >= after] or offsets
-            offset = min(offsets)
-            return offset, holes[offset]
-        for offset in chain(holes.islice(first), holes.islice(0, first)):
-            if holes[offset] >= nbytes:
-                return offset, holes[offset]
+            fitting = [offset for _, offset in by_size[fit:]]
+            if first < len(offsets):
+                after = offsets[first]
+                fitting = [offset for offset in fitting if offset >= after] or fitting
+            offset = min(fitting)
+            return offset, sizes[offset]
+        for i in range(first, len(offsets)):
+            if sizes[offsets[i]] >= nbytes:
+                return offsets[i], sizes[offsets[i]]
+        for i in range(first):
+            if sizes[offsets[i]] >= nbytes:
+                return offsets[i], sizes[offsets[i]]
         return None
 
     def _unplace(self, offset: int, nbytes: int) -> None:
         end = offset + nbytes
-        i = self._holes.bisect_left(offset)
+        i = bisect_left(self._offsets, offset)
         if i > 0:
-            prev_off, prev_size = self._holes.peekitem(i - 1)
+            prev_off = self._offsets[i - 1]
+            prev_size = self._sizes[prev_off]
             if prev_off + prev_size == offset:
                 self._take_hole(prev_off, prev_size)
                 offset, nbytes = prev_off, nbytes + prev_size
-        nxt = self._holes.get(end)
+        nxt = self._sizes.get(end)
         if nxt is not None:
             self._take_hole(end, nxt)
             nbytes += nxt
@@ -199,21 +206,23 @@ class ContiguousAllocator(SlabAllocator):
         unit, usable = self._usable
         if unit:
             self._usable = (unit, usable - (size - size % unit))
-        del self._holes[offset]
-        self._by_size.remove((size, offset))
+        del self._sizes[offset]
+        del self._offsets[bisect_left(self._offsets, offset)]
+        del self._by_size[bisect_left(self._by_size, (size, offset))]
 
     def _add_hole(self, offset: int, size: int) -> None:
         unit, usable = self._usable
         if unit:
             self._usable = (unit, usable + size - size % unit)
-        self._holes[offset] = size
-        self._by_size.add((size, offset))
+        self._sizes[offset] = size
+        insort(self._offsets, offset)
+        insort(self._by_size, (size, offset))
 
     def _usable_free(self, probe: Request | None) -> int:
         unit = self._unit(probe)
         if self._usable[0] != unit:  # count anew only for another unit
             # (holes smaller than a unit hold none: only those from the unit's size up count)
-            fit = self._by_size.islice(self._by_size.bisect_left((unit, -1)))
+            fit = self._by_size[bisect_left(self._by_size, (unit, -1)) :]
             self._usable = (unit, sum(size - size % unit for size, _ in fit))
         return self._usable[1]
 

@@ -37,7 +37,7 @@ they are not among the group's counted blocks.
 
 from __future__ import annotations
 
-import math
+import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
 from itertools import accumulate
@@ -53,7 +53,6 @@ from kvfrag.sim.allocators.base import (
     positive_int,
 )
 from mypy_extensions import mypyc_attr
-from sortedcontainers import SortedList
 
 #: Largest block (tokens) modeled: larger is more likely a typo than a block size. (vattention's
 #: 2 MiB pages of 1-byte token rows are 2**21-token blocks.)
@@ -295,7 +294,12 @@ class PagedAllocator(Allocator):
         self._tokens = FloorSum(bs)  # decoders' stored tokens beyond n*(c + K)
         self._saved = FloorSum(bs)  # decoders' saved blocks that move (beams)
         self._dec_internal = 0  # internal bytes of decoders already in their last block
-        self._pending = SortedList()  # (clock at which a decoder reaches its last block, rid)
+        # Decoders not yet in their last block: a heap of (clock at which one enters it, rid,
+        # entry number) with lazy deletion (an entry counts while `_pending_at[rid]` holds its
+        # number), cheaper than a sorted list for the push / pop-due / leave pattern.
+        self._pending: list[tuple[int, int, int]] = []
+        self._pending_at: dict[int, int] = {}
+        self._pushes = 0
         self._groups: dict[int, tuple[int, list[list[int]]]] = {}  # rid -> (tokens, tables)
         self._copies: dict[int, list[tuple[int, int]]] = {}  # rid -> (src, dst) not yet taken
         self._renamed: dict[int, None] = {}  # beams named again to take back pruned ids
@@ -604,9 +608,11 @@ class PagedAllocator(Allocator):
         # others on as the clock passes them).
         if reach > self._clock:
             if decoding:
-                self._pending.add((reach, rid))
+                self._pushes += 1
+                self._pending_at[rid] = self._pushes
+                heapq.heappush(self._pending, (reach, rid, self._pushes))
             else:
-                self._pending.remove((reach, rid))
+                del self._pending_at[rid]
         else:
             self._dec_internal += (1 if decoding else -1) * self._waste(live)
 
@@ -620,10 +626,28 @@ class PagedAllocator(Allocator):
         return bs * (-(-final // bs) - 1) + 1
 
     def _stepped(self) -> None:
-        pending = self._pending
+        pending, valid = self._pending, self._pending_at
         while pending and pending[0][0] <= self._clock:
-            _, rid = pending.pop(0)
-            self._dec_internal += self._waste(self._live[rid])
+            _, rid, entry = heapq.heappop(pending)
+            if valid.get(rid) == entry:
+                del valid[rid]
+                self._dec_internal += self._waste(self._live[rid])
+
+    def _pending_until(self, k: int) -> list[tuple[int, int, int]]:
+        """The pending entries that count, entering their last block by clock `k`, in (clock,
+        rid) order: the heap's entries within reach of `k` sorted (a pruned walk)."""
+        pending, valid, out = self._pending, self._pending_at, []
+        todo = [0] if pending and pending[0][0] <= k else []
+        while todo:
+            i = todo.pop()
+            entry = pending[i]
+            if valid.get(entry[1]) == entry[2]:
+                out.append(entry)
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(pending) and pending[c][0] <= k:
+                    todo.append(c)
+        out.sort()
+        return out
 
     def _allocated_total(self) -> int:
         return self._blocks_total() * self.block_bytes
@@ -642,7 +666,7 @@ class PagedAllocator(Allocator):
         k = self._clock
         blocks = self._fixed_blocks * weight + self._blocks.integrate(k, n, w0, w1, weight)
         internal = (self._fixed_internal + self._dec_internal) * weight
-        for reach, rid in self._pending.irange(maximum=(k + n, math.inf)):
+        for reach, rid, _ in self._pending_until(k + n):
             j0 = reach - k  # first step (1-based) spent in the last block
             steps = n - j0 + 1
             tail = steps * w0 + w1 * (steps * (j0 - 1) + steps * (steps - 1) / 2)
