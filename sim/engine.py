@@ -318,6 +318,8 @@ class Engine:
             )
         self.alloc = allocator
         self.cfg = config
+        if not config.log_allocations:
+            allocator.defer_block_ids()  # block ids are read only to log them
         # A compacting allocator moves slabs: each request's placements are then recorded
         # (`_Req.moves`), so that its slab can be drawn where it was at each moment.
         self.track_moves = bool(getattr(allocator, "compaction", False))

@@ -445,6 +445,12 @@ class Allocator(ABC):
         final = min(req.final, self.reservation_tokens(req), self.max_model_len)
         return self.bytes_for(req, final) > self.watermark_bytes(1.0)
 
+    def defer_block_ids(self) -> None:
+        """The caller will not read `Grant.blocks`: an allocator that names block ids may leave
+        a request's unnamed until `block_table` asks for them (the engine says so when it keeps
+        no allocation log: ids are fungible, and nobody looks)."""
+        return
+
     def watermark_bytes(self, fraction: float) -> int:
         """The free memory an admission must leave for a watermark of `fraction` (vLLM keeps
         int(fraction x blocks) whole blocks; a slab allocator that share of its bytes)."""

@@ -22,8 +22,9 @@ clock K (c a request's phase, o an offset); writing c + o = q*bs + r that is
 q + floor((r + K)/bs), so each sum is kept as sum(coef*q) plus signed counts per residue r
 in use (`FloorSum`): O(log) per query and O(min(block_size, decoders)) per integral, however
 many requests run.
-Block ids are handed out lazily (at admission, `grow`, and `block_table`), from a LIFO free
-stack; the free-block count is always exact, and ids are fungible until someone asks for them.
+Block ids are handed out lazily (at admission, `grow`, and `block_table`; after
+`defer_block_ids`, a single sequence's only when `block_table` asks), from a LIFO free stack;
+the free-block count is always exact, and ids are fungible until someone asks for them.
 When they are named, a group's ids follow its sequences from the tokens of its last naming
 (`block_tables`: one table per sequence): the prompt is prefilled through one table; at the
 fork sequences 1..n-1 take a block each that is a copy of the partial prompt block (the
@@ -85,7 +86,7 @@ class FloorSum:
         self.per = 0  # sum of coef: what every bs steps add
         self.negative = 0  # residues with a negative coefficient (beams): steps give back
         self._cum: list[int] | None = None  # [0, c0, c0 + c1, ...] until the next add
-        self._memo_k = -1  # value(k) for this k, until the next add
+        self._memo_k = -1  # value(k) for this k (-1: none), kept up to date by `add`
         self._memo = 0
 
     @property
@@ -112,7 +113,8 @@ class FloorSum:
         self.q += coef * q
         self.per += coef
         self._cum = None
-        self._memo_k = -1
+        if self._memo_k >= 0:  # the new term's value at the remembered clock
+            self._memo += coef * ((x + self._memo_k) // self.bs)
 
     def _sums(self) -> list[int]:
         """Running sums of the coefficients in residue order, from 0."""
@@ -303,12 +305,16 @@ class PagedAllocator(Allocator):
         self._groups: dict[int, tuple[int, list[list[int]]]] = {}  # rid -> (tokens, tables)
         self._copies: dict[int, list[tuple[int, int]]] = {}  # rid -> (src, dst) not yet taken
         self._renamed: dict[int, None] = {}  # beams named again to take back pruned ids
+        self._deferred = False  # `defer_block_ids`: a single sequence's ids wait to be asked
 
     def _set_pool(self, block_bytes: int) -> None:
         """Cut the budget into blocks of `block_bytes`, all free."""
         self.block_bytes = block_bytes
         self.num_blocks = self.capacity // block_bytes
         self._stack = FreeIds(self.num_blocks)  # free ids; pop() gives 0 first
+
+    def defer_block_ids(self) -> None:
+        self._deferred = True
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
@@ -443,6 +449,13 @@ class PagedAllocator(Allocator):
         table.extend(new)
         return tuple(new)
 
+    def _name_new(self, live: Live, blocks: int, tokens: int) -> tuple[int, ...]:
+        """`_materialize` at an admission or growth: the new ids, or none yet when ids are
+        deferred (a group's are always named: its tables follow its forks)."""
+        if self._deferred and live.req.n == 1:
+            return ()
+        return self._materialize(live, blocks, tokens)
+
     def _materialize_group(self, live: Live, blocks: int, tokens: int) -> tuple[int, ...]:
         """Bring a group's block tables from the tokens of its last naming to `tokens`, as the
         sequences would have: the prompt is prefilled as one sequence; at the fork every
@@ -546,7 +559,7 @@ class PagedAllocator(Allocator):
         need = self._blocks_at(live, tokens)
         if need > self.free_blocks():
             return self._refusal(rid, need)
-        ids = self._materialize(live, need, tokens)
+        ids = self._name_new(live, need, tokens)
         self._fixed_blocks += need
         self._fixed_internal += self._tail_waste(live, tokens)
         self._fixed_saved += self._saved_at(live, tokens)
@@ -566,7 +579,7 @@ class PagedAllocator(Allocator):
         have, want = self._blocks_at(live, old), self._blocks_at(live, new)
         if want - have > self.free_blocks():
             return self._refusal(live.req.rid, want - have)
-        ids = self._materialize(live, want, new)
+        ids = self._name_new(live, want, new)
         self._fixed_blocks += want - have
         self._fixed_internal += self._tail_waste(live, new) - self._tail_waste(live, old)
         self._fixed_saved += self._saved_at(live, new) - self._saved_at(live, old)

@@ -7,6 +7,7 @@ no stretches, no closed forms. The fast engine must agree with it record for rec
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -251,6 +252,46 @@ def test_determinism():
     pd.testing.assert_frame_equal(a.requests, b.requests)
     pd.testing.assert_frame_equal(a.timeseries, b.timeseries)
     assert a.summary == b.summary
+
+
+NAMING = [(k, o) for k, o in ALLOCATORS if k in ("paged", "prefix-caching", "vattention")]
+
+
+@pytest.mark.parametrize(("kind", "opts"), NAMING)
+def test_block_ids_left_unnamed_change_no_record(kind, opts):
+    """Without an allocation log the engine lets the allocator leave block ids unnamed
+    (`defer_block_ids`): the records are those of a run that names (and logs) every id."""
+    samples = 1 if kind == "vattention" and opts["page_size"] % 24 else 3
+    wl = random_workload(7, 40, max_prompt=100, max_output=80, rate=4.0, samples=samples)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=160)
+
+    def once(log: bool):
+        alloc = make_allocator(kind, capacity=300 * 96, bytes_per_token=96, max_model_len=128,
+                               **opts)
+        return run(wl, alloc, replace(cfg, log_allocations=log))
+
+    quiet, logged = once(False), once(True)
+    assert quiet.summary["preemptions"] > 0  # (ids freed and named again, under pressure)
+    pd.testing.assert_frame_equal(quiet.requests, logged.requests)
+    pd.testing.assert_frame_equal(quiet.timeseries, logged.timeseries)
+    assert {k: v for k, v in quiet.summary.items() if "wall" not in k} == {
+        k: v for k, v in logged.summary.items() if "wall" not in k
+    }
+
+
+def test_deferred_block_ids_are_named_when_asked():
+    alloc = make_allocator("paged", capacity=64 * 10, bytes_per_token=1, max_model_len=64,
+                           block_size=16)
+    alloc.defer_block_ids()
+    a, b = Request(0, 20, 10), Request(1, 40, 10)
+    grant = alloc.admit(a)
+    assert grant and grant.blocks == ()  # (counted, not named)
+    assert alloc.admit(b) and alloc.free_blocks() == 40 - 5
+    alloc.free(0)
+    table = alloc.block_table(1)
+    assert len(table) == 3 and len(set(table)) == 3
+    alloc.step(10)  # 50 tokens: a fourth block
+    assert len(alloc.block_table(1)) == 4 and alloc.block_table(1)[:3] == table
 
 
 @pytest.mark.parametrize(
