@@ -38,7 +38,7 @@ import heapq
 import math
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -930,7 +930,7 @@ class Engine:
         allocated = integrals["token_states"] + integrals["reserved"] + integrals["internal"]
         done = requests[requests["status"] == "completed"]
         rejected = requests[requests["status"] == "rejected"]
-        reasons = rejected["reason"].value_counts()
+        reasons = Counter(self.out.reasons.values())  # (a rejected request's reason)
         generated = int(done["generated_tokens"].sum())
         start = float(requests["arrival_s"].min()) if len(requests) else 0.0
         span = (float(done["finished_s"].max()) - start) if len(done) else 0.0
@@ -1172,17 +1172,28 @@ class _Outcomes:
         offset = col(self.offset, np.float64)
         if n and not np.isnan(offset).any():  # every request placed in a slab: integers
             offset = offset.astype(np.int64)
+        arrival = col(self.arrival, np.float64)
+        admitted = col(self.admitted, np.float64)
+        first_token = col(self.first_token, np.float64)
+        finished = col(self.finished, np.float64)
+        generated = col(self.generated, np.int64)
+        # Time per output token after the first (each sequence's tokens).
+        seqs = np.maximum(col(inp.samples, np.int64), col(inp.beams, np.int64))
+        per_seq = np.where(status == "completed", generated / seqs, 0.0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = (finished - first_token) / (per_seq - 1)
+        # (the frame in one go: a column set afterwards costs pandas a copy of its index)
         requests = pd.DataFrame(
             {
                 "request_id": col(inp.rid, np.int64),
-                "arrival_s": col(self.arrival, np.float64),
+                "arrival_s": arrival,
                 "prompt_tokens": col(inp.prompt, np.int64),
                 "output_tokens": col(inp.output, np.int64),
                 "status": status,
                 "reason": reason,
-                "admitted_s": col(self.admitted, np.float64),
-                "first_token_s": col(self.first_token, np.float64),
-                "finished_s": col(self.finished, np.float64),
+                "admitted_s": admitted,
+                "first_token_s": first_token,
+                "finished_s": finished,
                 "released_s": col(self.released, np.float64),
                 "tokens_at_end": at_end,
                 "preemptions": col(self.preemptions, np.int64),
@@ -1192,21 +1203,13 @@ class _Outcomes:
                 "final_tokens": col(self.final, np.int64),
                 "frag_refused": col(self.frag_refused, np.bool_),
                 "prefix_hit_tokens": col(self.hits, np.int64),
+                "generated_tokens": generated,
+                "queueing_s": admitted - arrival,
+                "latency_s": finished - arrival,
+                "ttft_s": first_token - arrival,
+                "tpot_s": np.where(per_seq >= 2, tpot, math.nan),
             }
         )
-        generated = col(self.generated, np.int64)
-        requests["generated_tokens"] = generated
-        requests["queueing_s"] = requests["admitted_s"] - requests["arrival_s"]
-        requests["latency_s"] = requests["finished_s"] - requests["arrival_s"]
-        # Time to first token, and time per output token after it (each sequence's tokens).
-        requests["ttft_s"] = requests["first_token_s"] - requests["arrival_s"]
-        seqs = np.maximum(col(inp.samples, np.int64), col(inp.beams, np.int64))
-        per_seq = np.where(status == "completed", generated / seqs, 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tpot = (requests["finished_s"].to_numpy() - requests["first_token_s"].to_numpy()) / (
-                per_seq - 1
-            )
-        requests["tpot_s"] = np.where(per_seq >= 2, tpot, math.nan)
         if inp.groups:  # where each sequence's slab was (slab allocators; [] for the others)
             requests["slab_offsets_bytes"] = [list(self.offsets.get(i, ())) for i in range(n)]
         if moved:  # each placement of its (first) slab: admissions, then compaction moves
