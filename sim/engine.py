@@ -41,7 +41,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import numpy as np
 import pandas as pd
@@ -327,6 +327,9 @@ class Engine:
         self.chunk_cost = self.st.decode_kv_only  # prefill chunks' attention is timed apart
         self.prefill_attn_s = 0.0  # this iteration's prefill chunks' attention
         self.env = simpy.Environment()
+        # SimPy's clock, read once after each timeout (`env.now` is a property: a Python call
+        # at each of the several reads an event makes).
+        self.now = 0.0
         # Requests as columns; engine state (`_Req`) exists only from arrival to retirement,
         # when its figures move into the result columns: memory follows the requests in
         # flight, not the workload's length.
@@ -415,18 +418,19 @@ class Engine:
                 if not turns % PROGRESS_TURNS and time.monotonic() - reported >= PROGRESS_S:
                     progress(self.retired, len(self.inputs))
                     reported = time.monotonic()
-            self._release_arrivals(env.now)
-            if cfg.max_time_s is not None and env.now >= cfg.max_time_s:
+            self._release_arrivals(self.now)
+            if cfg.max_time_s is not None and self.now >= cfg.max_time_s:
                 self.stopped = True
                 return
             if not self.running and not self.queue:
                 if not self.arrivals.left:
                     return
-                wait = self.arrivals.next_s - env.now
+                wait = self.arrivals.next_s - self.now
                 if cfg.max_time_s is not None:
-                    wait = min(wait, cfg.max_time_s - env.now)
+                    wait = min(wait, cfg.max_time_s - self.now)
                 self._record(wait, 0)
                 yield env.timeout(wait)
+                self.now = env.now
                 continue
             self.preempted_now = False
             self.prefill_attn_s = 0.0
@@ -444,6 +448,7 @@ class Engine:
                 dt = self._iteration_time(decoders + prefill_tokens)[0] + self.alloc.take_stall()
                 self._record(dt, 1)
                 yield env.timeout(dt)
+                self.now = env.now
                 self._sync_log()
                 self._end_iteration()
                 continue
@@ -453,6 +458,7 @@ class Engine:
             if n > 1:
                 self.alloc.advance(n - 1)  # n is within steps_until_done and _full
             yield env.timeout(duration)
+            self.now = env.now
             self._sync_log()
             self._end_iteration()
 
@@ -617,7 +623,7 @@ class Engine:
             self.prefill_attn_s += self.st.prefill_s(chunk, hit)
         self._log_op("admit", r.req.rid, grant.nbytes, grant.offset, grant.blocks)
         if math.isnan(r.admitted):
-            r.admitted = self.env.now
+            r.admitted = self.now
         r.status = "running"
         r.prefill_left = r.prefill - hit - chunk
         self.prompt_lookups += r.prefill  # tokens looked up (vLLM's prefix cache queries)
@@ -632,7 +638,7 @@ class Engine:
             if self.track_moves:
                 if r.moves is None:
                     r.moves = []
-                r.moves.append((self.env.now, grant.offset))
+                r.moves.append((self.now, grant.offset))
             if self.groups:
                 r.offsets = alloc.slab_offsets(r.req.rid)
         self.running[r] = None
@@ -644,9 +650,9 @@ class Engine:
     def _reject(self, r: _Req, reason: str) -> None:
         r.status = "rejected"
         r.reason = reason
-        r.finished = self.env.now
+        r.finished = self.now
         if r.user >= 0:
-            self._next_of(r, self.env.now)
+            self._next_of(r, self.now)
         self._retire(r)
 
     # ----------------------------------------------------------------- timing
@@ -661,7 +667,11 @@ class Engine:
         decoders = self.alloc.decoding_weight
         # Sampled positions: one per decoding sequence and per prompt whose prefill ends now.
         logits = min(decoders + len(self.prefilled), batched)
-        base, per_kv = self.st.affine(batched, logits, decoders > 0)
+        st = self.st
+        if isinstance(st, StepTime):  # (compiled: a direct call, not a Protocol's lookup)
+            base, per_kv = st.affine(batched, logits, decoders > 0)
+        else:
+            base, per_kv = st.affine(batched, logits, decoders > 0)
         return base + per_kv * self._kv_read_tokens() + self.prefill_attn_s, per_kv
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
@@ -692,12 +702,12 @@ class Engine:
         if self.cfg.max_time_s is not None:
             horizon = min(horizon, self.cfg.max_time_s)
         if horizon < math.inf:
-            n = min(n, _iterations_to_reach(horizon - self.env.now, w0, w1))
+            n = min(n, _iterations_to_reach(horizon - self.now, w0, w1))
         return n, w0, w1, n * w0 + w1 * n * (n - 1) / 2
 
     # -------------------------------------------------------------- iteration end
     def _end_iteration(self) -> None:
-        alloc, now = self.alloc, self.env.now
+        alloc, now = self.alloc, self.now
         for r in self.prefilled:
             if r.status == "running":
                 alloc.set_decoding(r.req.rid, True)
@@ -716,7 +726,7 @@ class Engine:
         alloc = self.alloc
         for r in self.batch_done:
             r.peak = max(r.peak, alloc.allocated_bytes(r.req.rid))
-            r.released = self.env.now
+            r.released = self.now
             self._log_free(r)
             alloc.free(r.req.rid)
             self._retire(r)
@@ -724,7 +734,7 @@ class Engine:
         self.held_done_tokens = 0
 
     def _complete(self, r: _Req) -> None:
-        alloc, rid, now = self.alloc, r.req.rid, self.env.now
+        alloc, rid, now = self.alloc, r.req.rid, self.now
         r.status = "completed"
         r.finished = now
         r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt + 1 - r.lead)
@@ -796,7 +806,7 @@ class Engine:
         log = self.log
         assert log is not None  # (only called while logging)
         log.append(
-            (len(log), self.env.now, op, rid, tokens, nbytes, offset, list(blocks),
+            (len(log), self.now, op, rid, tokens, nbytes, offset, list(blocks),
              token_states, held_unwritten, free, from_offset, prompt, list(tables),
              list(offsets), list(keys))
         )
@@ -813,7 +823,7 @@ class Engine:
             if r.offset == old:  # its first slab (other samples' copies have no record here)
                 r.offset = float(new)
                 if r.moves is not None:
-                    r.moves.append((self.env.now, new))
+                    r.moves.append((self.now, new))
             self._log_op("move", rid, nbytes, new, from_offset=old)
 
     def _log_free(self, r: _Req) -> None:
@@ -865,9 +875,10 @@ class Engine:
         self.saved += alloc.saved_by_sharing() * w0
         self.overreserved += alloc.overreserved_bytes() * duration  # fixed in a stretch
         if n > 1:
-            more = alloc.integrate(n - 1, probe, w0 + w1, w1)
-            sums = [s + more[p] for s, p in zip(sums, PARTS, strict=True)]
-            self.saved += more["saved"]
+            more = alloc.integrals(n - 1, probe, w0 + w1, w1)  # (PARTS, then saved)
+            sums = [sums[0] + more[0], sums[1] + more[1], sums[2] + more[2], sums[3] + more[3],
+                    sums[4] + more[4]]
+            self.saved += more[5]
         for k in range(len(integrals)):
             integrals[k] += sums[k]
         self._row(duration, n, [v / duration for v in sums], alloc.largest_hole())
@@ -884,7 +895,7 @@ class Engine:
             self.frag_blocked_s += dt
         rows = self.rows
         rows.append(
-            (self.env.now, dt, iterations, running, len(self.queue), parts[0], parts[1], parts[2],
+            (self.now, dt, iterations, running, len(self.queue), parts[0], parts[1], parts[2],
              parts[3], parts[4], largest_hole, blocked)  # (PARTS, spelled out: no unpacking)
         )
         if len(rows) == _ROWS_PER_FRAME:  # as columns: a tuple of Python numbers per row costs
@@ -1102,6 +1113,7 @@ class _Inputs:
 
 #: Request states and refusal reasons, in the codes the result columns hold them by.
 _STATUS = ("pending", "waiting", "running", "completed", "rejected")
+_STATUS_CODE: Final = {status: code for code, status in enumerate(_STATUS)}
 
 
 class _Outcomes:
@@ -1146,7 +1158,7 @@ class _Outcomes:
             self.hits[i] = r.hits
         if r.generated:
             self.generated[i] = r.generated
-        self.status[i] = _STATUS.index(r.status)
+        self.status[i] = _STATUS_CODE[r.status]
         if r.reason:
             self.reasons[i] = r.reason
         if r.offsets:

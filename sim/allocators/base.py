@@ -682,6 +682,13 @@ class Allocator(ABC):
         stays the same; nothing is changed. Slab allocators hold their bytes fixed between
         admissions, so only token_states and reserved move, linearly.
         """
+        return dict(zip((*PARTS, "saved"), self.integrals(n, probe, w0, w1), strict=True))
+
+    def integrals(
+        self, n: int, probe: Request | None, w0: float, w1: float
+    ) -> tuple[float, float, float, float, float, float]:
+        """`integrate`'s figures as a tuple, the parts in PARTS order and then saved (what the
+        engine asks at every decode stretch: a dict of names costs more than the sums)."""
         b = self.bytes_per_token
         weight = n * w0 + w1 * n * (n - 1) / 2
         # sum_j j * w_j for j = 1..n
@@ -693,14 +700,14 @@ class Allocator(ABC):
         )
         allocated, internal = self._integrate_held(n, w0, w1, weight)
         usable, external = self._integrate_free(probe, weight, allocated)
-        return {
-            "token_states": tokens,
-            "reserved": allocated - internal - tokens,
-            "internal": internal,
-            "external": external,
-            "usable_free": usable,
-            "saved": self._integrate_saved(n, w0, w1, weight),
-        }
+        return (
+            tokens,
+            allocated - internal - tokens,
+            internal,
+            external,
+            usable,
+            self._integrate_saved(n, w0, w1, weight),
+        )
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
-from itertools import accumulate
+from typing import Final
 
 import numpy as np
 from kvfrag.sim.allocators.base import (
@@ -118,9 +118,15 @@ class FloorSum:
 
     def _sums(self) -> list[int]:
         """Running sums of the coefficients in residue order, from 0."""
-        if self._cum is None:
-            self._cum = [0, *accumulate(self.coef)]
-        return self._cum
+        cum = self._cum
+        if cum is None:
+            total = 0
+            cum = [0]
+            for c in self.coef:
+                total += c
+                cum.append(total)
+            self._cum = cum
+        return cum
 
     def value(self, k: int) -> int:
         if self._memo_k == k:
@@ -144,8 +150,10 @@ class FloorSum:
         # (numpy's int64 terms stay below 2 (bs + n)**3: exact within this bound)
         if len(self.res) >= _VECTOR_RESIDUES and 2 * (bs + n) ** 3 < 2**62:
             return self._integrate_vector(total, k, n, w0, w1, weight)
-        for r, count in zip(self.res, self.coef, strict=True):
-            whole, m0 = divmod(r + k + 1, bs)
+        res, coefs = self.res, self.coef
+        for i in range(len(res)):  # (indices: compiled, a zip is a Python call per stretch)
+            count = coefs[i]
+            whole, m0 = divmod(res[i] + k + 1, bs)
             # Both prefix sums vanish below bs (m0 < bs): the sums over [m0, m0 + n) are
             # the ones over [0, m0 + n), the second shifted to count j - 1 from m0.
             u1, p2 = _prefix_sums(m0 + n, bs)
@@ -214,7 +222,7 @@ class FloorSum:
 
 
 #: Residues in use from which `FloorSum.integrate` hands its loop to numpy (cheaper from there).
-_VECTOR_RESIDUES = 48
+_VECTOR_RESIDUES: Final = 48
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
