@@ -446,9 +446,10 @@ class Allocator(ABC):
         return self.bytes_for(req, final) > self.watermark_bytes(1.0)
 
     def defer_block_ids(self) -> None:
-        """The caller will not read `Grant.blocks`: an allocator that names block ids may leave
-        a request's unnamed until `block_table` asks for them (the engine says so when it keeps
-        no allocation log: ids are fungible, and nobody looks)."""
+        """The caller will not read the block ids of grants (`Grant.blocks`) nor of evictions
+        (`take_evictions`): an allocator that names block ids may leave a request's unnamed
+        until `block_table` asks for them, and need not list what it evicts (the engine says
+        so when it keeps no allocation log: ids are fungible, and nobody looks)."""
         return
 
     def watermark_bytes(self, fraction: float) -> int:

@@ -309,6 +309,10 @@ class PrefixCachingAllocator(PagedAllocator):
     def _cache(self, blocks: list[int], keys: list[Key]) -> None:
         """Blocks join the cache under their keys (distinct), each after any cached already."""
         first = self._first
+        new = dict(zip(keys, blocks, strict=True))
+        if first.keys().isdisjoint(new):  # the rule: dict operations on the whole batch at once
+            first.update(new)
+            return
         for block, key in zip(blocks, keys, strict=True):
             if first.setdefault(key, block) != block:
                 self._dups.setdefault(key, []).append(block)
@@ -579,7 +583,8 @@ class PrefixCachingAllocator(PagedAllocator):
                 runs.popleft()
             for block in blocks:
                 run_of[block] = None
-                evicted[block] = None
+            if not self._deferred:  # (nobody takes them otherwise)
+                evicted.update(dict.fromkeys(blocks))
             self._idle_blocks -= len(blocks)
             self._uncache(blocks, keys)
             self._stack.extend(blocks)  # their bytes are dropped
