@@ -289,7 +289,10 @@ def _run(
             "scenario": doc["scenario"],
             "results_dir": str(out),
             "runs": doc["runs"],
-            "failures": summary_records(failures),  # the rows of failures.csv
+            # the rows of failures.csv, a swept mapping or list native (as in `runs`)
+            "failures": summary_records(
+                _failures(tasks, failed, list(scenario.sweep), native=True)
+            ),
         }))
     if failed:
         print(
@@ -511,8 +514,11 @@ class _Step:
                     print(file=sys.stderr, flush=True)
 
 
-def _failures(tasks: list[Task], failed: dict[str, str], sweep_keys: list[str]) -> pd.DataFrame:
-    """One row per failed run: where it is in the sweep, its parameters, its error."""
+def _failures(
+    tasks: list[Task], failed: dict[str, str], sweep_keys: list[str], native: bool = False
+) -> pd.DataFrame:
+    """One row per failed run: where it is in the sweep, its parameters, its error (a swept
+    mapping or list as JSON text, for a CSV cell, unless `native`)."""
     import pandas as pd
 
     rows = [
@@ -520,7 +526,7 @@ def _failures(tasks: list[Task], failed: dict[str, str], sweep_keys: list[str]) 
             "point": t.point,
             "label": t.label,
             "kind": t.kind,
-            **{k: _scalar(t.sweep.get(k)) for k in sweep_keys},
+            **{k: t.sweep.get(k) if native else _scalar(t.sweep.get(k)) for k in sweep_keys},
             "key": t.key,
             "error": failed[t.key],
         }

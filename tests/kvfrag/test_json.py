@@ -162,6 +162,26 @@ def test_run_json_lists_the_failures(tmp_path, monkeypatch):
     assert doc["failures"] == failures and "no such trace file" in failures[0]["error"]
 
 
+def test_run_json_failures_hold_a_swept_mapping_native(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text(
+        "model: {name: tiny, layers: 2, kv_heads: 2, head_dim: 64}\nkv_budget: 4MiB\n"
+        "max_model_len: 2048\nworkload:\n  trace: {path: 'sample:azure-conv'}\n"
+        "  transforms: {first_n: 20, max_model_len: 2048, long_requests: clip}\n"
+        "allocators:\n  - {label: paged-16, kind: paged, block_size: 16}\n"
+        "sweep:\n  workload.trace: [{path: 'sample:azure-conv'}, {path: missing.csv}]\n"
+    )
+    rc, stdout, stderr = _main(["run", "s.yaml", "-o", "r", "--no-plots", "--json", "-j", "1"])
+    assert rc == 1, stderr
+    [failure] = _strict(stdout)["failures"]
+    assert failure["workload.trace"] == {"path": "missing.csv"}
+    [row] = pd.read_csv(tmp_path / "r" / "failures.csv").to_dict("records")
+    assert json.loads(row["workload.trace"]) == {"path": "missing.csv"}  # (text in the CSV)
+    assert {k: v for k, v in failure.items() if k != "workload.trace"} == {
+        k: v for k, v in row.items() if k != "workload.trace"
+    }
+
+
 def test_trace_stats_json():
     from kvfrag.workloads import load_trace
     from kvfrag.workloads.stats import trace_stats
