@@ -308,6 +308,23 @@ def writing(path: Path, exact: bool = False) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------ locking
+#: Descriptors of the locks this process holds. A forked child (a sweep's worker) closes its
+#: copies at once, so that a lock goes with the process that took it: a sweep killed with
+#: SIGKILL frees its folder when it dies, not when the last of its workers has followed it.
+_HELD: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # (the parent's copy keeps the flock)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 def lock_path(target: Path) -> Path:
     return Path(target).parent / f".{Path(target).name}.lock"
 
@@ -353,8 +370,10 @@ def locked(target: Path, command: str, wait: bool = False) -> Iterator[None]:
         info = {"pid": os.getpid(), "command": command, "since": time.strftime("%H:%M:%S")}
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(info).encode())
+        _HELD.add(fd)
         yield
     finally:
+        _HELD.discard(fd)
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)

@@ -70,17 +70,21 @@ that finds fewer tokens cached is admitted with fewer, n blocks less per block o
 `steps_until_evict` tells the engine when the next idle block goes.
 
 Speed: on long contexts nearly every block is filled, cached, freed and evicted, hundreds per
-engine event, so those passes take a request's blocks in batches of plain dict and list
-operations, and little is kept per block: the oldest id under each key (`_first`; younger
-duplicates apart, in `_dups`), the blocks several requests use (`_shared`: one user is the
-rule and needs no entry), and the idle blocks in LRU order as the runs that frees gave back
-(`_Run`, found by id in `_run_of`), which evictions consume from the front. A block's key
-follows from its position in its request's chain; keys are ints (see `Key`). `_refs`, `_idle`,
-`_cached` and `_key` assemble the per-block maps, for checks.
+engine event, so no pass makes or looks up a key per block. A block's key follows from its
+position in its request's chain: the blocks of one chunk of the hash chain (or a request's own
+blocks) are one segment, with consecutive keys, and sequences of keys are described by runs
+within segments (`_Keys`). The cache keeps, per segment, the oldest id under each of its keys
+in a list indexed by block (`_Seg`; younger duplicates apart, in `_dups`), so that caching,
+looking up and evicting a chunk's blocks are slice operations on lists. Little else is kept
+per block: the blocks several requests use (`_shared`: one user is the rule and needs no entry),
+and the idle blocks in LRU order as the runs that frees gave back (`_Run`, found by id in
+`_run_of`), which evictions consume from the front. `_refs`, `_idle`, `_cached` and `_key`
+assemble the per-block maps, for checks.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
@@ -101,6 +105,104 @@ _OWN = 2**256
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
+class _Keys:
+    """A sequence of keys described by runs, not listed: (base, j, n, step) stands for the keys
+    base + j + step*i, i < n, of blocks j + step*i of one segment (`base`: a hash chain's
+    h*_J, or a request's own _OWN + rid*_J). A long context's keys come in runs of a chunk's
+    blocks, so a key is never made for a block: the cache is kept by segment (`_Seg`) and
+    every pass over a request's blocks is a few slice operations per run."""
+
+    __slots__ = ("_ends", "runs", "size")
+
+    def __init__(self, runs: list[tuple[int, int, int, int]]) -> None:
+        self.runs = runs
+        size = 0
+        for run in runs:
+            size += run[2]
+        self.size = size
+        self._ends: list[int] | None = None  # position after each run, once asked
+
+    def __len__(self) -> int:
+        return self.size
+
+    def first_run(self, start: int) -> tuple[int, int]:
+        """(index, position) of the run holding position `start` (or of none, at the end)."""
+        ends = self._ends
+        if ends is None:
+            ends, at = [], 0
+            for run in self.runs:
+                at += run[2]
+                ends.append(at)
+            self._ends = ends
+        i = bisect_right(ends, start)
+        return i, ends[i - 1] if i else 0
+
+    def slice(self, start: int, end: int) -> _Keys:
+        """Keys at positions start..end-1."""
+        out: list[tuple[int, int, int, int]] = []
+        runs = self.runs
+        i, at = self.first_run(start)
+        while i < len(runs) and at < end:
+            base, j, n, step = runs[i]
+            lo = start - at if start > at else 0
+            hi = end - at if end - at < n else n
+            if lo < hi:
+                out.append((base, j + step * lo, hi - lo, step))
+            at += n
+            i += 1
+        return _Keys(out)
+
+    def reversed(self) -> _Keys:
+        return _Keys([(b, j + s * (n - 1), n, -s) for b, j, n, s in reversed(self.runs)])
+
+    def plus(self, other: _Keys) -> _Keys:
+        return _Keys(self.runs + other.runs)
+
+    def __getitem__(self, pos: int) -> Key:
+        base, j, _, _ = self.at(pos)
+        return base + j
+
+    def at(self, pos: int) -> tuple[int, int, int, int]:
+        """The run of the one key at position `pos`."""
+        for base, j, n, step in self.runs:
+            if pos < n:
+                return base, j + step * pos, 1, 1
+            pos -= n
+        raise IndexError("key position out of range")
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(segment base, block index) of each key, in order (for the rare per-block paths)."""
+        return [(b, j + s * i) for b, j, n, s in self.runs for i in range(n)]
+
+    def listed(self) -> list[Key]:
+        return [b + j for b, j in self.pairs()]
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
+class _Seg:
+    """The cached blocks of one segment: ids[j - lo] is the oldest id cached under the key of
+    block j (-1: none); `count` of them are ids, and `dups` younger ids wait under its keys."""
+
+    __slots__ = ("count", "dups", "ids", "lo")
+
+    def __init__(self, lo: int, ids: list[int], count: int) -> None:
+        self.lo = lo
+        self.ids = ids
+        self.count = count
+        self.dups = 0
+
+    def span(self, j: int, n: int) -> int:
+        """Make room for blocks j..j+n-1; returns the index of block j."""
+        if j < self.lo:
+            self.ids[0:0] = [-1] * (self.lo - j)
+            self.lo = j
+        end = j + n - self.lo
+        if end > len(self.ids):
+            self.ids.extend([-1] * (end - len(self.ids)))
+        return j - self.lo
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Run:
     """Idle blocks that one free gave back, in LRU order, with their keys. Evictions take
     them from `pos` on; a block found again by a lookup leaves the run (`gone` counts those
@@ -108,7 +210,7 @@ class _Run:
 
     __slots__ = ("gone", "ids", "keys", "pos")
 
-    def __init__(self, ids: list[int], keys: list[Key]) -> None:
+    def __init__(self, ids: list[int], keys: _Keys) -> None:
         self.ids = ids
         self.keys = keys
         self.pos = 0
@@ -136,7 +238,7 @@ class PrefixCachingAllocator(PagedAllocator):
         if not isinstance(cache_generated, bool):
             raise ValueError(f"cache_generated must be true or false, got {cache_generated!r}")
         self.cache_generated = cache_generated
-        self._first: dict[Key, int] = {}  # key -> the oldest id cached under it
+        self._segs: dict[int, _Seg] = {}  # segment base -> its cached blocks' oldest ids
         self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
         self._in_use = 0  # cached blocks in use (held by a live request)
         self._shared: dict[int, int] = {}  # those held by several: id -> users beyond one
@@ -145,9 +247,9 @@ class PrefixCachingAllocator(PagedAllocator):
         self._runs: deque[_Run] = deque()  # the runs holding idle blocks, LRU first
         self._dead = 0  # runs in there left with none (all found again): dropped in bulk
         self._held: dict[int, list[int]] = {}  # rid -> cached blocks its table starts with
-        self._keys_of: dict[int, list[Key]] = {}  # rid -> keys of its named prompt blocks
+        self._keys_of: dict[int, _Keys] = {}  # rid -> keys of its named prompt blocks
         self._evicted: dict[int, None] = {}  # ids of idle blocks evicted since last asked
-        self._last_keys: tuple[Request | None, list[Key]] = (None, [])  # block_keys' last
+        self._last_keys: tuple[Request | None, _Keys] = (None, _Keys([]))  # block_keys' last
         self._uses = 0  # users summed over the cached blocks in use
         self._asked: dict[int, int] = {}  # rid -> tokens to prefill it was last looked up with
         self.lookups = 0  # full blocks looked up at admissions (up to the cap)
@@ -156,21 +258,23 @@ class PrefixCachingAllocator(PagedAllocator):
         self._stepped_at = 0  # the decode clock when steps last evicted
 
     # ------------------------------------------------------------------ keys
-    def block_keys(self, req: Request) -> list[Key]:
+    def block_keys(self, req: Request) -> _Keys:
         """Keys of the request's full prompt blocks that its hash chain identifies."""
         if not req.prefix or req.prefix_tokens < 1:
-            return []
+            return _Keys([])
         if self._last_keys[0] is req:  # the waiting head is looked up, gated, then admitted
             return self._last_keys[1]
         bs, chunk = self.block_size, req.prefix_tokens
         blocks = req.prompt // bs
-        keys: list[Key] = []
+        runs: list[tuple[int, int, int, int]] = []
         h = 0
         for c, value in enumerate(req.prefix):
             h = hash((h, value))
             # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
-            end = min((c + 1) * chunk // bs, blocks)
-            keys.extend(range(h * _J + c * chunk // bs, h * _J + end))
+            start, end = c * chunk // bs, min((c + 1) * chunk // bs, blocks)
+            if end > start:
+                runs.append((h * _J, start, end - start, 1))
+        keys = _Keys(runs)
         self._last_keys = (req, keys)
         return keys
 
@@ -179,24 +283,35 @@ class PrefixCachingAllocator(PagedAllocator):
         return self.cache_generated and req.n == 1
 
     @staticmethod
-    def _keys_between(rid: int, named: list[Key], start: int, end: int) -> list[Key]:
+    def _keys_between(rid: int, named: _Keys, start: int, end: int) -> _Keys:
         """Keys of the request's blocks start..end-1: its named ones, then its own."""
-        own = _OWN + rid * _J
-        return named[start:end] + list(range(own + max(start, len(named)), own + end))
+        keys = named.slice(start, end)
+        first = max(start, len(named))
+        if end > first:
+            return _Keys([*keys.runs, (_OWN + rid * _J, first, end - first, 1)])
+        return keys
 
-    def _walk(self, req: Request, named: list[Key], cap: int) -> list[int]:
+    def _walk(self, req: Request, named: _Keys, cap: int) -> list[int]:
         """Ids of the leading run of the request's first `cap` blocks found cached (for each,
         the oldest block cached under its key, as vLLM's lookup finds)."""
         found: list[int] = []
-        first, own = self._first, _OWN + req.rid * _J
-        for j in range(cap):
-            block = first.get(named[j] if j < len(named) else own + j)
-            if block is None:
+        segs = self._segs
+        runs = named.runs
+        if cap > len(named):
+            runs = [*runs, (_OWN + req.rid * _J, len(named), cap - len(named), 1)]
+        for base, j, n, _ in runs:
+            n = min(n, cap - len(found))
+            seg = segs.get(base)
+            if n <= 0 or seg is None or j < seg.lo:
                 break
-            found.append(block)
+            part = seg.ids[j - seg.lo : j - seg.lo + n]
+            k = part.index(-1) if -1 in part else len(part)
+            found.extend(part[:k])
+            if k < n:
+                break
         return found
 
-    def _cap(self, req: Request, named: list[Key], tokens: int) -> int:
+    def _cap(self, req: Request, named: _Keys, tokens: int) -> int:
         """Blocks a lookup may find for a request with `tokens` tokens to prefill: whole
         blocks of at most tokens - 1 (the last token is always computed); a group's capped
         at its prompt, whose named blocks alone it caches."""
@@ -238,7 +353,8 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
         live = self._get(rid)
-        keys: list[tuple[int, ...]] = [divmod(key, _J) for key in self._keys_of.get(rid, ())]
+        named = self._keys_of.get(rid)
+        keys: list[tuple[int, ...]] = [divmod(key, _J) for key in named.listed()] if named else []
         if self._caches_own(live.req):
             keys += [(rid, j, -1) for j in range(len(keys), live.final // self.block_size)]
         return tuple(hash(key) for key in keys)
@@ -306,38 +422,78 @@ class PrefixCachingAllocator(PagedAllocator):
         return max(0, min(len(named), tokens // self.block_size) - held)
 
     # ------------------------------------------------------------ the cache
-    def _cache(self, blocks: list[int], keys: list[Key]) -> None:
+    def _cache(self, blocks: list[int], keys: _Keys) -> None:
         """Blocks join the cache under their keys (distinct), each after any cached already."""
-        first = self._first
-        new = dict(zip(keys, blocks, strict=True))
-        if first.keys().isdisjoint(new):  # the rule: dict operations on the whole batch at once
-            first.update(new)
-            return
-        for block, key in zip(blocks, keys, strict=True):
-            if first.setdefault(key, block) != block:
-                self._dups.setdefault(key, []).append(block)
+        segs, at = self._segs, 0
+        for base, j, n, step in keys.runs:
+            part = blocks[at : at + n]
+            at += n
+            if step < 0:  # (as blocks go idle: last first)
+                part.reverse()
+                j -= n - 1
+            seg = segs.get(base)
+            if seg is None:
+                segs[base] = _Seg(j, part, n)
+                continue
+            a = seg.span(j, n)
+            ids = seg.ids
+            if ids[a : a + n].count(-1) == n:  # the rule: none of them cached yet
+                ids[a : a + n] = part
+                seg.count += n
+                continue
+            for i in range(n):
+                if ids[a + i] == -1:
+                    ids[a + i] = part[i]
+                    seg.count += 1
+                elif ids[a + i] != part[i]:
+                    self._dups.setdefault(base + j + i, []).append(part[i])
+                    seg.dups += 1
 
-    def _uncache(self, blocks: list[int], keys: list[Key]) -> None:
-        """Blocks leave the cache (evicted); a younger duplicate becomes the one found."""
-        first, dups = self._first, self._dups
-        if not dups or dups.keys().isdisjoint(keys):  # each is the only one under its key
-            for key in keys:
-                del first[key]
-            return
-        for block, key in zip(blocks, keys, strict=True):
-            younger = dups.get(key)
-            if first[key] == block:
-                if younger:
-                    first[key] = younger.pop(0)
-                else:
-                    del first[key]
+    def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
+        """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
+        blocks' keys are those at positions start.. of `keys`."""
+        segs, dups, runs = self._segs, self._dups, keys.runs
+        r, pos = keys.first_run(start)
+        at, end = 0, len(blocks)
+        while at < end:
+            base, j, n, step = runs[r]
+            r += 1
+            skip = start - pos if start > pos else 0  # (the first run may hold earlier keys)
+            pos += n
+            n = min(n - skip, end - at)
+            j += step * skip
+            part = blocks[at : at + n]
+            at += n
+            if step < 0:
+                part.reverse()
+                j -= n - 1
+            seg = segs[base]
+            a = j - seg.lo
+            ids = seg.ids
+            if not seg.dups and ids[a : a + n] == part:  # each the only one under its key
+                ids[a : a + n] = [-1] * n
+                seg.count -= n
             else:
-                assert younger is not None  # (not the first under its key: a duplicate)
-                younger.remove(block)
-            if younger is not None and not younger:
-                del dups[key]
+                for i in range(n):
+                    key, block = base + j + i, part[i]
+                    younger = dups.get(key)
+                    if ids[a + i] == block:
+                        if younger:
+                            ids[a + i] = younger.pop(0)
+                            seg.dups -= 1
+                        else:
+                            ids[a + i] = -1
+                            seg.count -= 1
+                    else:
+                        assert younger is not None  # (not the first under its key: a duplicate)
+                        younger.remove(block)
+                        seg.dups -= 1
+                    if younger is not None and not younger:
+                        del dups[key]
+            if not seg.count:
+                del segs[base]
 
-    def _go_idle(self, blocks: list[int], keys: list[Key]) -> None:
+    def _go_idle(self, blocks: list[int], keys: _Keys) -> None:
         """Cached blocks nobody uses any more join the LRU order, in this order."""
         if blocks:
             run = _Run(blocks, keys)
@@ -388,7 +544,13 @@ class PrefixCachingAllocator(PagedAllocator):
     @property
     def _cached(self) -> dict[Key, list[int]]:
         """key -> every id cached under it, oldest first (assembled, for checks)."""
-        return {key: [b, *self._dups.get(key, ())] for key, b in self._first.items()}
+        cached: dict[Key, list[int]] = {}
+        for base, seg in self._segs.items():
+            for i, b in enumerate(seg.ids):
+                if b != -1:
+                    key = base + seg.lo + i
+                    cached[key] = [b, *self._dups.get(key, ())]
+        return cached
 
     @property
     def _key(self) -> dict[int, Key]:
@@ -396,10 +558,10 @@ class PrefixCachingAllocator(PagedAllocator):
         in use is at the same position in every table that holds it."""
         keys: dict[int, Key] = {}
         for rid, held in self._held.items():
-            named = self._keys_between(rid, self._keys_of[rid], 0, len(held))
+            named = self._keys_between(rid, self._keys_of[rid], 0, len(held)).listed()
             keys.update(zip(held, named, strict=True))
         for run in self._runs:
-            for block, key in zip(run.ids[run.pos :], run.keys[run.pos :], strict=True):
+            for block, key in zip(run.ids[run.pos :], run.keys.listed()[run.pos :], strict=True):
                 if self._idle_run(block) is run:
                     keys[block] = key
         return keys
@@ -418,7 +580,7 @@ class PrefixCachingAllocator(PagedAllocator):
         fresh = self._stack.take(k - len(own))
         held, named = self._held[rid], self._keys_of[rid]
         blocks = own + fresh
-        self._cache(blocks, named[len(held) : len(held) + k])
+        self._cache(blocks, named.slice(len(held), len(held) + k))
         held.extend(blocks)
         self._in_use += k
         self._uses += k
@@ -482,7 +644,7 @@ class PrefixCachingAllocator(PagedAllocator):
     def _release(self, live: Live) -> None:
         rid, bs, tokens = live.req.rid, self.block_size, live.base
         held = self._held.pop(rid, [])
-        named = self._keys_of.pop(rid, [])
+        named = self._keys_of.pop(rid, _Keys([]))
         # Its own full blocks join the cache now, idle (nobody else could have found them).
         own: list[int] = []
         if live.req.n == 1:
@@ -497,9 +659,9 @@ class PrefixCachingAllocator(PagedAllocator):
         # vLLM frees a request's blocks last first, so that eviction (least recently freed
         # first) takes a prefix's tail before its head, which later requests are likelier to
         # share.
-        blocks = own[::-1]
-        keys = self._keys_between(rid, named, len(held), len(held) + len(own))[::-1]
-        self._cache(blocks, keys)
+        keys = self._keys_between(rid, named, len(held), len(held) + len(own))
+        self._cache(own, keys)
+        blocks, keys = own[::-1], keys.reversed()
         self._uses -= len(held)
         held_keys = self._keys_between(rid, named, 0, len(held))
         shared = self._shared
@@ -511,20 +673,21 @@ class PrefixCachingAllocator(PagedAllocator):
                 else:
                     del shared[block]
             blocks += held[len(both) :][::-1]  # the others go, last first
-            keys += held_keys[len(both) :][::-1]
+            keys = keys.plus(held_keys.slice(len(both), len(held)).reversed())
             self._in_use -= len(held) - len(both)
         else:
-            for block, key in zip(reversed(held), reversed(held_keys), strict=True):
+            runs = keys.runs
+            for block, (base, j) in zip(reversed(held), reversed(held_keys.pairs()), strict=True):
                 extra = shared.get(block)
                 if extra is None:
                     blocks.append(block)
-                    keys.append(key)
+                    runs.append((base, j, 1, 1))
                     self._in_use -= 1
                 elif extra > 1:
                     shared[block] = extra - 1
                 else:
                     del shared[block]
-        self._go_idle(blocks, keys)
+        self._go_idle(blocks, _Keys(keys.runs))  # (its size counted anew)
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
@@ -568,16 +731,18 @@ class PrefixCachingAllocator(PagedAllocator):
             start = run.pos
             if not run.gone:  # the run's next `over` blocks
                 end = min(start + over, len(run.ids))
-                blocks, keys = run.ids[start:end], run.keys[start:end]
+                blocks, keys, first = run.ids[start:end], run.keys, start
             else:  # skipping the ones found again since
-                blocks, keys, end = [], [], start
+                blocks, end = [], start
+                picked: list[tuple[int, int, int, int]] = []
                 while len(blocks) < over and end < len(run.ids):
                     if run_of[run.ids[end]] is run:
                         blocks.append(run.ids[end])
-                        keys.append(run.keys[end])
+                        picked.append(run.keys.at(end))
                     else:
                         run.gone -= 1
                     end += 1
+                keys, first = _Keys(picked), 0
             run.pos = end
             if not run.live():
                 runs.popleft()
@@ -586,7 +751,7 @@ class PrefixCachingAllocator(PagedAllocator):
             if not self._deferred:  # (nobody takes them otherwise)
                 evicted.update(dict.fromkeys(blocks))
             self._idle_blocks -= len(blocks)
-            self._uncache(blocks, keys)
+            self._uncache(blocks, keys, first)
             self._stack.extend(blocks)  # their bytes are dropped
             self.evictions += len(blocks)
             over -= len(blocks)

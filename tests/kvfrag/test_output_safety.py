@@ -188,6 +188,36 @@ def test_a_second_process_holding_the_lock_stops_a_run(tmp_path, capsys):
     assert _run(out) == 0
 
 
+HOLD_AND_FORK = """
+import os, signal, sys, time
+from kvfrag import outdir
+with outdir.locked(outdir.Path(sys.argv[1]), "test holder"):
+    child = os.fork()
+    if child == 0:  # a worker that outlives its parent for a while (not on its pipes)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no release
+"""
+
+
+def test_a_killed_holder_frees_the_folder_though_its_child_lives(tmp_path):
+    out = tmp_path / "r"
+    proc = subprocess.run([sys.executable, "-c", HOLD_AND_FORK, str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    child = int(proc.stdout)
+    try:
+        os.kill(child, 0)  # (still there, with its copy of the lock's descriptor closed)
+        with outdir.locked(out, "test"):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_wait_takes_the_lock_when_it_is_released(tmp_path):
     out = tmp_path / "r"
     holder = _hold(out)
