@@ -179,12 +179,10 @@ class ContiguousAllocator(SlabAllocator):
                 fitting = [offset for offset in fitting if offset >= after] or fitting
             offset = min(fitting)
             return offset, sizes[offset]
-        for i in range(first, len(offsets)):
-            if sizes[offsets[i]] >= nbytes:
-                return offsets[i], sizes[offsets[i]]
-        for i in range(first):
-            if sizes[offsets[i]] >= nbytes:
-                return offsets[i], sizes[offsets[i]]
+        for k in range(len(offsets)):
+            offset = offsets[(first + k) % len(offsets)]
+            if sizes[offset] >= nbytes:
+                return offset, sizes[offset]
         return None
 
     def _unplace(self, offset: int, nbytes: int) -> None:

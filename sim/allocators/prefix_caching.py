@@ -104,6 +104,11 @@ _J = 2**64 + 0x9E3779B97F4A7C15
 _OWN = 2**256
 
 
+def _own_base(rid: int) -> Key:
+    """The segment base of request `rid`'s own blocks: block j's key is this + j."""
+    return _OWN + rid * _J
+
+
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Keys:
     """A sequence of keys described by runs, not listed: (base, j, n, step) stands for the keys
@@ -164,11 +169,33 @@ class _Keys:
 
     def at(self, pos: int) -> tuple[int, int, int, int]:
         """The run of the one key at position `pos`."""
-        for base, j, n, step in self.runs:
-            if pos < n:
-                return base, j + step * pos, 1, 1
-            pos -= n
-        raise IndexError("key position out of range")
+        r, start = self.first_run(pos)
+        if r >= len(self.runs):
+            raise IndexError("key position out of range")
+        base, j, _, step = self.runs[r]
+        return base, j + step * (pos - start), 1, 1
+
+    def parts(self, blocks: list[int], start: int = 0) -> list[tuple[int, int, list[int]]]:
+        """`blocks` paired with the keys at positions start.., run by run, in ascending block
+        order: (segment base, first block index, the blocks' ids)."""
+        out: list[tuple[int, int, list[int]]] = []
+        runs = self.runs
+        r, pos = self.first_run(start)
+        at, end = 0, len(blocks)
+        while at < end:
+            base, j, n, step = runs[r]
+            r += 1
+            skip = start - pos if start > pos else 0  # (the first run may hold earlier keys)
+            pos += n
+            n = min(n - skip, end - at)
+            j += step * skip
+            part = blocks[at : at + n]
+            at += n
+            if step < 0:  # (as blocks go idle: last first)
+                part.reverse()
+                j -= n - 1
+            out.append((base, j, part))
+        return out
 
     def pairs(self) -> list[tuple[int, int]]:
         """(segment base, block index) of each key, in order (for the rare per-block paths)."""
@@ -288,7 +315,7 @@ class PrefixCachingAllocator(PagedAllocator):
         keys = named.slice(start, end)
         first = max(start, len(named))
         if end > first:
-            return _Keys([*keys.runs, (_OWN + rid * _J, first, end - first, 1)])
+            return _Keys([*keys.runs, (_own_base(rid), first, end - first, 1)])
         return keys
 
     def _walk(self, req: Request, named: _Keys, cap: int) -> list[int]:
@@ -298,7 +325,7 @@ class PrefixCachingAllocator(PagedAllocator):
         segs = self._segs
         runs = named.runs
         if cap > len(named):
-            runs = [*runs, (_OWN + req.rid * _J, len(named), cap - len(named), 1)]
+            runs = [*runs, (_own_base(req.rid), len(named), cap - len(named), 1)]  # (no slice)
         for base, j, n, _ in runs:
             n = min(n, cap - len(found))
             seg = segs.get(base)
@@ -424,13 +451,9 @@ class PrefixCachingAllocator(PagedAllocator):
     # ------------------------------------------------------------ the cache
     def _cache(self, blocks: list[int], keys: _Keys) -> None:
         """Blocks join the cache under their keys (distinct), each after any cached already."""
-        segs, at = self._segs, 0
-        for base, j, n, step in keys.runs:
-            part = blocks[at : at + n]
-            at += n
-            if step < 0:  # (as blocks go idle: last first)
-                part.reverse()
-                j -= n - 1
+        segs = self._segs
+        for base, j, part in keys.parts(blocks):
+            n = len(part)
             seg = segs.get(base)
             if seg is None:
                 segs[base] = _Seg(j, part, n)
@@ -452,21 +475,9 @@ class PrefixCachingAllocator(PagedAllocator):
     def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
         blocks' keys are those at positions start.. of `keys`."""
-        segs, dups, runs = self._segs, self._dups, keys.runs
-        r, pos = keys.first_run(start)
-        at, end = 0, len(blocks)
-        while at < end:
-            base, j, n, step = runs[r]
-            r += 1
-            skip = start - pos if start > pos else 0  # (the first run may hold earlier keys)
-            pos += n
-            n = min(n - skip, end - at)
-            j += step * skip
-            part = blocks[at : at + n]
-            at += n
-            if step < 0:
-                part.reverse()
-                j -= n - 1
+        segs, dups = self._segs, self._dups
+        for base, j, part in keys.parts(blocks, start):
+            n = len(part)
             seg = segs[base]
             a = j - seg.lo
             ids = seg.ids

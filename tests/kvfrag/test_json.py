@@ -145,35 +145,37 @@ def test_without_json_the_table_is_printed(run, tmp_path):
     assert rc == 0 and len(_strict(stdout)["runs"]) == 3  # -q silences stderr, not the JSON
 
 
-def test_run_json_lists_the_failures(tmp_path, monkeypatch):
+def _run_failing_sweep(tmp_path, monkeypatch, sweep: str) -> dict:
+    """`run --json` of a tiny scenario whose second point names a missing trace (`sweep`: the
+    sweep's one line); the exit status is the same with --json."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.yaml").write_text(
         "model: {name: tiny, layers: 2, kv_heads: 2, head_dim: 64}\nkv_budget: 4MiB\n"
         "max_model_len: 2048\nworkload:\n  trace: {path: 'sample:azure-conv'}\n"
         "  transforms: {first_n: 20, max_model_len: 2048, long_requests: clip}\n"
         "allocators:\n  - {label: paged-16, kind: paged, block_size: 16}\n"
-        "sweep:\n  workload.trace.path: ['sample:azure-conv', missing.csv]\n"
+        f"sweep:\n  {sweep}\n"
     )
     rc, stdout, stderr = _main(["run", "s.yaml", "-o", "r", "--no-plots", "--json", "-j", "1"])
-    assert rc == 1, stderr  # the exit status is the same with --json
-    doc = _strict(stdout)
+    assert rc == 1, stderr
+    return _strict(stdout)
+
+
+def test_run_json_lists_the_failures(tmp_path, monkeypatch):
+    doc = _run_failing_sweep(
+        tmp_path, monkeypatch, "workload.trace.path: ['sample:azure-conv', missing.csv]"
+    )
     assert [r["point"] for r in doc["runs"]] == [0]
     failures = pd.read_csv(tmp_path / "r" / "failures.csv").to_dict("records")
     assert doc["failures"] == failures and "no such trace file" in failures[0]["error"]
 
 
 def test_run_json_failures_hold_a_swept_mapping_native(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "s.yaml").write_text(
-        "model: {name: tiny, layers: 2, kv_heads: 2, head_dim: 64}\nkv_budget: 4MiB\n"
-        "max_model_len: 2048\nworkload:\n  trace: {path: 'sample:azure-conv'}\n"
-        "  transforms: {first_n: 20, max_model_len: 2048, long_requests: clip}\n"
-        "allocators:\n  - {label: paged-16, kind: paged, block_size: 16}\n"
-        "sweep:\n  workload.trace: [{path: 'sample:azure-conv'}, {path: missing.csv}]\n"
+    doc = _run_failing_sweep(
+        tmp_path, monkeypatch,
+        "workload.trace: [{path: 'sample:azure-conv'}, {path: missing.csv}]",
     )
-    rc, stdout, stderr = _main(["run", "s.yaml", "-o", "r", "--no-plots", "--json", "-j", "1"])
-    assert rc == 1, stderr
-    [failure] = _strict(stdout)["failures"]
+    [failure] = doc["failures"]
     assert failure["workload.trace"] == {"path": "missing.csv"}
     [row] = pd.read_csv(tmp_path / "r" / "failures.csv").to_dict("records")
     assert json.loads(row["workload.trace"]) == {"path": "missing.csv"}  # (text in the CSV)
