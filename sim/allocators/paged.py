@@ -260,9 +260,11 @@ class FreeIds:
         """The top `n` ids, in the order pop() would give them."""
         if n > len(self):
             raise IndexError(f"{n} ids asked of a free list of {len(self)}")
-        k = min(n, len(self.back))
-        out = self.back[len(self.back) - k :][::-1]
-        del self.back[len(self.back) - k :]
+        back = self.back
+        cut = len(back) - n if n < len(back) else 0
+        out = back[: cut - 1 : -1] if cut else back[::-1]  # (one reversed copy)
+        k = len(back) - cut
+        del back[cut:]
         start = self.fresh
         self.fresh += n - k
         out.extend(range(start, self.fresh))

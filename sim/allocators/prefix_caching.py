@@ -132,6 +132,8 @@ class _Keys:
 
     def first_run(self, start: int) -> tuple[int, int]:
         """(index, position) of the run holding position `start` (or of none, at the end)."""
+        if not start:  # (the usual case: no table of run ends made for it)
+            return 0, 0
         ends = self._ends
         if ends is None:
             ends, at = [], 0
@@ -269,6 +271,7 @@ class PrefixCachingAllocator(PagedAllocator):
         self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
         self._in_use = 0  # cached blocks in use (held by a live request)
         self._shared: dict[int, int] = {}  # those held by several: id -> users beyond one
+        self._shared_at: dict[int, int] = {}  # and the position every holder holds it at
         self._run_of: list[_Run | None] = []  # by id: the run of an idle block (else None)
         self._idle_blocks = 0  # cached blocks nobody uses
         self._runs: deque[_Run] = deque()  # the runs holding idle blocks, LRU first
@@ -476,15 +479,20 @@ class PrefixCachingAllocator(PagedAllocator):
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
         blocks' keys are those at positions start.. of `keys`."""
         segs, dups = self._segs, self._dups
-        for base, j, part in keys.parts(blocks, start):
-            n = len(part)
+        at = 0
+        for base, j, n, step in keys.slice(start, start + len(blocks)).runs:
+            if step < 0:
+                j -= n - 1  # (the run's lowest block index: as blocks go idle, last first)
             seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
-            if not seg.dups and ids[a : a + n] == part:  # each the only one under its key
+            if not seg.dups:  # each the only one under its key: the blocks are ids[a : a + n]
                 ids[a : a + n] = [-1] * n
                 seg.count -= n
             else:
+                part = blocks[at : at + n]
+                if step < 0:
+                    part.reverse()
                 for i in range(n):
                     key, block = base + j + i, part[i]
                     younger = dups.get(key)
@@ -501,6 +509,7 @@ class PrefixCachingAllocator(PagedAllocator):
                         seg.dups -= 1
                     if younger is not None and not younger:
                         del dups[key]
+            at += n
             if not seg.count:
                 del segs[base]
 
@@ -595,7 +604,8 @@ class PrefixCachingAllocator(PagedAllocator):
         held.extend(blocks)
         self._in_use += k
         self._uses += k
-        return tuple(fresh) + self._materialize(live, private, tokens)
+        named_now = () if self._deferred else tuple(fresh)  # (nobody asks otherwise)
+        return named_now + self._name_new(live, private, tokens)
 
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         req, bs = live.req, self.block_size
@@ -619,12 +629,13 @@ class PrefixCachingAllocator(PagedAllocator):
         self.lookups += self._cap(req, named, asked) if asked > tokens else cap
         self.hits += len(found)
         self._uses += len(found)
-        for block in found:
+        for i, block in enumerate(found):
             if self._idle_run(block):
                 self._revive(block)  # an idle block counted as free is taken back
                 self._in_use += 1
             else:
                 self._shared[block] = self._shared.get(block, 0) + 1
+                self._shared_at[block] = i  # (a block's key fixes its position in a table)
         self._keys_of[req.rid] = named
         self._held[req.rid] = found
         k = self._filled(live, tokens)
@@ -674,21 +685,28 @@ class PrefixCachingAllocator(PagedAllocator):
         self._cache(own, keys)
         blocks, keys = own[::-1], keys.reversed()
         self._uses -= len(held)
-        held_keys = self._keys_between(rid, named, 0, len(held))
-        shared = self._shared
-        both = shared.keys() & held if shared else set()  # its blocks others use too
-        if both.issuperset(held[: len(both)]):  # (as usual, a leading run of them) stay
-            for block in held[: len(both)]:
+        shared, at = self._shared, self._shared_at
+        # Its blocks others use too: as usual a leading run of them (a common prefix), found
+        # without a pass over all it held when fewer blocks are shared than it held.
+        lead, end = 0, len(held)
+        while lead < end and held[lead] in shared:
+            lead += 1
+        if len(shared) - lead < end - lead:
+            later = any(lead <= p < end and held[p] == b for b, p in at.items())
+        else:
+            later = any(b in shared for b in held[lead:])
+        if not later:
+            for block in held[:lead]:
                 if shared[block] > 1:
                     shared[block] -= 1
                 else:
-                    del shared[block]
-            blocks += held[len(both) :][::-1]  # the others go, last first
-            keys = keys.plus(held_keys.slice(len(both), len(held)).reversed())
-            self._in_use -= len(held) - len(both)
+                    del shared[block], at[block]
+            blocks += held[: lead - 1 : -1] if lead else held[::-1]  # the others go, last first
+            keys = keys.plus(self._keys_between(rid, named, lead, end).reversed())
+            self._in_use -= end - lead
         else:
-            runs = keys.runs
-            for block, (base, j) in zip(reversed(held), reversed(held_keys.pairs()), strict=True):
+            runs, pairs = keys.runs, self._keys_between(rid, named, 0, end).pairs()
+            for block, (base, j) in zip(reversed(held), reversed(pairs), strict=True):
                 extra = shared.get(block)
                 if extra is None:
                     blocks.append(block)
@@ -697,7 +715,7 @@ class PrefixCachingAllocator(PagedAllocator):
                 elif extra > 1:
                     shared[block] = extra - 1
                 else:
-                    del shared[block]
+                    del shared[block], at[block]
         self._go_idle(blocks, _Keys(keys.runs))  # (its size counted anew)
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
