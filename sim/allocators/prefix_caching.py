@@ -599,7 +599,7 @@ class PrefixCachingAllocator(PagedAllocator):
             self._reclaim(k - len(own), rid)  # ids beams pruned while nobody asked
         fresh = self._stack.take(k - len(own))
         held, named = self._held[rid], self._keys_of[rid]
-        blocks = own + fresh
+        blocks = own + fresh if own else fresh  # (own: mostly none while ids are deferred)
         self._cache(blocks, named.slice(len(held), len(held) + k))
         held.extend(blocks)
         self._in_use += k
