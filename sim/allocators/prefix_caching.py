@@ -177,25 +177,34 @@ class _Keys:
         base, j, _, step = self.runs[r]
         return base, j + step * (pos - start), 1, 1
 
-    def parts(self, blocks: list[int], start: int = 0) -> list[tuple[int, int, list[int]]]:
-        """`blocks` paired with the keys at positions start.., run by run, in ascending block
-        order: (segment base, first block index, the blocks' ids)."""
-        out: list[tuple[int, int, list[int]]] = []
+    def spans(self, start: int, count: int) -> list[tuple[int, int, int, int]]:
+        """The keys at positions start..start+count-1, run by run: (segment base, lowest block
+        index, keys, step); step -1: the run lists its keys downwards."""
+        out: list[tuple[int, int, int, int]] = []
         runs = self.runs
         r, pos = self.first_run(start)
-        at, end = 0, len(blocks)
-        while at < end:
+        at = 0
+        while at < count:
             base, j, n, step = runs[r]
             r += 1
             skip = start - pos if start > pos else 0  # (the first run may hold earlier keys)
             pos += n
-            n = min(n - skip, end - at)
+            n = min(n - skip, count - at)
             j += step * skip
+            out.append((base, j if step > 0 else j - n + 1, n, step))
+            at += n
+        return out
+
+    def parts(self, blocks: list[int], start: int = 0) -> list[tuple[int, int, list[int]]]:
+        """`blocks` paired with the keys at positions start.., run by run, in ascending block
+        order: (segment base, first block index, the blocks' ids)."""
+        out: list[tuple[int, int, list[int]]] = []
+        at = 0
+        for base, j, n, step in self.spans(start, len(blocks)):
             part = blocks[at : at + n]
             at += n
             if step < 0:  # (as blocks go idle: last first)
                 part.reverse()
-                j -= n - 1
             out.append((base, j, part))
         return out
 
@@ -452,10 +461,11 @@ class PrefixCachingAllocator(PagedAllocator):
         return max(0, min(len(named), tokens // self.block_size) - held)
 
     # ------------------------------------------------------------ the cache
-    def _cache(self, blocks: list[int], keys: _Keys) -> None:
-        """Blocks join the cache under their keys (distinct), each after any cached already."""
+    def _cache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
+        """Blocks join the cache under their keys (distinct), each after any cached already.
+        The blocks' keys are those at positions start.. of `keys`."""
         segs = self._segs
-        for base, j, part in keys.parts(blocks):
+        for base, j, part in keys.parts(blocks, start):
             n = len(part)
             seg = segs.get(base)
             if seg is None:
@@ -480,9 +490,7 @@ class PrefixCachingAllocator(PagedAllocator):
         blocks' keys are those at positions start.. of `keys`."""
         segs, dups = self._segs, self._dups
         at = 0
-        for base, j, n, step in keys.slice(start, start + len(blocks)).runs:
-            if step < 0:
-                j -= n - 1  # (the run's lowest block index: as blocks go idle, last first)
+        for base, j, n, step in keys.spans(start, len(blocks)):  # (no blocks sliced)
             seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
@@ -600,7 +608,7 @@ class PrefixCachingAllocator(PagedAllocator):
         fresh = self._stack.take(k - len(own))
         held, named = self._held[rid], self._keys_of[rid]
         blocks = own + fresh if own else fresh  # (own: mostly none while ids are deferred)
-        self._cache(blocks, named.slice(len(held), len(held) + k))
+        self._cache(blocks, named, len(held))
         held.extend(blocks)
         self._in_use += k
         self._uses += k
@@ -681,9 +689,9 @@ class PrefixCachingAllocator(PagedAllocator):
         # vLLM frees a request's blocks last first, so that eviction (least recently freed
         # first) takes a prefix's tail before its head, which later requests are likelier to
         # share.
-        keys = self._keys_between(rid, named, len(held), len(held) + len(own))
-        self._cache(own, keys)
-        blocks, keys = own[::-1], keys.reversed()
+        own_keys = self._keys_between(rid, named, len(held), len(held) + len(own))
+        self._cache(own, own_keys)
+        blocks = own[::-1]
         self._uses -= len(held)
         shared, at = self._shared, self._shared_at
         # Its blocks others use too: as usual a leading run of them (a common prefix), found
@@ -702,10 +710,12 @@ class PrefixCachingAllocator(PagedAllocator):
                 else:
                     del shared[block], at[block]
             blocks += held[: lead - 1 : -1] if lead else held[::-1]  # the others go, last first
-            keys = keys.plus(self._keys_between(rid, named, lead, end).reversed())
+            # (its own blocks follow those it held: the keys of both, last first, are one range)
+            keys = self._keys_between(rid, named, lead, end + len(own)).reversed()
             self._in_use -= end - lead
         else:
-            runs, pairs = keys.runs, self._keys_between(rid, named, 0, end).pairs()
+            runs = own_keys.reversed().runs
+            pairs = self._keys_between(rid, named, 0, end).pairs()
             for block, (base, j) in zip(reversed(held), reversed(pairs), strict=True):
                 extra = shared.get(block)
                 if extra is None:
@@ -716,7 +726,8 @@ class PrefixCachingAllocator(PagedAllocator):
                     shared[block] = extra - 1
                 else:
                     del shared[block], at[block]
-        self._go_idle(blocks, _Keys(keys.runs))  # (its size counted anew)
+            keys = _Keys(runs)
+        self._go_idle(blocks, keys)
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
