@@ -4,7 +4,10 @@ The workload: N requests of ~1,000 tokens (prompt 200-800, Poisson at 40 req/s: 
 server), llama-3-8b, 50 GB of KV, max_model_len 8192, a linear step time. Each allocator runs
 in its own process (fork), so its peak RSS is its own: the workload table, the engine, the
 records and the result frames. The ratio column is the per-event cost over that of a bare
-SimPy loop doing the same number of timeouts, measured in the same process.
+SimPy loop doing the same number of timeouts, measured in the same process. A run shorter
+than `SHORT_S` (the Mooncake sample, the preempting variant at 100,000 requests) is timed
+`SHORT_REPEAT` times in its process and the fastest kept: a tenth of a second is within the
+noise of one run.
 
 Prefix caching is also run on the shipped Mooncake sample (long shared prefixes: the case where
 its bookkeeping used to cost 100x per event), and `--preempt` adds a memory-bound variant
@@ -33,6 +36,7 @@ from kvfrag.sim.geometry import preset
 from kvfrag.sim.units import parse_size
 
 GEO = preset("llama-3-8b")
+SHORT_S, SHORT_REPEAT = 1.0, 3
 CONFIG = EngineConfig(
     max_num_seqs=512,
     max_num_batched_tokens=8192,
@@ -102,6 +106,12 @@ def _one(args: tuple) -> dict:
     start = time.perf_counter()
     result = run(wl, alloc, config)
     wall = time.perf_counter() - start
+    for _ in range(SHORT_REPEAT - 1 if wall < SHORT_S else 0):
+        alloc = make_allocator(kind, capacity=capacity, bytes_per_token=GEO.bytes_per_token,
+                               max_model_len=mml, geometry=GEO, **opts)
+        start = time.perf_counter()
+        run(wl, alloc, config)
+        wall = min(wall, time.perf_counter() - start)
     events = int(result.summary["events"])
     return {
         "label": label,
