@@ -495,7 +495,10 @@ class PrefixCachingAllocator(PagedAllocator):
             a = j - seg.lo
             ids = seg.ids
             if not seg.dups:  # each the only one under its key: the blocks are ids[a : a + n]
-                ids[a : a + n] = [-1] * n
+                if n == 1:  # (a chunk of one block: large blocks)
+                    ids[a] = -1
+                else:
+                    ids[a : a + n] = [-1] * n
                 seg.count -= n
             else:
                 part = blocks[at : at + n]
