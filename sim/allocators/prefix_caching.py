@@ -145,25 +145,14 @@ class _Keys:
         return i, ends[i - 1] if i else 0
 
     def slice(self, start: int, end: int) -> _Keys:
-        """Keys at positions start..end-1."""
-        out: list[tuple[int, int, int, int]] = []
-        runs = self.runs
-        i, at = self.first_run(start)
-        while i < len(runs) and at < end:
-            base, j, n, step = runs[i]
-            lo = start - at if start > at else 0
-            hi = end - at if end - at < n else n
-            if lo < hi:
-                out.append((base, j + step * lo, hi - lo, step))
-            at += n
-            i += 1
-        return _Keys(out)
+        """Keys at positions start..end-1 (those of them there are)."""
+        count = min(end, self.size) - start
+        spans = self.spans(start, count) if count > 0 else []
+        # (a span gives its lowest block index: a run lists its keys from its highest down)
+        return _Keys([(b, j if s > 0 else j + n - 1, n, s) for b, j, n, s in spans])
 
     def reversed(self) -> _Keys:
         return _Keys([(b, j + s * (n - 1), n, -s) for b, j, n, s in reversed(self.runs)])
-
-    def plus(self, other: _Keys) -> _Keys:
-        return _Keys(self.runs + other.runs)
 
     def __getitem__(self, pos: int) -> Key:
         base, j, _, _ = self.at(pos)
