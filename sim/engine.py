@@ -34,13 +34,13 @@ preempted; its finished members free then.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Any, Final, Protocol
 
 import numpy as np
@@ -274,13 +274,13 @@ class _Arrivals:
                 self.left -= 1
                 self._next()
                 return idx
-        idx = heapq.heappop(heap)[1]
+        idx = heappop(heap)[1]
         self.left -= 1
         self._next()
         return idx
 
     def push(self, t: float, idx: int) -> None:
-        heapq.heappush(self.heap, (t, idx))
+        heappush(self.heap, (t, idx))
         self.left += 1
         self._next()
 

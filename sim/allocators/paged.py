@@ -38,9 +38,9 @@ they are not among the group's counted blocks.
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
+from heapq import heappop, heappush
 from typing import Final
 
 import numpy as np
@@ -52,6 +52,7 @@ from kvfrag.sim.allocators.base import (
     Refusal,
     Request,
     positive_int,
+    times,
 )
 from mypy_extensions import mypyc_attr
 
@@ -63,7 +64,8 @@ MAX_BLOCK_SIZE = 2**22
 def _prefix_sums(y: int, bs: int) -> tuple[int, int]:
     """(sum of floor(t/bs), sum of t*floor(t/bs)) for t in [0, y): one divmod for both, as
     `FloorSum.integrate` calls it once per residue at every decode stretch."""
-    q, m = divmod(y, bs)
+    q = y // bs  # (not divmod: compiled, // and - stay native, divmod is a Python call)
+    m = y - q * bs
     p1 = bs * q * (q - 1) // 2 + m * q
     full = bs * bs * (q - 1) * q * (2 * q - 1) // 6 + bs * (bs - 1) * q * (q - 1) // 4
     return p1, full + q * (m * q * bs + m * (m - 1) // 2)
@@ -76,7 +78,9 @@ class FloorSum:
     Only the residues in use are kept (sorted, with their summed coefficients and the running
     sums of those), so `value` and `steps_within` cost O(log residues) and `integrate`
     O(residues in use), at most min(bs, terms): a 1,024-token block or a 2 MiB page costs
-    about what a 16-token block does."""
+    about what a 16-token block does. Up to `_LINEAR` residues (16-token blocks: 16 at most)
+    one pass over them costs less than a bisect (a Python call) and the running sums (rebuilt
+    after every add, as a request joins or leaves the cohort): they are walked instead."""
 
     def __init__(self, bs: int) -> None:
         self.bs = bs
@@ -95,9 +99,14 @@ class FloorSum:
         return len(self.res)
 
     def add(self, x: int, coef: int) -> None:
-        q, r = divmod(x, self.bs)
+        q, r = x // self.bs, x % self.bs  # (x < 0 is common: see `times`)
         res, coefs = self.res, self.coef
-        i = bisect_left(res, r)
+        if len(res) <= _LINEAR:
+            i = 0
+            while i < len(res) and res[i] < r:
+                i += 1
+        else:
+            i = bisect_left(res, r)
         if i < len(res) and res[i] == r:
             before = coefs[i]
             after = before + coef
@@ -110,11 +119,11 @@ class FloorSum:
             res.insert(i, r)
             coefs.insert(i, coef)
         self.negative += (after < 0) - (before < 0)
-        self.q += coef * q
+        self.q += times(coef, q)
         self.per += coef
         self._cum = None
         if self._memo_k >= 0:  # the new term's value at the remembered clock
-            self._memo += coef * ((x + self._memo_k) // self.bs)
+            self._memo += times(coef, (x + self._memo_k) // self.bs)
 
     def _sums(self) -> list[int]:
         """Running sums of the coefficients in residue order, from 0."""
@@ -131,13 +140,22 @@ class FloorSum:
     def value(self, k: int) -> int:
         if self._memo_k == k:
             return self._memo
-        if not self.res:
+        res = self.res
+        if not res:
             return self.q
-        q, m = divmod(k, self.bs)
+        q = k // self.bs
+        m = k - q * self.bs
         value = self.q + self.per * q
         if m:  # the terms whose x + k crossed one more multiple of bs: r >= bs - m
-            cum = self._sums()
-            value += cum[-1] - cum[bisect_left(self.res, self.bs - m)]
+            lo = self.bs - m
+            if len(res) <= _LINEAR:
+                coefs, i = self.coef, len(res) - 1
+                while i >= 0 and res[i] >= lo:
+                    value += coefs[i]
+                    i -= 1
+            else:
+                cum = self._sums()
+                value += cum[-1] - cum[bisect_left(res, lo)]
         self._memo_k, self._memo = k, value
         return value
 
@@ -153,10 +171,12 @@ class FloorSum:
         res, coefs = self.res, self.coef
         for i in range(len(res)):  # (indices: compiled, a zip is a Python call per stretch)
             count = coefs[i]
-            whole, m0 = divmod(res[i] + k + 1, bs)
+            whole = (res[i] + k + 1) // bs
+            m0 = res[i] + k + 1 - whole * bs
             # Both prefix sums vanish below bs (m0 < bs): the sums over [m0, m0 + n) are
-            # the ones over [0, m0 + n), the second shifted to count j - 1 from m0.
-            u1, p2 = _prefix_sums(m0 + n, bs)
+            # the ones over [0, m0 + n), the second shifted to count j - 1 from m0. (Up to
+            # bs, they are 0: a short stretch, the usual one, needs no call.)
+            u1, p2 = _prefix_sums(m0 + n, bs) if m0 + n > bs else (0, 0)
             total += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
         return total
 
@@ -186,14 +206,34 @@ class FloorSum:
         # x + k + t is a multiple of bs: residues are met downwards from (-(k + 1)) mod bs,
         # wrapping round. The first that takes the running sum past `left` ends the walk.
         bs, res = self.bs, self.res
-        periods, left = divmod(budget, self.per)
+        periods = budget // self.per
+        left = budget - periods * self.per
         start = -(k + periods * bs + 1) % bs
+        if len(res) <= _LINEAR:
+            return periods * bs + self._walk_down(start, left)
         cum = self._sums()
         i = bisect_right(res, start)  # res[:i] are met first (cum[i] in all), then res[i:]
         # Meeting res[j] (j < i) takes cum[i] - cum[j]; past the wrap, cum[i] + cum[-1] - cum[j].
         over = cum[i] - left
         j = bisect_left(cum, over if over > 0 else over + cum[-1]) - 1
         return periods * bs + (start - res[j]) % bs
+
+    def _walk_down(self, start: int, left: int) -> int:
+        """`_steps_within`'s walk, one residue at a time: residues met downwards from `start`
+        (wrapping round), their coefficients summed until the sum passes `left` (< per: within
+        one period); returns the steps to the residue that passes it."""
+        res, coefs = self.res, self.coef
+        i = 0
+        while i < len(res) and res[i] <= start:
+            i += 1
+        total, j = 0, i - 1
+        while True:
+            if j < 0:
+                j = len(res) - 1
+            total += coefs[j]
+            if total > left:
+                return (start - res[j]) % self.bs
+            j -= 1
 
     def _steps_within_negative(self, k: int, budget: int) -> int | None:
         """steps_within with negative coefficients: what steps 1..t of a period add (p) is
@@ -223,6 +263,8 @@ class FloorSum:
 
 #: Residues in use from which `FloorSum.integrate` hands its loop to numpy (cheaper from there).
 _VECTOR_RESIDUES: Final = 48
+#: Residues in use up to which `FloorSum` walks them rather than bisect them (see its docstring).
+_LINEAR: Final = 32
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
@@ -306,12 +348,12 @@ class PagedAllocator(Allocator):
         self._tokens = FloorSum(bs)  # decoders' stored tokens beyond n*(c + K)
         self._saved = FloorSum(bs)  # decoders' saved blocks that move (beams)
         self._dec_internal = 0  # internal bytes of decoders already in their last block
-        # Decoders not yet in their last block: a heap of (clock at which one enters it, rid,
-        # entry number) with lazy deletion (an entry counts while `_pending_at[rid]` holds its
-        # number), cheaper than a sorted list for the push / pop-due / leave pattern.
-        self._pending: list[tuple[int, int, int]] = []
+        # Decoders not yet in their last block, by the clock at which each enters it: a heap
+        # of those clocks, each once, and the rids pushed with each, with lazy deletion (a rid
+        # counts while `_pending_at[rid]` still says that clock), as for `_done` (see base).
+        self._pending: list[int] = []
+        self._pending_rids: dict[int, list[int]] = {}
         self._pending_at: dict[int, int] = {}
-        self._pushes = 0
         self._groups: dict[int, tuple[int, list[list[int]]]] = {}  # rid -> (tokens, tables)
         self._copies: dict[int, list[tuple[int, int]]] = {}  # rid -> (src, dst) not yet taken
         self._renamed: dict[int, None] = {}  # beams named again to take back pruned ids
@@ -415,7 +457,8 @@ class PagedAllocator(Allocator):
 
     def _linear(self, live: Live, phase: int) -> int:
         n = live.req.n
-        return n * phase if live.req.beam else n * phase - (n - 1) * live.shared
+        linear = times(n, phase)  # (phase: negative once the clock has passed it)
+        return linear if live.req.beam else linear - (n - 1) * live.shared
 
     def _token_terms(self) -> int:
         return self._tokens.value(self._clock)
@@ -612,10 +655,12 @@ class PagedAllocator(Allocator):
         phase = live.base if decoding else live.base - self._clock
         tokens = phase + self._clock
         sign = 1 if decoding else -1
-        # Move the request between the fixed counts and the clocked ones.
-        self._fixed_blocks -= sign * self._blocks_at(live, tokens)
-        self._fixed_internal -= sign * self._tail_waste(live, tokens)
-        self._add_block_terms(phase, sign * n)
+        # Move the request between the fixed counts and the clocked ones. (Signs by branches:
+        # see `times`.)
+        blocks, tail = self._blocks_at(live, tokens), self._tail_waste(live, tokens)
+        self._fixed_blocks -= blocks if decoding else -blocks
+        self._fixed_internal -= tail if decoding else -tail
+        self._add_block_terms(phase, n if decoding else -n)
         if n > 1:
             self._fixed_saved -= sign * self._saved_at(live, tokens)
             if live.req.beam:
@@ -631,13 +676,18 @@ class PagedAllocator(Allocator):
         # others on as the clock passes them).
         if reach > self._clock:
             if decoding:
-                self._pushes += 1
-                self._pending_at[rid] = self._pushes
-                heapq.heappush(self._pending, (reach, rid, self._pushes))
+                self._pending_at[rid] = reach
+                rids = self._pending_rids.get(reach)
+                if rids is None:
+                    self._pending_rids[reach] = [rid]
+                    heappush(self._pending, reach)
+                else:
+                    rids.append(rid)  # (maybe again: a rid that left and came back counts once)
             else:
                 del self._pending_at[rid]
         else:
-            self._dec_internal += (1 if decoding else -1) * self._waste(live)
+            waste = self._waste(live)
+            self._dec_internal += waste if decoding else -waste
 
     def _add_block_terms(self, phase: int, coef: int) -> None:
         """Add coef x the blocks one sequence of phase c holds at clock K: ceil((c + K)/bs)."""
@@ -649,28 +699,30 @@ class PagedAllocator(Allocator):
         return bs * (-(-final // bs) - 1) + 1
 
     def _stepped(self) -> None:
-        pending, valid = self._pending, self._pending_at
-        while pending and pending[0][0] <= self._clock:
-            _, rid, entry = heapq.heappop(pending)
-            if valid.get(rid) == entry:
-                del valid[rid]
-                self._dec_internal += self._waste(self._live[rid])
+        pending, valid, pushed = self._pending, self._pending_at, self._pending_rids
+        while pending and pending[0] <= self._clock:
+            reach = heappop(pending)
+            for rid in pushed.pop(reach):
+                if valid.get(rid) == reach:
+                    del valid[rid]
+                    self._dec_internal += self._waste(self._live[rid])
 
-    def _pending_until(self, k: int) -> list[tuple[int, int, int]]:
-        """The pending entries that count, entering their last block by clock `k`, in (clock,
-        rid) order: the heap's entries within reach of `k` sorted (a pruned walk)."""
+    def _pending_until(self, k: int) -> list[tuple[int, int]]:
+        """(clock, rid) of the pending decoders entering their last block by clock `k`, in
+        that order, each once: the heap's clocks within reach of `k` (a pruned walk)."""
         pending, valid, out = self._pending, self._pending_at, []
-        todo = [0] if pending and pending[0][0] <= k else []
+        todo = [0] if pending and pending[0] <= k else []
         while todo:
             i = todo.pop()
-            entry = pending[i]
-            if valid.get(entry[1]) == entry[2]:
-                out.append(entry)
+            reach = pending[i]
+            for rid in self._pending_rids[reach]:
+                if valid.get(rid) == reach:
+                    out.append((reach, rid))
             for c in (2 * i + 1, 2 * i + 2):
-                if c < len(pending) and pending[c][0] <= k:
+                if c < len(pending) and pending[c] <= k:
                     todo.append(c)
         out.sort()
-        return out
+        return [entry for i, entry in enumerate(out) if not i or entry != out[i - 1]]
 
     def _allocated_total(self) -> int:
         return self._blocks_total() * self.block_bytes
@@ -689,7 +741,7 @@ class PagedAllocator(Allocator):
         k = self._clock
         blocks = self._fixed_blocks * weight + self._blocks.integrate(k, n, w0, w1, weight)
         internal = (self._fixed_internal + self._dec_internal) * weight
-        for reach, rid, _ in self._pending_until(k + n):
+        for reach, rid in self._pending_until(k + n):
             j0 = reach - k  # first step (1-based) spent in the last block
             steps = n - j0 + 1
             tail = steps * w0 + w1 * (steps * (j0 - 1) + steps * (steps - 1) / 2)

@@ -724,7 +724,8 @@ class PrefixCachingAllocator(PagedAllocator):
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
         # The cohort counts all of the group's blocks; the cached ones are not the request's.
-        self._fixed_blocks -= (1 if decoding else -1) * (live.cached // self.block_size)
+        cached = live.cached // self.block_size
+        self._fixed_blocks -= cached if decoding else -cached
 
     def steps_until_evict(self) -> int | None:
         if not self._idle_blocks:
