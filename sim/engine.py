@@ -38,7 +38,7 @@ import math
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import Any, Final, Protocol
@@ -351,7 +351,8 @@ class Engine:
         self.arrivals = self._init_arrivals()
         self.rows = _Rows()  # the time series' rows not yet put into a frame
         self.row_frames: list[pd.DataFrame] = []  # ... and those already (columns, compact)
-        self.integrals = [0.0] * len(PARTS)  # time integral of each part, in PARTS order
+        # Time integral of each part (byte-seconds), in PARTS order (`_integrate`).
+        self.area0 = self.area1 = self.area2 = self.area3 = self.area4 = 0.0
         self.busy_running = 0.0  # integral of running requests over time
         self.saved = 0.0  # integral of bytes saved by sharing
         self.overreserved = 0.0  # integral of internal bytes that are over-reservation
@@ -859,35 +860,46 @@ class Engine:
         return self.queue[0].req if self.queue else self.reference
 
     def _record(self, dt: float, iterations: int) -> None:
-        alloc, integrals = self.alloc, self.integrals
-        parts = alloc.parts(self._probe())
-        for k in range(len(integrals)):
-            integrals[k] += parts[k] * dt
+        alloc = self.alloc
+        p0, p1, p2, p3, p4 = alloc.parts(self._probe())
+        self._integrate(p0 * dt, p1 * dt, p2 * dt, p3 * dt, p4 * dt)
         self.saved += alloc.saved_by_sharing() * dt
         self.overreserved += alloc.overreserved_bytes() * dt
-        self._row(dt, iterations, parts, alloc.largest_hole())
+        self._row(dt, iterations, p0, p1, p2, p3, p4, alloc.largest_hole())
 
     def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
         """This iteration (already stepped) plus n-1 more: exact integrals, one row."""
-        alloc, integrals = self.alloc, self.integrals
+        alloc = self.alloc
         probe = self._probe()
-        sums = [v * w0 for v in alloc.parts(probe)]
+        p0, p1, p2, p3, p4 = alloc.parts(probe)
+        s0, s1, s2, s3, s4 = p0 * w0, p1 * w0, p2 * w0, p3 * w0, p4 * w0
         self.saved += alloc.saved_by_sharing() * w0
         self.overreserved += alloc.overreserved_bytes() * duration  # fixed in a stretch
         if n > 1:
             more = alloc.integrals(n - 1, probe, w0 + w1, w1)  # (PARTS, then saved)
-            sums = [sums[0] + more[0], sums[1] + more[1], sums[2] + more[2], sums[3] + more[3],
-                    sums[4] + more[4]]
+            s0, s1, s2 = s0 + more[0], s1 + more[1], s2 + more[2]
+            s3, s4 = s3 + more[3], s4 + more[4]
             self.saved += more[5]
-        for k in range(len(integrals)):
-            integrals[k] += sums[k]
-        self._row(duration, n, [v / duration for v in sums], alloc.largest_hole())
+        self._integrate(s0, s1, s2, s3, s4)
+        self.rows.stretches = True
+        self._row(duration, n, s0 / duration, s1 / duration, s2 / duration, s3 / duration,
+                  s4 / duration, alloc.largest_hole())
+
+    def _integrate(self, s0: float, s1: float, s2: float, s3: float, s4: float) -> None:
+        """Add byte-seconds to each part's time integral (PARTS order, spelled out: compiled,
+        five float attributes cost less than a list of boxed floats and a loop over it)."""
+        self.area0 += s0
+        self.area1 += s1
+        self.area2 += s2
+        self.area3 += s3
+        self.area4 += s4
 
     def _row(
-        self, dt: float, iterations: int, parts: Sequence[object], largest_hole: int
+        self, dt: float, iterations: int, p0: object, p1: object, p2: object, p3: object,
+        p4: object, largest_hole: int,
     ) -> None:
-        # (`object`: the parts go into the row as they come, ints as ints; compiled, an item of
-        # a Sequence[float] would come out as a float)
+        # (`object`: the parts go into the row as they come, ints as ints; compiled, a `float`
+        # parameter would turn an int into a float)
         running = len(self.running)
         self.busy_running += running * dt
         blocked = self.head_reason is Reason.FRAGMENTED and bool(self.queue)
@@ -899,11 +911,11 @@ class Engine:
         rows.iterations.append(iterations)
         rows.running.append(running)
         rows.waiting.append(len(self.queue))
-        rows.p0.append(parts[0])  # (PARTS, spelled out: no loop)
-        rows.p1.append(parts[1])
-        rows.p2.append(parts[2])
-        rows.p3.append(parts[3])
-        rows.p4.append(parts[4])
+        rows.p0.append(p0)  # (PARTS, spelled out: no loop)
+        rows.p1.append(p1)
+        rows.p2.append(p2)
+        rows.p3.append(p3)
+        rows.p4.append(p4)
         rows.hole.append(largest_hole)
         rows.blocked.append(blocked)
         if len(rows.t) == _ROWS_PER_FRAME:  # as numpy columns: a Python number costs 3-4x
@@ -930,7 +942,8 @@ class Engine:
 
     def _summary(self, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
         cap = self.alloc.capacity
-        integrals = dict(zip(PARTS, self.integrals, strict=True))
+        areas = (self.area0, self.area1, self.area2, self.area3, self.area4)
+        integrals = dict(zip(PARTS, areas, strict=True))
         total = float(ts["dt_s"].sum()) if len(ts) else 0.0
         # Figures of a run in which no time passed (every request rejected at its arrival at
         # t = 0, no requests, max_time_s = 0): time averages are 0/0 there, so the parts and
@@ -1018,29 +1031,41 @@ class Engine:
 class _Rows:
     """Time-series rows not yet put into a frame, one list per column (in _SERIES order):
     appending to each costs less than a tuple per row and its transposition at the end. The
-    values go in as they come (`object`: an int stays an int), so numpy infers each column's
-    type as pandas would from the rows: float64 where any is a float, int64, bool."""
+    parts go in as they come (`object`: an int stays an int), so their columns are float64
+    where any row is a decode stretch's (time averages: floats), int64 otherwise, as pandas
+    would infer from the rows; `stretches` says which, so that numpy is told the type rather
+    than left to find it item by item (the other columns' types are fixed)."""
 
     def __init__(self) -> None:
-        self.t: list[object] = []
-        self.dt: list[object] = []
-        self.iterations: list[object] = []
-        self.running: list[object] = []
-        self.waiting: list[object] = []
+        self.t: list[float] = []
+        self.dt: list[float] = []
+        self.iterations: list[int] = []
+        self.running: list[int] = []
+        self.waiting: list[int] = []
         self.p0: list[object] = []
         self.p1: list[object] = []
         self.p2: list[object] = []
         self.p3: list[object] = []
         self.p4: list[object] = []
         self.hole: list[object] = []
-        self.blocked: list[object] = []
+        self.blocked: list[bool] = []
+        self.stretches = False  # a decode stretch's row is in: the parts are floats
 
     def frame(self) -> pd.DataFrame:
-        columns = (self.t, self.dt, self.iterations, self.running, self.waiting, self.p0,
-                   self.p1, self.p2, self.p3, self.p4, self.hole, self.blocked)
         if not self.t:
             return pd.DataFrame([], columns=list(_SERIES))
-        return pd.DataFrame({c: np.array(v) for c, v in zip(_SERIES, columns, strict=True)})
+        parts = np.float64 if self.stretches else None  # (None: inferred, ints)
+        columns = (
+            np.array(self.t, dtype=np.float64),
+            np.array(self.dt, dtype=np.float64),
+            np.array(self.iterations, dtype=np.int64),
+            np.array(self.running, dtype=np.int64),
+            np.array(self.waiting, dtype=np.int64),
+            *(np.array(v, dtype=parts) for v in (self.p0, self.p1, self.p2, self.p3, self.p4)),
+            np.array(self.hole),  # (bytes: inferred, in case a budget passes int64)
+            np.array(self.blocked, dtype=np.bool_),
+        )
+        return pd.DataFrame(dict(zip(_SERIES, columns, strict=True)))
 
 
 def _stats(values: pd.Series) -> dict[str, float]:

@@ -313,8 +313,9 @@ class Allocator(ABC):
         self._done: list[int] = []
         self._done_rids: dict[int, list[int]] = {}
         self._done_at: dict[int, int] = {}
-        self._top: tuple[int, int] | None = None  # `_done_top`'s answer while `_top_ok`
-        self._top_ok = True  # (the engine asks it several times between changes)
+        # `_done_top`'s answer while `_top_ok` (the engine asks several times between changes)
+        self._top: tuple[int, int] | None = None
+        self._top_ok = True
         self.frees = 0  # how many frees so far: memory can only come back through one
 
     # ----------------------------------------------------------------- queries
@@ -331,7 +332,9 @@ class Allocator(ABC):
 
     def tokens(self, rid: int) -> int:
         """Tokens request `rid` stores now."""
-        live = self._get(rid)
+        return self._tokens_of(self._get(rid))
+
+    def _tokens_of(self, live: Live) -> int:
         return live.base + self._clock if live.decoding else live.base
 
     def final_tokens(self, rid: int) -> int:
@@ -397,14 +400,17 @@ class Allocator(ABC):
         while heap:
             done = heap[0]
             rids = pushed[done]
-            still = [rid for rid in rids if valid.get(rid) == done]
-            if still:
-                if len(still) < len(rids):
-                    pushed[done] = still
-                first = still[0]
-                for rid in still:  # (not min(): compiled, a loop is cheaper than the call)
-                    if rid < first:
-                        first = rid
+            first, found, stale = 0, False, False
+            for rid in rids:  # (the lowest that counts: a loop, compiled, costs less than min())
+                at = valid.get(rid)
+                if at is not None and at == done:
+                    if not found or rid < first:
+                        first, found = rid, True
+                else:
+                    stale = True
+            if found:
+                if stale:
+                    pushed[done] = [rid for rid in rids if valid.get(rid) == done]
                 top = (done, first)
                 break
             del pushed[done]  # all left the cohort since they were pushed
@@ -540,7 +546,10 @@ class Allocator(ABC):
 
     def set_decoding(self, rid: int, decoding: bool) -> None:
         """Enter or leave the decode cohort that `step` advances together."""
-        live = self._get(rid)
+        self._set_decoding(self._get(rid), decoding)
+
+    def _set_decoding(self, live: Live, decoding: bool) -> None:
+        rid = live.req.rid
         if live.decoding == decoding:
             return
         if decoding:
@@ -609,7 +618,7 @@ class Allocator(ABC):
     def free(self, rid: int) -> int:
         """Release everything request `rid` holds; returns the bytes freed."""
         live = self._get(rid)
-        self.set_decoding(rid, False)
+        self._set_decoding(live, False)
         nbytes = self.allocated_bytes(rid)
         self._release(live)
         self._fixed_tokens -= self._stored(live, live.base)

@@ -373,7 +373,8 @@ class PagedAllocator(Allocator):
         return self.num_blocks - self._blocks_total()
 
     def blocks_of(self, rid: int) -> int:
-        return self._blocks_at(self._get(rid), self.tokens(rid))
+        live = self._get(rid)
+        return self._blocks_at(live, self._tokens_of(live))
 
     def allocated_bytes(self, rid: int) -> int:
         return self.blocks_of(rid) * self.block_bytes

@@ -411,7 +411,7 @@ class PrefixCachingAllocator(PagedAllocator):
     def allocated_bytes(self, rid: int) -> int:
         """Bytes the request holds, its cached blocks included (shared with others)."""
         live = self._get(rid)
-        return super()._blocks_at(live, self.tokens(rid)) * self.block_bytes
+        return super()._blocks_at(live, self._tokens_of(live)) * self.block_bytes
 
     def _head(self, live: Live) -> list[int]:
         return list(self._held.get(live.req.rid, ()))
