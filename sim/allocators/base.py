@@ -570,10 +570,15 @@ class Allocator(ABC):
                 heappush(self._done, done)
             else:
                 rids.append(rid)
-            self._top_ok = False
+            if self._top_ok:  # the first to be done is this one or the same as before
+                top = self._top
+                if top is None or done < top[0] or (done == top[0] and rid < top[1]):
+                    self._top = (done, rid)
         else:
             del self._done_at[rid]
-            self._top_ok = False
+            top = self._top
+            if self._top_ok and top is not None and top[1] == rid:  # (another: the same)
+                self._top_ok = False
             self._phase_sum -= self._linear(live, live.base)
             self._seq_phase_sum -= times(live.weight, live.base)
             self._dec_weight -= live.weight

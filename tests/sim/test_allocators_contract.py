@@ -400,6 +400,32 @@ def test_lifecycle_identity_and_no_leak(kind, opts):
     assert a.account(probe) == fresh.account(probe)
 
 
+@by_config
+def test_first_done_is_the_soonest_then_the_lowest_rid(kind, opts):
+    """The engine completes decoders in this order: it must hold as they join and leave in
+    any order (the allocator keeps its answer between changes)."""
+    a = build(kind, opts, 3 * 4096 + 1, 3, 64)
+    a.admit(Request(7, 10, 9))  # done after 9 steps
+    assert a.first_done() == 7
+    a.admit(Request(9, 12, 3))  # after 3
+    assert (a.first_done(), a.steps_until_done()) == (9, 3)
+    a.admit(Request(3, 12, 3))  # after 3 too, and a lower rid
+    assert a.first_done() == 3
+    a.admit(Request(5, 12, 3))  # after 3, a higher rid: no change
+    assert a.first_done() == 3
+    a.set_decoding(5, False)  # not the first: no change
+    assert a.first_done() == 3
+    a.free(3)  # the first: the next one
+    assert a.first_done() == 9
+    a.set_decoding(5, True)  # back, after 3 still: ahead of 9 (a lower rid)
+    assert a.first_done() == 5
+    a.set_decoding(5, False)
+    a.set_decoding(9, False)
+    assert (a.first_done(), a.steps_until_done()) == (7, 9)
+    a.free(7)
+    assert a.first_done() is None and a.steps_until_done() is None
+
+
 # ------------------------------------------------------------ protocol misuse is an error
 @by_config
 def test_misuse_raises(kind, opts):
