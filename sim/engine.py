@@ -1141,7 +1141,7 @@ class _Inputs:
             mt = int(self.max_tokens.iat[i])
         k, width = self.samples[i], self.beams[i]
         hashes, chunk = self.hashes, self.chunk
-        prefix = tuple(int(h) for h in hashes[i]) if hashes is not None and chunk else ()
+        prefix = tuple(map(int, hashes[i])) if hashes is not None and chunk else ()
         req, lead = slot_request(
             self.rid[i], self.prompt[i], self.output[i], mt, max(k, width), width > 1, prefix,
             chunk if prefix else 0,

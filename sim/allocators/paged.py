@@ -165,8 +165,11 @@ class FloorSum:
         many residues numpy does the same operations, in the same order)."""
         bs = self.bs
         total = self.q * weight
-        # (numpy's int64 terms stay below 2 (bs + n)**3: exact within this bound)
-        if len(self.res) >= _VECTOR_RESIDUES and 2 * (bs + n) ** 3 < 2**62:
+        # numpy pays when many residues need the prefix sums (those within n steps of a block
+        # boundary: about len(res) * min(n, bs) / bs of them; the others add one term each),
+        # and its int64 terms stay below 2 (bs + n)**3: exact within this bound.
+        many = len(self.res) * min(n, bs) >= _VECTOR_RESIDUES * bs
+        if many and 2 * (bs + n) ** 3 < 2**62:
             return self._integrate_vector(total, k, n, w0, w1, weight)
         res, coefs = self.res, self.coef
         for i in range(len(res)):  # (indices: compiled, a zip is a Python call per stretch)
@@ -261,7 +264,7 @@ class FloorSum:
         return None if best is None else best - 1
 
 
-#: Residues in use from which `FloorSum.integrate` hands its loop to numpy (cheaper from there).
+#: Residues needing the prefix sums from which `FloorSum.integrate` hands its loop to numpy.
 _VECTOR_RESIDUES: Final = 48
 #: Residues in use up to which `FloorSum` walks them rather than bisect them (see its docstring).
 _LINEAR: Final = 32

@@ -184,19 +184,6 @@ class _Keys:
             at += n
         return out
 
-    def parts(self, blocks: list[int], start: int = 0) -> list[tuple[int, int, list[int]]]:
-        """`blocks` paired with the keys at positions start.., run by run, in ascending block
-        order: (segment base, first block index, the blocks' ids)."""
-        out: list[tuple[int, int, list[int]]] = []
-        at = 0
-        for base, j, n, step in self.spans(start, len(blocks)):
-            part = blocks[at : at + n]
-            at += n
-            if step < 0:  # (as blocks go idle: last first)
-                part.reverse()
-            out.append((base, j, part))
-        return out
-
     def pairs(self) -> list[tuple[int, int]]:
         """(segment base, block index) of each key, in order (for the rare per-block paths)."""
         return [(b, j + s * i) for b, j, n, s in self.runs for i in range(n)]
@@ -295,13 +282,13 @@ class PrefixCachingAllocator(PagedAllocator):
         bs, chunk = self.block_size, req.prefix_tokens
         blocks = req.prompt // bs
         runs: list[tuple[int, int, int, int]] = []
-        h = 0
+        h, spread = 0, _J  # (a local: a module's int too large to inline is a dict lookup)
         for c, value in enumerate(req.prefix):
             h = hash((h, value))
             # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
             start, end = c * chunk // bs, min((c + 1) * chunk // bs, blocks)
             if end > start:
-                runs.append((h * _J, start, end - start, 1))
+                runs.append((h * spread, start, end - start, 1))
         keys = _Keys(runs)
         self._last_keys = (req, keys)
         return keys
@@ -454,9 +441,28 @@ class PrefixCachingAllocator(PagedAllocator):
         """Blocks join the cache under their keys (distinct), each after any cached already.
         The blocks' keys are those at positions start.. of `keys`."""
         segs = self._segs
-        for base, j, part in keys.parts(blocks, start):
-            n = len(part)
+        at = 0
+        for base, j, n, step in keys.spans(start, len(blocks)):  # (blocks sliced only for n > 1)
             seg = segs.get(base)
+            if n == 1:  # (a chunk of one block: large blocks)
+                block = blocks[at]
+                at += 1
+                if seg is None:
+                    segs[base] = _Seg(j, [block], 1)
+                    continue
+                a = seg.span(j, 1)
+                ids = seg.ids
+                if ids[a] == -1:
+                    ids[a] = block
+                    seg.count += 1
+                elif ids[a] != block:
+                    self._dups.setdefault(base + j, []).append(block)
+                    seg.dups += 1
+                continue
+            part = blocks[at : at + n]
+            at += n
+            if step < 0:  # (as blocks go idle: last first)
+                part.reverse()
             if seg is None:
                 segs[base] = _Seg(j, part, n)
                 continue

@@ -133,3 +133,32 @@ def test_a_request_back_in_the_cohort_counts_once() -> None:
     assert {p: got[p] for p in PARTS} == want
     assert a.step(n)
     assert a.account().internal == 4 * B  # 60 tokens in 4 blocks of 16
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    coefs=st.lists(st.integers(-3, 5), min_size=64, max_size=64),
+    k=st.integers(0, 10_000),
+    n=st.integers(1, 300),
+    w0=st.floats(1e-4, 1.0),
+    w1=st.floats(0.0, 1e-3),
+)
+def test_integrate_with_numpy_is_bit_identical(coefs, k, n, w0, w1) -> None:
+    """`integrate` hands many residues to numpy, or not, by a cost estimate alone: both ways
+    must give the same float, bit for bit (the same operations in the same order)."""
+    f = FloorSum(64)
+    for x, coef in enumerate(coefs):
+        if coef:
+            f.add(x * 7 + 1000, coef)
+    weight = n * w0 + w1 * n * (n - 1) / 2
+    looped = f.q * weight
+    for r, count in zip(f.res, f.coef, strict=True):  # the loop, spelled out as integrate's
+        whole, m0 = divmod(r + k + 1, 64)
+        y = m0 + n
+        q, m = divmod(y, 64)
+        u1 = 64 * q * (q - 1) // 2 + m * q
+        full = 64 * 64 * (q - 1) * q * (2 * q - 1) // 6 + 64 * 63 * q * (q - 1) // 4
+        p2 = full + q * (m * q * 64 + m * (m - 1) // 2)
+        looped += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
+    assert f._integrate_vector(f.q * weight, k, n, w0, w1, weight) == looped
+    assert f.integrate(k, n, w0, w1, weight) == looped
