@@ -3,7 +3,7 @@
 Everything else about the package is in pyproject.toml. This file adds one thing: the engine
 and the allocators (`HOT` in sim/_native.py) are compiled to C extension modules by mypyc
 (mypy's compiler, a build requirement fetched from the package registry like any other), which
-makes a run 2.5-3.8x faster per event (bench/engine.py). The same .py files stay in the package and
+makes a run 2.6-6x faster per event (bench/engine.py). The same .py files stay in the package and
 remain the reference: `kvfrag.sim` loads them instead of the extensions whenever those are
 absent, older than the sources (a stamp of the sources' digest is compiled in with them), or
 KVFRAG_PURE=1 is set (sim/_native.py). So `pip install .` works on a machine without a C
