@@ -101,17 +101,18 @@ def _one(args: tuple) -> dict:
     chunked = mml > CONFIG.max_num_batched_tokens  # (long contexts: as vLLM, chunked prefill)
     config = replace(CONFIG, chunked_prefill=True) if chunked else CONFIG
     wl = mooncake() if which == "mooncake" else workload(n, seed, output)
-    alloc = make_allocator(kind, capacity=capacity, bytes_per_token=GEO.bytes_per_token,
-                           max_model_len=mml, geometry=GEO, **opts)
-    start = time.perf_counter()
-    result = run(wl, alloc, config)
-    wall = time.perf_counter() - start
-    for _ in range(SHORT_REPEAT - 1 if wall < SHORT_S else 0):
+
+    def timed() -> tuple:
+        """(result, seconds) of one run on a fresh allocator."""
         alloc = make_allocator(kind, capacity=capacity, bytes_per_token=GEO.bytes_per_token,
                                max_model_len=mml, geometry=GEO, **opts)
         start = time.perf_counter()
-        run(wl, alloc, config)
-        wall = min(wall, time.perf_counter() - start)
+        result = run(wl, alloc, config)
+        return result, time.perf_counter() - start
+
+    result, wall = timed()
+    for _ in range(SHORT_REPEAT - 1 if wall < SHORT_S else 0):
+        wall = min(wall, timed()[1])
     events = int(result.summary["events"])
     return {
         "label": label,

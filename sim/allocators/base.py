@@ -52,6 +52,18 @@ def times(a: int, b: int) -> int:
     return a * b
 
 
+def push_clock(heap: list[int], pushed: dict[int, list[int]], clock: int, rid: int) -> None:
+    """Push `rid` at `clock` onto the decode cohort's heaps by clock (`Allocator._done`, the
+    paged allocator's `_pending`): the heap holds each clock once, and `pushed` the rids pushed
+    with it (decoders seldom share a clock, and comparing ints costs less than tuples)."""
+    rids = pushed.get(clock)
+    if rids is None:
+        pushed[clock] = [rid]
+        heappush(heap, clock)
+    else:
+        rids.append(rid)
+
+
 class Reason(str, Enum):
     """Why an allocation was refused."""
 
@@ -564,12 +576,7 @@ class Allocator(ABC):
             self._dec_weight += live.weight
             done = live.final - live.base
             self._done_at[rid] = done
-            rids = self._done_rids.get(done)
-            if rids is None:
-                self._done_rids[done] = [rid]
-                heappush(self._done, done)
-            else:
-                rids.append(rid)
+            push_clock(self._done, self._done_rids, done, rid)
             if self._top_ok:  # the first to be done is this one or the same as before
                 top = self._top
                 if top is None or done < top[0] or (done == top[0] and rid < top[1]):
@@ -577,7 +584,7 @@ class Allocator(ABC):
         else:
             del self._done_at[rid]
             top = self._top
-            if self._top_ok and top is not None and top[1] == rid:  # (another: the same)
+            if self._top_ok and top is not None and top[1] == rid:  # (another leaving: no change)
                 self._top_ok = False
             self._phase_sum -= self._linear(live, live.base)
             self._seq_phase_sum -= times(live.weight, live.base)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
-from heapq import heappop, heappush
+from heapq import heappop
 from typing import Final
 
 import numpy as np
@@ -52,6 +52,7 @@ from kvfrag.sim.allocators.base import (
     Refusal,
     Request,
     positive_int,
+    push_clock,
     times,
 )
 from mypy_extensions import mypyc_attr
@@ -62,7 +63,7 @@ MAX_BLOCK_SIZE = 2**22
 
 
 def _prefix_sums(y: int, bs: int) -> tuple[int, int]:
-    """(sum of floor(t/bs), sum of t*floor(t/bs)) for t in [0, y): one divmod for both, as
+    """(sum of floor(t/bs), sum of t*floor(t/bs)) for t in [0, y): one division for both, as
     `FloorSum.integrate` calls it once per residue at every decode stretch."""
     q = y // bs  # (not divmod: compiled, // and - stay native, divmod is a Python call)
     m = y - q * bs
@@ -173,9 +174,9 @@ class FloorSum:
             return self._integrate_vector(total, k, n, w0, w1, weight)
         res, coefs = self.res, self.coef
         for i in range(len(res)):  # (indices: compiled, a zip is a Python call per stretch)
-            count = coefs[i]
-            whole = (res[i] + k + 1) // bs
-            m0 = res[i] + k + 1 - whole * bs
+            count, x = coefs[i], res[i] + k + 1
+            whole = x // bs
+            m0 = x - whole * bs
             # Both prefix sums vanish below bs (m0 < bs): the sums over [m0, m0 + n) are
             # the ones over [0, m0 + n), the second shifted to count j - 1 from m0. (Up to
             # bs, they are 0: a short stretch, the usual one, needs no call.)
@@ -680,13 +681,8 @@ class PagedAllocator(Allocator):
         # others on as the clock passes them).
         if reach > self._clock:
             if decoding:
-                self._pending_at[rid] = reach
-                rids = self._pending_rids.get(reach)
-                if rids is None:
-                    self._pending_rids[reach] = [rid]
-                    heappush(self._pending, reach)
-                else:
-                    rids.append(rid)  # (maybe again: a rid that left and came back counts once)
+                self._pending_at[rid] = reach  # (a rid that left and came back counts once)
+                push_clock(self._pending, self._pending_rids, reach, rid)
             else:
                 del self._pending_at[rid]
         else:

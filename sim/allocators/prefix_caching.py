@@ -449,15 +449,8 @@ class PrefixCachingAllocator(PagedAllocator):
                 at += 1
                 if seg is None:
                     segs[base] = _Seg(j, [block], 1)
-                    continue
-                a = seg.span(j, 1)
-                ids = seg.ids
-                if ids[a] == -1:
-                    ids[a] = block
-                    seg.count += 1
-                elif ids[a] != block:
-                    self._dups.setdefault(base + j, []).append(block)
-                    seg.dups += 1
+                else:
+                    self._cache_one(seg, seg.span(j, 1), base, j, block)
                 continue
             part = blocks[at : at + n]
             at += n
@@ -473,12 +466,18 @@ class PrefixCachingAllocator(PagedAllocator):
                 seg.count += n
                 continue
             for i in range(n):
-                if ids[a + i] == -1:
-                    ids[a + i] = part[i]
-                    seg.count += 1
-                elif ids[a + i] != part[i]:
-                    self._dups.setdefault(base + j + i, []).append(part[i])
-                    seg.dups += 1
+                self._cache_one(seg, a + i, base, j + i, part[i])
+
+    def _cache_one(self, seg: _Seg, a: int, base: int, j: int, block: int) -> None:
+        """Block j of segment `base` (at ids[a]) joins the cache: the one found under its key
+        if none is cached there yet, else a younger duplicate."""
+        ids = seg.ids
+        if ids[a] == -1:
+            ids[a] = block
+            seg.count += 1
+        elif ids[a] != block:
+            self._dups.setdefault(base + j, []).append(block)
+            seg.dups += 1
 
     def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
