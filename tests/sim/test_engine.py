@@ -573,3 +573,66 @@ def test_a_prompt_over_max_model_len_is_rejected_not_waited_for(chunked):
                                         max_model_len=128, block_size=16), cfg)
     assert slow["requests"][1]["status"] == "rejected"
     assert slow["time"] == pytest.approx(result.summary["sim_time_s"], rel=1e-12)
+
+
+# ------------------------------------------------------------------ time-series chunks
+def _rows_frame(rows: list[tuple]) -> pd.DataFrame:
+    """What the time series must be: the rows as pandas makes them, parts float64 where any
+    row's parts are floats (a decode stretch's), int64 otherwise."""
+    from kvfrag.sim.engine import _SERIES
+
+    frame = pd.DataFrame(rows, columns=list(_SERIES))
+    kinds = {"t_s": "float64", "dt_s": "float64", "iterations": "int64", "running": "int64",
+             "waiting": "int64", "largest_hole_bytes": "int64", "frag_blocked": "bool"}
+    return frame.astype(kinds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.booleans(),  # a stretch's row: parts are floats
+            st.lists(st.integers(0, 2**50), min_size=5, max_size=5),
+            st.integers(0, 2**50),
+            st.booleans(),
+        ),
+        max_size=40,
+    ),
+    cuts=st.sets(st.integers(0, 40)),
+)
+def test_rows_in_chunks_equal_rows_at_once(rows, cuts):
+    """_Rows converts its rows in chunks (each chunk's parts int64 or float64); wherever the
+    chunks are cut, the frame equals the rows converted at once, values and dtypes."""
+    from kvfrag.sim.engine import _Rows
+
+    chunked, expected = _Rows(), []
+    for i, (stretch, parts, hole, blocked) in enumerate(rows):
+        if i in cuts:
+            chunked.flush()
+        values = [p / 3 for p in parts] if stretch else parts
+        if stretch:
+            chunked.stretches = True
+        row = (i * 0.5, 0.25 + i, i % 3, i, 2 * i, *values, hole, blocked)
+        for column, value in zip(
+            ("t", "dt", "iterations", "running", "waiting", "p0", "p1", "p2", "p3", "p4",
+             "hole", "blocked"), row, strict=True,
+        ):
+            getattr(chunked, column).append(value)
+        expected.append(row)
+    frame = chunked.frame()
+    if not rows:
+        assert frame.empty and list(frame.columns) == list(_rows_frame([]).columns)
+        return
+    want = _rows_frame(expected)
+    if not any(stretch for stretch, *_ in rows):
+        want = want.astype(dict.fromkeys((f"{p}_bytes" for p in PARTS), "int64"))
+    pd.testing.assert_frame_equal(frame, want, check_exact=True)
+
+
+def test_engine_refuses_a_budget_beyond_what_it_models():
+    """The time series keeps byte counts exact (int64, float64 beside averages: below 2**53):
+    an allocator over 1 PiB, which no scenario can ask for, is refused by name."""
+    alloc = make_allocator("contiguous", capacity=2**51, bytes_per_token=4, max_model_len=64)
+    workload = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [4], "output_tokens": [2]})
+    with pytest.raises(ValueError, match=r"capacity 2\.0 PiB is larger than kvfrag models"):
+        run(workload, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
