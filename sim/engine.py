@@ -287,8 +287,9 @@ class _Arrivals:
 
 
 #: Time-series rows gathered as Python numbers before they become numpy columns (`_Rows`): a
-#: chunk's objects, about 400 KiB, are still in cache when converted.
-_ROWS_PER_CHUNK = 1024
+#: chunk's objects, about 1.5 MiB, are still in cache when converted (1,024-row chunks were a
+#: little faster still, but their many small arrays cost 17 MiB more at a million requests).
+_ROWS_PER_CHUNK = 4096
 _SERIES = (
     "t_s",
     "dt_s",
@@ -1033,8 +1034,8 @@ class _Rows:
     every `_ROWS_PER_CHUNK` rows. A list append is the cheapest store a compiled loop has (a
     typed array's append parses its argument: more instructions per event in all), and a
     chunk is converted, and its objects freed, while they are still in cache: converting a
-    whole run's rows at its end took 40-57 ms of a 0.2-0.3 s run (bench/naive_peer.py's
-    1,000-token case, 22,469 rows), in chunks 7-9 ms. The chunks take 8 bytes a value. The
+    whole run's rows at its end took 28-70 ms of a 0.2-0.3 s run (bench/naive_peer.py's
+    1,000-token case, 22,469 rows), in chunks 11 ms. The chunks take 8 bytes a value. The
     parts are float64 in a chunk with a decode stretch's row (time averages), int64 in one
     without (byte counts), float64 once joined with such a chunk: exact, as the engine takes
     no budget over 1 PiB (below 2**53 bytes)."""
@@ -1053,14 +1054,14 @@ class _Rows:
         self.hole: list[int] = []
         self.blocked: list[bool] = []
         self.stretches = False  # a decode stretch's row is in this chunk: its parts are floats
-        self.chunks: list[tuple[np.ndarray, ...]] = []  # the rows converted so far
+        self.chunks: list[list[np.ndarray]] = [[] for _ in _SERIES]  # by column, converted
 
     def flush(self) -> None:
         """The rows gathered since the last flush become a chunk of numpy columns."""
         if not self.t:
             return
         parts = np.float64 if self.stretches else np.int64
-        self.chunks.append((
+        columns = (
             np.array(self.t, dtype=np.float64),
             np.array(self.dt, dtype=np.float64),
             np.array(self.iterations, dtype=np.int64),
@@ -1069,21 +1070,26 @@ class _Rows:
             *(np.array(v, dtype=parts) for v in (self.p0, self.p1, self.p2, self.p3, self.p4)),
             np.array(self.hole, dtype=np.int64),
             np.array(self.blocked, dtype=np.bool_),
-        ))
+        )
+        for chunks, column in zip(self.chunks, columns, strict=True):
+            chunks.append(column)
         for rows in (self.t, self.dt, self.iterations, self.running, self.waiting, self.p0,
                      self.p1, self.p2, self.p3, self.p4, self.hole, self.blocked):
             rows.clear()
         self.stretches = False
 
     def frame(self) -> pd.DataFrame:
+        """The rows as a frame (taking the chunks: this empties the rows). Each column is
+        joined and its chunks dropped in turn, and the frame holds the joined arrays as
+        they are (no copy): at its peak, memory holds the series once and one column."""
         self.flush()
-        chunks = self.chunks
-        if not chunks:
+        if not self.chunks[0]:
             return pd.DataFrame([], columns=list(_SERIES))
-        columns = chunks[0] if len(chunks) == 1 else tuple(
-            np.concatenate([chunk[k] for chunk in chunks]) for k in range(len(_SERIES))
-        )
-        return pd.DataFrame(dict(zip(_SERIES, columns, strict=True)))
+        columns: dict[str, np.ndarray] = {}
+        for name, chunks in zip(_SERIES, self.chunks, strict=True):
+            columns[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            chunks.clear()
+        return pd.DataFrame(columns, copy=False)
 
 
 def _stats(values: pd.Series) -> dict[str, float]:
@@ -1132,7 +1138,9 @@ class _Inputs:
             return array("q", col.to_numpy(dtype=np.int64).tobytes())
 
         self.rid = ints("request_id", 0) if "request_id" in workload else array("q", range(n))
-        if len(set(self.rid)) != n:
+        # (the checks over every request in numpy: a loop over array items boxes each one,
+        # about half a second at a million requests)
+        if len(np.unique(np.frombuffer(self.rid, dtype=np.int64))) != n:
             raise ValueError("workload request ids are not unique")
         self.arrival = array("d", workload["arrival_s"].to_numpy(dtype=float).tobytes())
         self.prompt = ints("prompt_tokens", 0)
@@ -1142,13 +1150,16 @@ class _Inputs:
         self.think = (array("d", workload["think_s"].to_numpy(dtype=float).tobytes())
                       if "think_s" in workload else None)
         samples, beams = ints("n", 1), ints("beam_width", 1)
-        for i in range(n):
-            if samples[i] > 1 and beams[i] > 1:
-                raise ValueError(f"request {self.rid[i]}: n and beam_width are both above 1")
+        several = np.frombuffer(samples, dtype=np.int64) > 1
+        wide = np.frombuffer(beams, dtype=np.int64) > 1
+        both = np.flatnonzero(several & wide)
+        if len(both):
+            i = int(both[0])
+            raise ValueError(f"request {self.rid[i]}: n and beam_width are both above 1")
         self.samples, self.beams = samples, beams
         self.hashes = workload["hash_ids"].to_numpy() if "hash_ids" in workload else None
         self.chunk = int(workload.attrs.get("hash_block_tokens", 0) or 0)
-        self.groups = any(k > 1 for k in samples) or any(w > 1 for w in beams)
+        self.groups = bool(several.any() or wide.any())
 
     def __len__(self) -> int:
         return self.n

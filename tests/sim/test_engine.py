@@ -636,3 +636,21 @@ def test_engine_refuses_a_budget_beyond_what_it_models():
     workload = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [4], "output_tokens": [2]})
     with pytest.raises(ValueError, match=r"capacity 2\.0 PiB is larger than kvfrag models"):
         run(workload, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
+
+
+@pytest.mark.parametrize(
+    ("columns", "message"),
+    [
+        ({"request_id": [3, 5, 3]}, r"^workload request ids are not unique$"),
+        ({"request_id": [3, 5, 7], "n": [1, 2, 2], "beam_width": [1, 1, 3]},
+         r"^request 7: n and beam_width are both above 1$"),
+    ],
+)
+def test_engine_names_what_is_wrong_with_its_workload(columns, message):
+    """The engine's own checks over every request (a workload built by hand, not through
+    `workloads`, which checks the same): the request named, nothing run."""
+    workload = pd.DataFrame({"arrival_s": [0.0, 1.0, 2.0], "prompt_tokens": [4, 4, 4],
+                             "output_tokens": [2, 2, 2], **columns})
+    alloc = make_allocator("paged", capacity=2**20, bytes_per_token=4, max_model_len=64)
+    with pytest.raises(ValueError, match=message):
+        run(workload, alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64))
