@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -224,15 +225,29 @@ def test_wait_takes_the_lock_when_it_is_released(tmp_path):
     cmd = [sys.executable, "-m", "kvfrag.cli", "run", str(QUICK), "-o", str(out), *FAST,
            "--wait"]
     waiter = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert waiter.stderr is not None
+    said: list[str] = []
+    heard = threading.Event()  # it said it waits, or it ended
+    message = f"waiting for process {holder.pid}"
+
+    def listen() -> None:  # (its start-up is slow on a loaded machine: wait for its word)
+        for line in waiter.stderr:
+            said.append(line)
+            if message in line:
+                heard.set()
+        heard.set()
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
     try:
-        time.sleep(1.0)
-        assert waiter.poll() is None, "did not wait"
-        assert not out.exists()
+        assert heard.wait(timeout=120) and any(message in line for line in said), (
+            f"did not wait: {''.join(said)}"
+        )
+        assert waiter.poll() is None and not out.exists()
     finally:
         _release(holder)
-    _, err = waiter.communicate(timeout=120)
-    assert waiter.returncode == 0, err
-    assert f"waiting for process {holder.pid}" in err
+    assert waiter.wait(timeout=120) == 0, "".join(said)
+    listener.join(timeout=30)
     assert (out / "summary.csv").is_file() and _siblings(out) == []
 
 
