@@ -1,7 +1,7 @@
 """The serving engine: a workload replayed against one allocator, continuously batched.
 
-A thin SimPy layer. One process runs the serving loop; SimPy keeps the clock. Each turn of
-the loop is one *segment*: either a single iteration in which something other than decoding
+A thin SimPy layer. The serving loop is a chain of SimPy timeouts, each calling the loop back
+when it fires; SimPy keeps the clock. Each turn of the loop is one *segment*: either a single iteration in which something other than decoding
 happens (admissions, prefill chunks), or a stretch of decode-only iterations that ends at the
 next event: a completion, an arrival that could be admitted (not one queueing behind a
 waiting FCFS head), or the moment a decoder needs a block and none is free (prefix caching
@@ -381,6 +381,8 @@ class Engine:
         self.logged: dict[int, tuple[int, int, int, tuple[int, ...] | None]] = {}
         # progress(requests finished or rejected, requests): see `run`
         self.progress = progress
+        self.turns = 0  # turns of the serving loop, and when progress was last reported
+        self.reported = time.monotonic()
         self.retired = 0  # requests retired (completed and released, or rejected)
 
     # ------------------------------------------------------------------ set-up
@@ -409,21 +411,39 @@ class Engine:
 
     # -------------------------------------------------------------------- loop
     def run(self) -> RunResult:
-        self.env.process(self._serve())
+        # The serving loop is a chain of SimPy timeouts, each calling back into the loop when
+        # it fires (`_turn`): as a process, every event would also go through SimPy's
+        # interpreted `_resume` and a generator's send (a bare loop of timeouts here: 0.85-1.2
+        # us per event as a process, 0.69-0.88 us as callbacks).
+        self.env.timeout(0).callbacks.append(self._waited)
         self.env.run()
         if self.progress is not None:
             self.progress(len(self.inputs), len(self.inputs))
         return self._result()
 
-    def _serve(self):
-        env, cfg = self.env, self.cfg
-        progress, turns, reported = self.progress, 0, time.monotonic()
+    def _waited(self, _event: object) -> None:
+        """A wait for the next arrival ended (or the run starts)."""
+        self.now = self.env.now
+        self._turn()
+
+    def _iterated(self, _event: object) -> None:
+        """An iteration, or a decode stretch, ended."""
+        self.now = self.env.now
+        self._sync_log()
+        self._end_iteration()
+        self._turn()
+
+    def _turn(self) -> None:
+        """The serving loop from now to its next timeout (which calls back when it fires), or
+        to the end of the run."""
+        env, cfg, progress = self.env, self.cfg, self.progress
         while True:
             if progress is not None:  # the clock is read once in PROGRESS_TURNS turns only
-                turns += 1
-                if not turns % PROGRESS_TURNS and time.monotonic() - reported >= PROGRESS_S:
+                self.turns += 1
+                due = not self.turns % PROGRESS_TURNS
+                if due and time.monotonic() - self.reported >= PROGRESS_S:
                     progress(self.retired, len(self.inputs))
-                    reported = time.monotonic()
+                    self.reported = time.monotonic()
             self._release_arrivals(self.now)
             if cfg.max_time_s is not None and self.now >= cfg.max_time_s:
                 self.stopped = True
@@ -435,9 +455,8 @@ class Engine:
                 if cfg.max_time_s is not None:
                     wait = min(wait, cfg.max_time_s - self.now)
                 self._record(wait, 0)
-                yield env.timeout(wait)
-                self.now = env.now
-                continue
+                env.timeout(wait).callbacks.append(self._waited)
+                return
             self.preempted_now = False
             self.prefill_attn_s = 0.0
             self._ensure_decode_room()
@@ -453,20 +472,15 @@ class Engine:
                 # A compaction during admission stalls every running request.
                 dt = self._iteration_time(decoders + prefill_tokens)[0] + self.alloc.take_stall()
                 self._record(dt, 1)
-                yield env.timeout(dt)
-                self.now = env.now
-                self._sync_log()
-                self._end_iteration()
-                continue
+                env.timeout(dt).callbacks.append(self._iterated)
+                return
             # Decode only: this iteration and as many more as nothing happens.
             n, w0, w1, duration = self._stretch(decoders)
             self._record_stretch(n, w0, w1, duration)
             if n > 1:
                 self.alloc.advance(n - 1)  # n is within steps_until_done and _full
-            yield env.timeout(duration)
-            self.now = env.now
-            self._sync_log()
-            self._end_iteration()
+            env.timeout(duration).callbacks.append(self._iterated)
+            return
 
     # -------------------------------------------------------------- arrivals
     def _release_arrivals(self, now: float) -> None:

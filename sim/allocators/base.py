@@ -311,6 +311,9 @@ class Allocator(ABC):
         self.bytes_per_token = positive_int("bytes_per_token", bytes_per_token)
         self.max_model_len = positive_int("max_model_len", max_model_len)
         self._live: dict[int, Live] = {}
+        # The request last looked up by rid: the engine asks several things of one request
+        # in a row, and a dict lookup boxes the rid each time (compiled, a new int object).
+        self._last: Live | None = None
         self._clock = 0  # decode steps taken so far
         self._fixed_tokens = 0  # stored tokens of non-decoding requests
         self._phase_sum = 0  # sum of stored(c) over decoding requests: n*c less shared
@@ -636,6 +639,8 @@ class Allocator(ABC):
         self._fixed_tokens -= self._stored(live, live.base)
         self._fixed_seq -= live.weight * live.base
         del self._live[rid]
+        if self._last is live:
+            self._last = None
         self.frees += 1
         return nbytes
 
@@ -802,10 +807,15 @@ class Allocator(ABC):
         return usable * weight, (self.capacity - self._allocated_total() - usable) * weight
 
     def _get(self, rid: int) -> Live:
+        last = self._last
+        if last is not None and last.req.rid == rid:
+            return last
         try:
-            return self._live[rid]
+            live = self._live[rid]
         except KeyError:
             raise ValueError(f"request {rid} is not live") from None
+        self._last = live
+        return live
 
     def __repr__(self) -> str:
         return (

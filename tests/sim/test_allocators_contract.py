@@ -582,3 +582,19 @@ def test_paged_grow_and_step_refusals_change_nothing(block_size):
     assert a.steps_until_full() is None and a.step(5)
     assert a.tokens(0) == 3 * block_size
     checked(a, probe)
+
+
+@by_config
+def test_a_request_freed_and_admitted_again_is_the_new_one(kind, opts):
+    """Lookups by rid remember the request last asked about: a rid freed and admitted again
+    (a preemption, then the re-admission) must be answered from its new state."""
+    a = build(kind, opts, 3 * 4096 + 1, 3, 64)
+    a.admit(Request(4, 10, 9))
+    a.admit(Request(6, 8, 2))
+    assert a.tokens(4) == 10 and a.final_tokens(4) == 19
+    a.free(4)
+    with pytest.raises(ValueError, match="request 4 is not live"):
+        a.tokens(4)
+    a.admit(Request(4, 20, 5), tokens=12, decoding=False)
+    assert (a.tokens(4), a.final_tokens(4), a.is_decoding(4)) == (12, 25, False)
+    assert a.tokens(6) == 8 and a.tokens(4) == 12
