@@ -953,7 +953,7 @@ class Engine:
         for r in list(self.made.values()):  # running, waiting, or held when the run stopped
             out.store(r)
         requests = out.frame(at_end, moved=self.track_moves and alloc.compactions > 0)
-        timeseries, self.rows = self.rows.frame(), _Rows()
+        timeseries = self.rows.frame()  # (which empties the rows)
         log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
         return RunResult(self._summary(requests, timeseries), timeseries, requests, log)
 
@@ -1090,10 +1090,14 @@ class _Rows:
         )
         for chunks, column in zip(self.chunks, columns, strict=True):
             chunks.append(column)
-        for rows in (self.t, self.dt, self.iterations, self.running, self.waiting, self.p0,
-                     self.p1, self.p2, self.p3, self.p4, self.hole, self.blocked):
+        for rows in self.columns():
             rows.clear()
         self.stretches = False
+
+    def columns(self) -> tuple[list, ...]:
+        """The lists gathering rows, in _SERIES order."""
+        return (self.t, self.dt, self.iterations, self.running, self.waiting, self.p0, self.p1,
+                self.p2, self.p3, self.p4, self.hole, self.blocked)
 
     def frame(self) -> pd.DataFrame:
         """The rows as a frame (taking the chunks: this empties the rows). Each column is

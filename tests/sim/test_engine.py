@@ -613,11 +613,8 @@ def test_rows_in_chunks_equal_rows_at_once(rows, cuts):
         if stretch:
             chunked.stretches = True
         row = (i * 0.5, 0.25 + i, i % 3, i, 2 * i, *values, hole, blocked)
-        for column, value in zip(
-            ("t", "dt", "iterations", "running", "waiting", "p0", "p1", "p2", "p3", "p4",
-             "hole", "blocked"), row, strict=True,
-        ):
-            getattr(chunked, column).append(value)
+        for column, value in zip(chunked.columns(), row, strict=True):
+            column.append(value)
         expected.append(row)
     frame = chunked.frame()
     if not rows:
