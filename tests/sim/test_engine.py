@@ -6,6 +6,7 @@ no stretches, no closed forms. The fast engine must agree with it record for rec
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import replace
 
@@ -252,6 +253,48 @@ def test_determinism():
     pd.testing.assert_frame_equal(a.requests, b.requests)
     pd.testing.assert_frame_equal(a.timeseries, b.timeseries)
     assert a.summary == b.summary
+
+
+
+@pytest.mark.parametrize(("kind", "opts"), ALLOCATORS)
+def test_run_makes_little_cyclic_garbage_and_restores_the_collector(kind, opts):
+    """The engine pauses the cyclic collector for a run, which is sound only while a run makes
+    (almost) no cyclic garbage: what a collection finds after it must not grow with the
+    workload. The collector's state is left as found."""
+
+    def garbage(n: int) -> int:
+        wl = random_workload(7, n, max_prompt=200, max_output=100, rate=5.0)
+        alloc = make_allocator(kind, capacity=3000 * 96, bytes_per_token=96, max_model_len=512,
+                               **opts)
+        gc.collect()
+        result = run(wl, alloc, EngineConfig(max_num_batched_tokens=1024))
+        assert gc.isenabled()
+        assert result.summary["completed"] > 0
+        del result, alloc
+        return gc.collect()
+
+    small, large = garbage(20), garbage(400)
+    assert large <= small + 20, (small, large)
+    gc.disable()
+    try:
+        wl = random_workload(8, 10, max_prompt=50, max_output=20, rate=5.0)
+        run(wl, make_allocator(kind, capacity=3000 * 96, bytes_per_token=96,
+                               max_model_len=512, **opts))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_stopped_run_restores_the_collector():
+    wl = random_workload(9, 200, max_prompt=200, max_output=500, rate=5.0)
+    alloc = make_allocator("paged", capacity=3000 * 64, bytes_per_token=64, max_model_len=512)
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(wl, alloc, EngineConfig(max_num_batched_tokens=1024), progress=stop)
+    assert gc.isenabled()
 
 
 NAMING = [(k, o) for k, o in ALLOCATORS if k in ("paged", "prefix-caching", "vattention")]
