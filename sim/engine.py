@@ -420,11 +420,11 @@ class Engine:
         # us per event as a process, 0.69-0.88 us as callbacks).
         #
         # The cyclic garbage collector is paused for the run (and its previous state restored):
-        # the run makes next to no cyclic garbage (a few dozen objects, whatever its length:
-        # tests/sim/test_engine.py), but a long queue keeps hundreds of thousands of requests
-        # alive, which every full collection walks again (1,000,000 requests on worst-case
-        # slabs: 12 full collections, 18 % of the run). Reference counting still frees
-        # everything else as it goes; the cycles wait for the next collection after the run.
+        # the run makes next to no cyclic garbage (8 objects, whatever its length and allocator:
+        # tests/sim/test_engine.py holds it), but a long queue keeps hundreds of thousands of
+        # requests alive, which every full collection walks again (1,000,000 requests on
+        # worst-case slabs: 12 full collections, 18 % of the run). Reference counting still
+        # frees everything else as it goes; the cycles wait for the next collection after it.
         collecting = gc.isenabled()
         gc.disable()
         try:

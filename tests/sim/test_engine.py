@@ -255,7 +255,6 @@ def test_determinism():
     assert a.summary == b.summary
 
 
-
 @pytest.mark.parametrize(("kind", "opts"), ALLOCATORS)
 def test_run_makes_little_cyclic_garbage_and_restores_the_collector(kind, opts):
     """The engine pauses the cyclic collector for a run, which is sound only while a run makes
