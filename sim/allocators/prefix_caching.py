@@ -84,7 +84,6 @@ assemble the per-block maps, for checks.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import deque
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
@@ -119,11 +118,12 @@ class _Keys:
 
     __slots__ = ("_ends", "runs", "size")
 
-    def __init__(self, runs: list[tuple[int, int, int, int]]) -> None:
+    def __init__(self, runs: list[tuple[int, int, int, int]], size: int = -1) -> None:
         self.runs = runs
-        size = 0
-        for run in runs:
-            size += run[2]
+        if size < 0:  # (not known to the caller)
+            size = 0
+            for run in runs:
+                size += run[2]
         self.size = size
         self._ends: list[int] | None = None  # position after each run, once asked
 
@@ -141,18 +141,31 @@ class _Keys:
                 at += run[2]
                 ends.append(at)
             self._ends = ends
-        i = bisect_right(ends, start)
-        return i, ends[i - 1] if i else 0
+        lo, hi = 0, len(ends)  # (bisect_right, inline: compiled, no call)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ends[mid] > start:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, ends[lo - 1] if lo else 0
 
     def slice(self, start: int, end: int) -> _Keys:
         """Keys at positions start..end-1 (those of them there are)."""
+        if end >= self.size:  # (a tail from a run's start is a slice of the runs: usual)
+            if not start:
+                return self  # (runs are never changed in place)
+            r, at = self.first_run(start)
+            if at == start:
+                return _Keys(self.runs[r:], self.size - start)
         count = min(end, self.size) - start
         spans = self.spans(start, count) if count > 0 else []
         # (a span gives its lowest block index: a run lists its keys from its highest down)
         return _Keys([(b, j if s > 0 else j + n - 1, n, s) for b, j, n, s in spans])
 
     def reversed(self) -> _Keys:
-        return _Keys([(b, j + s * (n - 1), n, -s) for b, j, n, s in reversed(self.runs)])
+        runs = [(b, j + s * (n - 1), n, -s) for b, j, n, s in reversed(self.runs)]
+        return _Keys(runs, self.size)
 
     def __getitem__(self, pos: int) -> Key:
         base, j, _, _ = self.at(pos)
@@ -218,9 +231,11 @@ class _Seg:
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Run:
-    """Idle blocks that one free gave back, in LRU order, with their keys. Evictions take
-    them from `pos` on; a block found again by a lookup leaves the run (`gone` counts those
-    past `pos`, which the idle map no longer sends to this run)."""
+    """Idle blocks that one free gave back, with their keys, in the order of the request's
+    table: the LRU order is from the last (a request's blocks are freed last first).
+    Evictions take them from the end, `pos` of them taken; a block found again by a lookup
+    leaves the run (`gone` counts those not taken yet, which the idle map no longer sends to
+    this run)."""
 
     __slots__ = ("gone", "ids", "keys", "pos")
 
@@ -265,6 +280,8 @@ class PrefixCachingAllocator(PagedAllocator):
         self._keys_of: dict[int, _Keys] = {}  # rid -> keys of its named prompt blocks
         self._evicted: dict[int, None] = {}  # ids of idle blocks evicted since last asked
         self._last_keys: tuple[Request | None, _Keys] = (None, _Keys([]))  # block_keys' last
+        self._version = 0  # counts blocks joining or leaving the cache, for `_found`
+        self._last_walk: tuple[Request | None, int, int, list[int]] = (None, 0, 0, [])
         self._uses = 0  # users summed over the cached blocks in use
         self._asked: dict[int, int] = {}  # rid -> tokens to prefill it was last looked up with
         self.lookups = 0  # full blocks looked up at admissions (up to the cap)
@@ -303,7 +320,7 @@ class PrefixCachingAllocator(PagedAllocator):
         keys = named.slice(start, end)
         first = max(start, len(named))
         if end > first:
-            return _Keys([*keys.runs, (_own_base(rid), first, end - first, 1)])
+            return _Keys([*keys.runs, (_own_base(rid), first, end - first, 1)], end - start)
         return keys
 
     def _walk(self, req: Request, named: _Keys, cap: int) -> list[int]:
@@ -326,6 +343,20 @@ class PrefixCachingAllocator(PagedAllocator):
                 break
         return found
 
+    def _found(self, req: Request, named: _Keys, cap: int) -> list[int]:
+        """`_walk`, remembered while no block joins or leaves the cache: the engine asks the
+        same of the waiting head three times (its hits, the bytes it needs, its admission).
+        The list is shared: not to be changed."""
+        last_req, last_cap, version, found = self._last_walk
+        if last_req is req and version == self._version:
+            if cap <= len(found):  # (a leading part of what it found)
+                return found if cap == len(found) else found[:cap]
+            if len(found) < last_cap:  # the block it did not find ends any longer walk too
+                return found
+        found = self._walk(req, named, cap)
+        self._last_walk = (req, cap, self._version, found)
+        return found
+
     def _cap(self, req: Request, named: _Keys, tokens: int) -> int:
         """Blocks a lookup may find for a request with `tokens` tokens to prefill: whole
         blocks of at most tokens - 1 (the last token is always computed); a group's capped
@@ -341,12 +372,12 @@ class PrefixCachingAllocator(PagedAllocator):
         # Remembered for the admission's count of blocks looked up (a first chunk stores
         # fewer tokens than the request has to prefill).
         self._asked[req.rid] = tokens
-        return len(self._walk(req, named, self._cap(req, named, tokens))) * self.block_size
+        return len(self._found(req, named, self._cap(req, named, tokens))) * self.block_size
 
     def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
         """The paged blocks past the cached prefix, and the idle cached blocks of the prefix
         (taken back from the free memory, as vLLM counts them)."""
-        found = self._walk(req, self.block_keys(req), hit // self.block_size)
+        found = self._found(req, self.block_keys(req), hit // self.block_size)
         revived = sum(1 for b in found if self._idle_run(b))
         return super().admission_bytes(req, tokens, hit) + revived * self.block_bytes
 
@@ -440,9 +471,19 @@ class PrefixCachingAllocator(PagedAllocator):
     def _cache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks join the cache under their keys (distinct), each after any cached already.
         The blocks' keys are those at positions start.. of `keys`."""
-        segs = self._segs
-        at = 0
-        for base, j, n, step in keys.spans(start, len(blocks)):  # (blocks sliced only for n > 1)
+        segs, runs = self._segs, keys.runs
+        r, skip = keys.first_run(start)
+        skip = start - skip  # (keys of the first run before `start`)
+        at, count = 0, len(blocks)
+        self._version += 1
+        while at < count:  # (keys.spans(start, count), without making them)
+            base, j, n, step = runs[r]
+            r += 1
+            n -= skip
+            if n > count - at:
+                n = count - at
+            j = j + skip if step > 0 else j - skip - n + 1  # (the span's lowest block index)
+            skip = 0
             seg = segs.get(base)
             if n == 1:  # (a chunk of one block: large blocks)
                 block = blocks[at]
@@ -482,13 +523,27 @@ class PrefixCachingAllocator(PagedAllocator):
     def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
         blocks' keys are those at positions start.. of `keys`."""
-        segs, dups = self._segs, self._dups
-        at = 0
-        for base, j, n, step in keys.spans(start, len(blocks)):  # (no blocks sliced)
+        segs, dups, runs = self._segs, self._dups, keys.runs
+        r, skip = keys.first_run(start)
+        skip = start - skip  # (keys of the first run before `start`)
+        at, count = 0, len(blocks)
+        self._version += 1
+        while at < count:  # (keys.spans(start, count), without making them)
+            base, j, n, step = runs[r]
+            r += 1
+            n -= skip
+            if n > count - at:
+                n = count - at
+            j = j + skip if step > 0 else j - skip - n + 1  # (the span's lowest block index)
+            skip = 0
             seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
             if not seg.dups:  # each the only one under its key: the blocks are ids[a : a + n]
+                if n == seg.count:  # (the usual: a chunk's blocks all go at once)
+                    del segs[base]
+                    at += n
+                    continue
                 if n == 1:  # (a chunk of one block: large blocks)
                     ids[a] = -1
                 else:
@@ -553,7 +608,7 @@ class PrefixCachingAllocator(PagedAllocator):
         return {
             block: None
             for run in self._runs
-            for block in run.ids[run.pos :]
+            for block in reversed(run.ids[: len(run.ids) - run.pos])
             if self._idle_run(block) is run
         }
 
@@ -586,7 +641,8 @@ class PrefixCachingAllocator(PagedAllocator):
             named = self._keys_between(rid, self._keys_of[rid], 0, len(held)).listed()
             keys.update(zip(held, named, strict=True))
         for run in self._runs:
-            for block, key in zip(run.ids[run.pos :], run.keys.listed()[run.pos :], strict=True):
+            left = len(run.ids) - run.pos
+            for block, key in zip(run.ids[:left], run.keys.listed()[:left], strict=True):
                 if self._idle_run(block) is run:
                     keys[block] = key
         return keys
@@ -625,7 +681,7 @@ class PrefixCachingAllocator(PagedAllocator):
         # `tokens` <= the tokens to prefill, and > the hits the engine found with that cap:
         # capping at tokens - 1 finds them again.
         cap = self._cap(req, named, tokens)
-        found = self._walk(req, named, cap)
+        found = self._found(req, named, cap)
         revived = sum(1 for b in found if self._idle_run(b))
         need = super()._blocks_at(live, tokens) - len(found) + revived
         if need > self.free_blocks():
@@ -642,7 +698,7 @@ class PrefixCachingAllocator(PagedAllocator):
                 self._shared[block] = self._shared.get(block, 0) + 1
                 self._shared_at[block] = i  # (a block's key fixes its position in a table)
         self._keys_of[req.rid] = named
-        self._held[req.rid] = found
+        self._held[req.rid] = list(found)  # (a copy: `_found` may hand out the same list)
         k = self._filled(live, tokens)
         live.cached = (len(found) + k) * bs
         private = self._blocks_at(live, tokens)
@@ -688,7 +744,6 @@ class PrefixCachingAllocator(PagedAllocator):
         # share.
         own_keys = self._keys_between(rid, named, len(held), len(held) + len(own))
         self._cache(own, own_keys)
-        blocks = own[::-1]
         self._uses -= len(held)
         shared, at = self._shared, self._shared_at
         # Its blocks others use too: as usual a leading run of them (a common prefix), found
@@ -706,14 +761,16 @@ class PrefixCachingAllocator(PagedAllocator):
                     shared[block] -= 1
                 else:
                     del shared[block], at[block]
-            blocks += held[: lead - 1 : -1] if lead else held[::-1]  # the others go, last first
-            # (its own blocks follow those it held: the keys of both, last first, are one range)
-            keys = self._keys_between(rid, named, lead, end + len(own)).reversed()
+            if lead:
+                del held[:lead]
+            held += own  # the others go, with its own blocks (which follow those it held:
+            blocks = held  # the keys of both are one range)
+            keys = self._keys_between(rid, named, lead, end + len(own))
             self._in_use -= end - lead
         else:
-            runs = own_keys.reversed().runs
+            blocks, runs = [], []
             pairs = self._keys_between(rid, named, 0, end).pairs()
-            for block, (base, j) in zip(reversed(held), reversed(pairs), strict=True):
+            for block, (base, j) in zip(held, pairs, strict=True):
                 extra = shared.get(block)
                 if extra is None:
                     blocks.append(block)
@@ -723,7 +780,8 @@ class PrefixCachingAllocator(PagedAllocator):
                     shared[block] = extra - 1
                 else:
                     del shared[block], at[block]
-            keys = _Keys(runs)
+            blocks += own
+            keys = _Keys(runs + own_keys.runs, len(blocks))
         self._go_idle(blocks, keys)
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
@@ -766,22 +824,26 @@ class PrefixCachingAllocator(PagedAllocator):
                 runs.popleft()
                 self._dead -= 1
                 continue
-            start = run.pos
+            ids = run.ids
+            top = len(ids) - run.pos  # (its blocks not taken yet: ids[:top])
             if not run.gone:  # the run's next `over` blocks
-                end = min(start + over, len(run.ids))
-                blocks, keys, first = run.ids[start:end], run.keys, start
+                end = max(top - over, 0)
+                listed = ids[end:top]
+                self._uncache(listed, run.keys, end)
+                listed.reverse()  # (least recently freed first)
+                blocks = listed
             else:  # skipping the ones found again since
-                blocks, end = [], start
+                blocks, end = [], top
                 picked: list[tuple[int, int, int, int]] = []
-                while len(blocks) < over and end < len(run.ids):
-                    if run_of[run.ids[end]] is run:
-                        blocks.append(run.ids[end])
+                while len(blocks) < over and end > 0:
+                    end -= 1
+                    if run_of[ids[end]] is run:
+                        blocks.append(ids[end])
                         picked.append(run.keys.at(end))
                     else:
                         run.gone -= 1
-                    end += 1
-                keys, first = _Keys(picked), 0
-            run.pos = end
+                self._uncache(blocks, _Keys(picked, len(picked)))
+            run.pos = len(ids) - end
             if not run.live():
                 runs.popleft()
             for block in blocks:
@@ -789,7 +851,6 @@ class PrefixCachingAllocator(PagedAllocator):
             if not self._deferred:  # (nobody takes them otherwise)
                 evicted.update(dict.fromkeys(blocks))
             self._idle_blocks -= len(blocks)
-            self._uncache(blocks, keys, first)
             self._stack.extend(blocks)  # their bytes are dropped
             self.evictions += len(blocks)
             over -= len(blocks)
