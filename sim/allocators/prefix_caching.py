@@ -79,9 +79,8 @@ looking up and evicting a chunk's blocks are slice operations on lists. Little e
 per block: the blocks several requests use (`_shared`: one user is the rule and needs no entry),
 and the idle blocks as the runs that frees gave back, each in its request's table order (`_Run`,
 found by id in `_run_of`), which evictions consume from the oldest run's end (a request's blocks
-are freed last first). A run's keys are then its request's key runs, or a slice of their list,
-never a reversed copy. `_refs`, `_idle`, `_cached` and `_key` assemble the per-block maps, for
-checks.
+are freed last first). A run's keys are then its request's key runs, or a slice of their list.
+`_refs`, `_idle`, `_cached` and `_key` assemble the per-block maps, for checks.
 
 What is still per block costs about as much as the rest: an idle block's run is written into
 `_run_of` when it is freed and cleared when it is evicted (a compiled loop, ~60 instructions a
@@ -118,15 +117,15 @@ def _own_base(rid: int) -> Key:
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Keys:
-    """A sequence of keys described by runs, not listed: (base, j, n, step) stands for the keys
-    base + j + step*i, i < n, of blocks j + step*i of one segment (`base`: a hash chain's
+    """A sequence of keys described by runs, not listed: (base, j, n) stands for the keys
+    base + j + i, i < n, of blocks j + i of one segment (`base`: a hash chain's
     h*_J, or a request's own _OWN + rid*_J). A long context's keys come in runs of a chunk's
     blocks, so a key is never made for a block: the cache is kept by segment (`_Seg`) and
     every pass over a request's blocks is a few slice operations per run."""
 
     __slots__ = ("_ends", "runs", "size")
 
-    def __init__(self, runs: list[tuple[int, int, int, int]], size: int = -1) -> None:
+    def __init__(self, runs: list[tuple[int, int, int]], size: int = -1) -> None:
         self.runs = runs
         if size < 0:  # (not known to the caller)
             size = 0
@@ -167,47 +166,42 @@ class _Keys:
             if at == start:
                 return _Keys(self.runs[r:], self.size - start)
         count = min(end, self.size) - start
-        spans = self.spans(start, count) if count > 0 else []
-        # (a span gives its lowest block index: a run lists its keys from its highest down)
-        return _Keys([(b, j if s > 0 else j + n - 1, n, s) for b, j, n, s in spans])
-
-    def reversed(self) -> _Keys:
-        runs = [(b, j + s * (n - 1), n, -s) for b, j, n, s in reversed(self.runs)]
-        return _Keys(runs, self.size)
+        return _Keys(self.spans(start, count) if count > 0 else [])
 
     def __getitem__(self, pos: int) -> Key:
-        base, j, _, _ = self.at(pos)
+        base, j, _ = self.at(pos)
         return base + j
 
-    def at(self, pos: int) -> tuple[int, int, int, int]:
+    def at(self, pos: int) -> tuple[int, int, int]:
         """The run of the one key at position `pos`."""
         r, start = self.first_run(pos)
         if r >= len(self.runs):
             raise IndexError("key position out of range")
-        base, j, _, step = self.runs[r]
-        return base, j + step * (pos - start), 1, 1
+        base, j, _ = self.runs[r]
+        return base, j + pos - start, 1
 
-    def spans(self, start: int, count: int) -> list[tuple[int, int, int, int]]:
-        """The keys at positions start..start+count-1, run by run: (segment base, lowest block
-        index, keys, step); step -1: the run lists its keys downwards."""
-        out: list[tuple[int, int, int, int]] = []
-        runs = self.runs
-        r, pos = self.first_run(start)
+    def span(self, r: int, skip: int, most: int) -> tuple[int, int, int]:
+        """Run r less its first `skip` keys, `most` keys at the most."""
+        base, j, n = self.runs[r]
+        return base, j + skip, min(n - skip, most)
+
+    def spans(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """The keys at positions start..start+count-1, as runs (a pass that has no use for the
+        list walks `span` itself: making it is 7 % of a run on Mooncake at 16-token blocks)."""
+        out: list[tuple[int, int, int]] = []
+        r, skip = self.first_run(start)
+        skip = start - skip  # (keys of the first run before `start`)
         at = 0
         while at < count:
-            base, j, n, step = runs[r]
-            r += 1
-            skip = start - pos if start > pos else 0  # (the first run may hold earlier keys)
-            pos += n
-            n = min(n - skip, count - at)
-            j += step * skip
-            out.append((base, j if step > 0 else j - n + 1, n, step))
-            at += n
+            run = self.span(r, skip, count - at)
+            r, skip = r + 1, 0
+            out.append(run)
+            at += run[2]
         return out
 
     def pairs(self) -> list[tuple[int, int]]:
         """(segment base, block index) of each key, in order (for the rare per-block paths)."""
-        return [(b, j + s * i) for b, j, n, s in self.runs for i in range(n)]
+        return [(b, j + i) for b, j, n in self.runs for i in range(n)]
 
     def listed(self) -> list[Key]:
         return [b + j for b, j in self.pairs()]
@@ -306,14 +300,14 @@ class PrefixCachingAllocator(PagedAllocator):
             return self._last_keys[1]
         bs, chunk = self.block_size, req.prefix_tokens
         blocks = req.prompt // bs
-        runs: list[tuple[int, int, int, int]] = []
+        runs: list[tuple[int, int, int]] = []
         h, spread = 0, _J  # (a local: a module's int too large to inline is a dict lookup)
         for c, value in enumerate(req.prefix):
             h = hash((h, value))
             # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
             start, end = c * chunk // bs, min((c + 1) * chunk // bs, blocks)
             if end > start:
-                runs.append((h * spread, start, end - start, 1))
+                runs.append((h * spread, start, end - start))
         keys = _Keys(runs)
         self._last_keys = (req, keys)
         return keys
@@ -328,7 +322,7 @@ class PrefixCachingAllocator(PagedAllocator):
         keys = named.slice(start, end)
         first = max(start, len(named))
         if end > first:
-            return _Keys([*keys.runs, (_own_base(rid), first, end - first, 1)], end - start)
+            return _Keys([*keys.runs, (_own_base(rid), first, end - first)], end - start)
         return keys
 
     def _walk(self, req: Request, named: _Keys, cap: int) -> list[int]:
@@ -338,8 +332,8 @@ class PrefixCachingAllocator(PagedAllocator):
         segs = self._segs
         runs = named.runs
         if cap > len(named):
-            runs = [*runs, (_own_base(req.rid), len(named), cap - len(named), 1)]  # (no slice)
-        for base, j, n, _ in runs:
+            runs = [*runs, (_own_base(req.rid), len(named), cap - len(named))]  # (no slice)
+        for base, j, n in runs:
             n = min(n, cap - len(found))
             seg = segs.get(base)
             if n <= 0 or seg is None or j < seg.lo:
@@ -479,19 +473,14 @@ class PrefixCachingAllocator(PagedAllocator):
     def _cache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks join the cache under their keys (distinct), each after any cached already.
         The blocks' keys are those at positions start.. of `keys`."""
-        segs, runs = self._segs, keys.runs
+        segs = self._segs
         r, skip = keys.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
         at, count = 0, len(blocks)
         self._version += 1
-        while at < count:  # keys.spans(start, count), without making them: 7 % of a run
-            base, j, n, step = runs[r]  # on Mooncake at 16-token blocks (here and in _uncache)
-            r += 1
-            n -= skip
-            if n > count - at:
-                n = count - at
-            j = j + skip if step > 0 else j - skip - n + 1  # (the span's lowest block index)
-            skip = 0
+        while at < count:  # (keys.spans(start, count), without making the list)
+            base, j, n = keys.span(r, skip, count - at)
+            r, skip = r + 1, 0
             seg = segs.get(base)
             if n == 1:  # (a chunk of one block: large blocks)
                 block = blocks[at]
@@ -503,8 +492,6 @@ class PrefixCachingAllocator(PagedAllocator):
                 continue
             part = blocks[at : at + n]
             at += n
-            if step < 0:  # (as blocks go idle: last first)
-                part.reverse()
             if seg is None:
                 segs[base] = _Seg(j, part, n)
                 continue
@@ -531,19 +518,14 @@ class PrefixCachingAllocator(PagedAllocator):
     def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
         blocks' keys are those at positions start.. of `keys`."""
-        segs, dups, runs = self._segs, self._dups, keys.runs
+        segs, dups = self._segs, self._dups
         r, skip = keys.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
         at, count = 0, len(blocks)
         self._version += 1
-        while at < count:  # (keys.spans(start, count), without making them)
-            base, j, n, step = runs[r]
-            r += 1
-            n -= skip
-            if n > count - at:
-                n = count - at
-            j = j + skip if step > 0 else j - skip - n + 1  # (the span's lowest block index)
-            skip = 0
+        while at < count:  # (keys.spans(start, count), without making the list)
+            base, j, n = keys.span(r, skip, count - at)
+            r, skip = r + 1, 0
             seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
@@ -559,8 +541,6 @@ class PrefixCachingAllocator(PagedAllocator):
                 seg.count -= n
             else:
                 part = blocks[at : at + n]
-                if step < 0:
-                    part.reverse()
                 for i in range(n):
                     key, block = base + j + i, part[i]
                     younger = dups.get(key)
@@ -782,7 +762,7 @@ class PrefixCachingAllocator(PagedAllocator):
                 extra = shared.get(block)
                 if extra is None:
                     blocks.append(block)
-                    runs.append((base, j, 1, 1))
+                    runs.append((base, j, 1))
                     self._in_use -= 1
                 elif extra > 1:
                     shared[block] = extra - 1
@@ -836,13 +816,12 @@ class PrefixCachingAllocator(PagedAllocator):
             top = len(ids) - run.pos  # (its blocks not taken yet: ids[:top])
             if not run.gone:  # the run's next `over` blocks
                 end = max(top - over, 0)
-                listed = ids[end:top]
-                self._uncache(listed, run.keys, end)
-                listed.reverse()  # (least recently freed first)
-                blocks = listed
+                blocks = ids[end:top]
+                self._uncache(blocks, run.keys, end)
+                blocks.reverse()  # (least recently freed first)
             else:  # skipping the ones found again since
                 blocks, end = [], top
-                picked: list[tuple[int, int, int, int]] = []
+                picked: list[tuple[int, int, int]] = []
                 while len(blocks) < over and end > 0:
                     end -= 1
                     if run_of[ids[end]] is run:
