@@ -276,27 +276,41 @@ class FreeIds:
     """The free block ids as a LIFO stack whose memory does not grow with the pool: ids never
     handed out are the range [fresh, size) under the ids given back (pop() gives 0 first), so a
     pool of 2**46 blocks costs what one of 16 does; ids come out exactly as from
-    `list(range(size - 1, -1, -1))` with the same pushes and pops."""
+    `list(range(size - 1, -1, -1))` with the same pushes and pops. Ids given back are kept as
+    the lists they came in (`give`: a freed table, an evicted run), each in the order pop()
+    takes them, so that giving a list back and taking it again copies no id (a long context
+    frees and takes hundreds at a time)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.fresh = 0  # lowest id never handed out
-        self.back: list[int] = []  # ids given back, the top of the stack last
+        self.chunks: list[list[int]] = []  # ids given back, the top chunk last, each in pop order
+        self.head = 0  # ids of the top chunk taken already
+        self.given = 0  # ids given back and not taken again
 
     def __len__(self) -> int:
-        return self.size - self.fresh + len(self.back)
+        return self.size - self.fresh + self.given
 
     def __iter__(self) -> Iterator[int]:
         """Bottom to top, as the list would hold them."""
         yield from range(self.size - 1, self.fresh - 1, -1)
-        yield from self.back
+        last = len(self.chunks) - 1
+        for i, chunk in enumerate(self.chunks):
+            yield from reversed(chunk[self.head :] if i == last else chunk)
 
     def __radd__(self, other: list[int]) -> list[int]:
         return other + list(self)
 
     def pop(self) -> int:
-        if self.back:
-            return self.back.pop()
+        if self.chunks:
+            chunk = self.chunks[-1]
+            block = chunk[self.head]
+            self.head += 1
+            self.given -= 1
+            if self.head == len(chunk):
+                self.chunks.pop()
+                self.head = 0
+            return block
         if self.fresh >= self.size:
             raise IndexError("pop from an empty free list")
         self.fresh += 1
@@ -306,21 +320,53 @@ class FreeIds:
         """The top `n` ids, in the order pop() would give them."""
         if n > len(self):
             raise IndexError(f"{n} ids asked of a free list of {len(self)}")
-        back = self.back
-        cut = len(back) - n if n < len(back) else 0
-        out = back[: cut - 1 : -1] if cut else back[::-1]  # (one reversed copy)
-        k = len(back) - cut
-        del back[cut:]
-        start = self.fresh
-        self.fresh += n - k
-        out.extend(range(start, self.fresh))
+        chunks = self.chunks
+        out: list[int] | None = None
+        need = n
+        while need and chunks:
+            chunk, head = chunks[-1], self.head
+            left = len(chunk) - head
+            if left > need:  # (part of the top chunk)
+                part = chunk[head : head + need]
+                self.head = head + need
+                need = 0
+            else:  # (all the rest of it: the list itself when none of it was taken)
+                part = chunk[head:] if head else chunk
+                chunks.pop()
+                self.head = 0
+                need -= left
+            if out is None:
+                out = part
+            else:
+                out += part
+        self.given -= n - need
+        if out is None:
+            out = []
+        if need:
+            start = self.fresh
+            self.fresh += need
+            out.extend(range(start, self.fresh))
         return out
 
+    def give(self, blocks: list[int]) -> None:
+        """Push `blocks` so that pop() gives them back in this order; the list is the stack's
+        now (not to be changed by the caller)."""
+        if not blocks:
+            return
+        if self.head:  # (the top chunk keeps only what is left of it)
+            del self.chunks[-1][: self.head]
+            self.head = 0
+        self.chunks.append(blocks)
+        self.given += len(blocks)
+
     def append(self, block: int) -> None:
-        self.back.append(block)
+        self.give([block])
 
     def extend(self, blocks: Iterable[int]) -> None:
-        self.back.extend(blocks)
+        """Push each of `blocks` in turn (the last on top)."""
+        chunk = list(blocks)
+        chunk.reverse()
+        self.give(chunk)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
@@ -568,7 +614,7 @@ class PagedAllocator(Allocator):
                 f"request {rid}: {len(named)} blocks named for {tokens} tokens, {blocks} counted"
             )
         dropped = [b for b in (live.table or ()) if b not in named]
-        self._stack.extend(reversed(dropped))
+        self._stack.give(dropped)
         if len(fresh) > len(self._stack):
             self._reclaim(len(fresh), rid)
         ids = {ph: self._stack.pop() for ph in fresh}
@@ -649,7 +695,7 @@ class PagedAllocator(Allocator):
         self._fixed_internal -= self._tail_waste(live, tokens)
         self._fixed_saved -= self._saved_at(live, tokens)
         if live.table:
-            self._stack.extend(reversed(live.table))
+            self._stack.give(live.table)
         live.table = None
         self._groups.pop(live.req.rid, None)
         self._copies.pop(live.req.rid, None)

@@ -70,23 +70,29 @@ that finds fewer tokens cached is admitted with fewer, n blocks less per block o
 `steps_until_evict` tells the engine when the next idle block goes.
 
 Speed: on long contexts nearly every block is filled, cached, freed and evicted, hundreds per
-engine event, so no pass makes or looks up a key per block. A block's key follows from its
-position in its request's chain: the blocks of one chunk of the hash chain (or a request's own
-blocks) are one segment, with consecutive keys, and sequences of keys are described by runs
-within segments (`_Keys`). The cache keeps, per segment, the oldest id under each of its keys
-in a list indexed by block (`_Seg`; younger duplicates apart, in `_dups`), so that caching,
-looking up and evicting a chunk's blocks are slice operations on lists. Little else is kept
-per block: the blocks several requests use (`_shared`: one user is the rule and needs no entry),
-and the idle blocks as the runs that frees gave back, each in its request's table order (`_Run`,
-found by id in `_run_of`), which evictions consume from the oldest run's end (a request's blocks
-are freed last first). A run's keys are then its request's key runs, or a slice of their list.
-`_refs`, `_idle`, `_cached` and `_key` assemble the per-block maps, for checks.
+engine event, so no pass makes or looks up a key per block, and next to nothing is written per
+block. A block's key follows from its position in its request's chain: the blocks of one chunk
+of the hash chain (or a request's own blocks) are one segment, with consecutive keys, and
+sequences of keys are described by runs within segments (`_Keys`). The cache keeps, per
+segment, the oldest id under each of its keys in a list indexed by block (`_Seg`; younger
+duplicates apart, in `_dups`), so that caching, looking up and evicting a chunk's blocks are
+slice operations on lists. A chunk's blocks are as a rule in one state, all in use by the same
+requests or all idle in the run one free gave back, so a segment keeps that state once
+(`_Seg.idle`, `_Seg.extra`); only a segment whose blocks disagree (a lookup that took part of
+it, a duplicate) keeps it by id (`_idle_of`, `_shared`). Idle blocks are kept as the runs that
+frees gave back, each in its request's table order (`_Run`), which evictions consume from the
+oldest run's end (a request's blocks are freed last first); a run's keys are its request's key
+runs, or a slice of their list, and evicted runs go back to the free stack as they are
+(`FreeIds.give`). `_refs`, `_idle`, `_cached` and `_key` assemble the per-block maps, for checks.
 
-What is still per block costs about as much as the rest: an idle block's run is written into
-`_run_of` when it is freed and cleared when it is evicted (a compiled loop, ~60 instructions a
-block), and ids are copied through the free list and the tables. Keeping the idle state per
-chunk instead (a run per segment, no map by id) was tried: 5 % fewer instructions with 16-token
-blocks on the Mooncake sample and 15 % more with 512-token ones, where a chunk is one block.
+Measured and replaced (counted instructions, Mooncake sample, 16-token blocks): a map by id to
+each idle block's run, written when it was freed and cleared when it was evicted (~60
+instructions a block each way), and a map by id of every shared block's users: keeping the
+state per segment took 228k instructions an event to 178k (with the free stack's lists, the
+hash chain's keys kept small and runs found by block index: 159k). Tried and not kept: a
+list of runs beside each segment's ids (+1 %: a list write costs ~30 instructions an element
+even as a slice), and an earlier per-segment idle state without the by-id fallback (+15 %
+with 512-token blocks, where a chunk is one block).
 """
 
 from __future__ import annotations
@@ -97,41 +103,53 @@ from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
 from mypy_extensions import mypyc_attr
 
-#: A block's key: (hash chain up to the block's last chunk h, block index j) for the blocks a
-#: trace's hash chain names, (rid, block index j) for a request's blocks of its own (generated
-#: tokens), each packed into one int, h*_J + j and _OWN + rid*_J + j: equal exactly when what
-#: they pack is (0 <= j < _J, |h| < 2**63, |rid| < 2**120). Ints, not tuples: a long context
-#: caches hundreds of thousands of keys, and every tuple is an object the garbage collector
-#: tracks. `prefix_keys` gives the digest of the tuple.
+#: A block's key: (segment base, block index j), the base being the hash chain up to the
+#: block's last chunk h for the blocks a trace's hash chain names, and `_own_base(rid)` for a
+#: request's blocks of its own (generated tokens). Where a key is needed whole (younger
+#: duplicates, checks) the pair is packed into one int, base*_J + j: equal exactly when the
+#: pairs are (0 <= j < _J). Ints, not tuples: every tuple is an object the garbage collector
+#: tracks. Segments are keyed by the base alone, an int of the hash's size: the dictionary
+#: hashes it at every lookup, and a product of two large ints cost a multiplication besides
+#: (9 % of a run on the Mooncake sample at 16-token blocks). `prefix_keys` gives the digest
+#: of the pair.
 Key = int
 #: Over 2**64, and odd, so that keys hash apart: an int hashes to itself mod 2**61 - 1, and a
-#: power of two would give (rid, j + 8) the hash of (rid + 1, j).
+#: power of two would give (base, j + 8) the hash of (base + 1, j).
 _J = 2**64 + 0x9E3779B97F4A7C15
-_OWN = 2**256
+#: Own bases lie above every hash (a hash is in [-2**63, 2**63)): 2**64 + rid, for |rid| < 2**63.
+_OWN = 2**64
 
 
-def _own_base(rid: int) -> Key:
-    """The segment base of request `rid`'s own blocks: block j's key is this + j."""
-    return _OWN + rid * _J
+def _own_base(rid: int) -> int:
+    """The segment base of request `rid`'s own blocks."""
+    return _OWN + rid
+
+
+def _pack(base: int, j: int) -> Key:
+    """The key of block j of segment `base`, as one int."""
+    return base * _J + j
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Keys:
     """A sequence of keys described by runs, not listed: (base, j, n) stands for the keys
-    base + j + i, i < n, of blocks j + i of one segment (`base`: a hash chain's
-    h*_J, or a request's own _OWN + rid*_J). A long context's keys come in runs of a chunk's
+    (base, j + i), i < n, of blocks j + i of one segment (`base`: a hash chain's h, or
+    a request's own `_own_base(rid)`). A long context's keys come in runs of a chunk's
     blocks, so a key is never made for a block: the cache is kept by segment (`_Seg`) and
     every pass over a request's blocks is a few slice operations per run."""
 
-    __slots__ = ("_ends", "runs", "size")
+    __slots__ = ("_ends", "offset", "runs", "size")
 
-    def __init__(self, runs: list[tuple[int, int, int]], size: int = -1) -> None:
+    def __init__(self, runs: list[tuple[int, int, int]], size: int = -1, offset: int = -1) -> None:
         self.runs = runs
         if size < 0:  # (not known to the caller)
             size = 0
             for run in runs:
                 size += run[2]
         self.size = size
+        # `offset` >= 0: each run's block index is its position + offset (a request's keys
+        # from some position on, the usual), so runs are found by position without a table.
+        self.offset = offset
         self._ends: list[int] | None = None  # position after each run, once asked
 
     def __len__(self) -> int:
@@ -141,6 +159,19 @@ class _Keys:
         """(index, position) of the run holding position `start` (or of none, at the end)."""
         if not start:  # (the usual case: no table of run ends made for it)
             return 0, 0
+        runs, off = self.runs, self.offset
+        if off >= 0:  # (bisect on the runs' block indices)
+            if start >= self.size:
+                return len(runs), self.size
+            lo, hi = 0, len(runs)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if runs[mid][1] - off > start:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            _, j, _ = runs[lo - 1]
+            return lo - 1, j - off
         ends = self._ends
         if ends is None:
             ends, at = [], 0
@@ -164,13 +195,17 @@ class _Keys:
                 return self  # (runs are never changed in place)
             r, at = self.first_run(start)
             if at == start:
-                return _Keys(self.runs[r:], self.size - start)
+                return _Keys(self.runs[r:], self.size - start, self._moved(start))
         count = min(end, self.size) - start
-        return _Keys(self.spans(start, count) if count > 0 else [])
+        return _Keys(self.spans(start, count) if count > 0 else [], -1, self._moved(start))
+
+    def _moved(self, start: int) -> int:
+        """The offset of the keys from position `start` on."""
+        return self.offset + start if self.offset >= 0 else -1
 
     def __getitem__(self, pos: int) -> Key:
         base, j, _ = self.at(pos)
-        return base + j
+        return _pack(base, j)
 
     def at(self, pos: int) -> tuple[int, int, int]:
         """The run of the one key at position `pos`."""
@@ -204,21 +239,29 @@ class _Keys:
         return [(b, j + i) for b, j, n in self.runs for i in range(n)]
 
     def listed(self) -> list[Key]:
-        return [b + j for b, j in self.pairs()]
+        return [_pack(b, j) for b, j in self.pairs()]
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
 class _Seg:
     """The cached blocks of one segment: ids[j - lo] is the oldest id cached under the key of
-    block j (-1: none); `count` of them are ids, and `dups` younger ids wait under its keys."""
+    block j (-1: none); `count` of them are ids, and `dups` younger ids wait under its keys.
+    Their state is kept for them all while they agree, as a chunk's blocks do: all in use by
+    1 + `extra` requests (`idle` None), or all idle in one run (`idle`). Once they disagree,
+    or a duplicate joins, the segment is `mixed`: the run of each of its idle blocks, and the
+    users beyond one of each block in use, are found by id (`PrefixCachingAllocator._idle_of`
+    and `_shared`)."""
 
-    __slots__ = ("count", "dups", "ids", "lo")
+    __slots__ = ("count", "dups", "extra", "idle", "ids", "lo", "mixed")
 
     def __init__(self, lo: int, ids: list[int], count: int) -> None:
         self.lo = lo
         self.ids = ids
         self.count = count
         self.dups = 0
+        self.idle: _Run | None = None
+        self.extra = 0
+        self.mixed = False
 
     def span(self, j: int, n: int) -> int:
         """Make room for blocks j..j+n-1; returns the index of block j."""
@@ -272,9 +315,8 @@ class PrefixCachingAllocator(PagedAllocator):
         self._segs: dict[int, _Seg] = {}  # segment base -> its cached blocks' oldest ids
         self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
         self._in_use = 0  # cached blocks in use (held by a live request)
-        self._shared: dict[int, int] = {}  # those held by several: id -> users beyond one
-        self._shared_at: dict[int, int] = {}  # and the position every holder holds it at
-        self._run_of: list[_Run | None] = []  # by id: the run of an idle block (else None)
+        self._shared: dict[int, int] = {}  # id -> users beyond one, in use in a mixed segment
+        self._idle_of: dict[int, _Run] = {}  # id -> run of an idle block of a mixed segment
         self._idle_blocks = 0  # cached blocks nobody uses
         self._runs: deque[_Run] = deque()  # the runs holding idle blocks, LRU first
         self._dead = 0  # runs in there left with none (all found again): dropped in bulk
@@ -301,14 +343,17 @@ class PrefixCachingAllocator(PagedAllocator):
         bs, chunk = self.block_size, req.prefix_tokens
         blocks = req.prompt // bs
         runs: list[tuple[int, int, int]] = []
-        h, spread = 0, _J  # (a local: a module's int too large to inline is a dict lookup)
-        for c, value in enumerate(req.prefix):
-            h = hash((h, value))
+        h = 0
+        prefix: tuple[object, ...] = req.prefix  # (its values are hashed: no unboxing)
+        for c, value in enumerate(prefix):
             # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
             start, end = c * chunk // bs, min((c + 1) * chunk // bs, blocks)
+            if start >= blocks:  # (chunks past the prompt's full blocks name none)
+                break
+            h = hash((h, value))
             if end > start:
-                runs.append((h * spread, start, end - start))
-        keys = _Keys(runs)
+                runs.append((h, start, end - start))
+        keys = _Keys(runs, min(len(req.prefix) * chunk // bs, blocks), 0)
         self._last_keys = (req, keys)
         return keys
 
@@ -322,7 +367,8 @@ class PrefixCachingAllocator(PagedAllocator):
         keys = named.slice(start, end)
         first = max(start, len(named))
         if end > first:
-            return _Keys([*keys.runs, (_own_base(rid), first, end - first)], end - start)
+            offset = start if named.offset == 0 else -1
+            return _Keys([*keys.runs, (_own_base(rid), first, end - first)], end - start, offset)
         return keys
 
     def _walk(self, req: Request, named: _Keys, cap: int) -> list[int]:
@@ -379,8 +425,9 @@ class PrefixCachingAllocator(PagedAllocator):
     def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
         """The paged blocks past the cached prefix, and the idle cached blocks of the prefix
         (taken back from the free memory, as vLLM counts them)."""
-        found = self._found(req, self.block_keys(req), hit // self.block_size)
-        revived = sum(1 for b in found if self._idle_run(b))
+        named = self.block_keys(req)
+        found = self._found(req, named, hit // self.block_size)
+        revived = self._idle_found(req, named, found)
         return super().admission_bytes(req, tokens, hit) + revived * self.block_bytes
 
     def idle_cached_blocks(self) -> int:
@@ -402,7 +449,7 @@ class PrefixCachingAllocator(PagedAllocator):
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
         live = self._get(rid)
         named = self._keys_of.get(rid)
-        keys: list[tuple[int, ...]] = [divmod(key, _J) for key in named.listed()] if named else []
+        keys: list[tuple[int, ...]] = [*named.pairs()] if named else []
         if self._caches_own(live.req):
             keys += [(rid, j, -1) for j in range(len(keys), live.final // self.block_size)]
         return tuple(hash(key) for key in keys)
@@ -498,6 +545,8 @@ class PrefixCachingAllocator(PagedAllocator):
             a = seg.span(j, n)
             ids = seg.ids
             if ids[a : a + n].count(-1) == n:  # the rule: none of them cached yet
+                if seg.idle is not None or seg.extra:  # (blocks with one user join others)
+                    self._mix(seg)
                 ids[a : a + n] = part
                 seg.count += n
                 continue
@@ -508,17 +557,39 @@ class PrefixCachingAllocator(PagedAllocator):
         """Block j of segment `base` (at ids[a]) joins the cache: the one found under its key
         if none is cached there yet, else a younger duplicate."""
         ids = seg.ids
+        if ids[a] == block:
+            return
+        if not seg.mixed and (seg.idle is not None or seg.extra or ids[a] != -1):
+            self._mix(seg)  # blocks with one user join others, or a duplicate joins
         if ids[a] == -1:
             ids[a] = block
             seg.count += 1
-        elif ids[a] != block:
-            self._dups.setdefault(base + j, []).append(block)
+        else:
+            self._dups.setdefault(_pack(base, j), []).append(block)
             seg.dups += 1
+
+    def _mix(self, seg: _Seg) -> None:
+        """The segment's blocks no longer agree: the state of each is kept by id (once)."""
+        if seg.mixed:
+            return
+        if seg.idle is not None:
+            run, idle_of = seg.idle, self._idle_of
+            for block in seg.ids:
+                if block != -1:
+                    idle_of[block] = run
+            seg.idle = None
+        elif seg.extra:
+            extra, shared = seg.extra, self._shared
+            for block in seg.ids:
+                if block != -1:
+                    shared[block] = extra
+            seg.extra = 0
+        seg.mixed = True
 
     def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
         blocks' keys are those at positions start.. of `keys`."""
-        segs, dups = self._segs, self._dups
+        segs, dups, idle_of = self._segs, self._dups, self._idle_of
         r, skip = keys.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
         at, count = 0, len(blocks)
@@ -529,6 +600,9 @@ class PrefixCachingAllocator(PagedAllocator):
             seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
+            if seg.mixed:  # (idle blocks kept by id: these are idle)
+                for i in range(at, at + n):
+                    del idle_of[blocks[i]]
             if not seg.dups:  # each the only one under its key: the blocks are ids[a : a + n]
                 if n == seg.count:  # (the usual: a chunk's blocks all go at once)
                     del segs[base]
@@ -542,7 +616,7 @@ class PrefixCachingAllocator(PagedAllocator):
             else:
                 part = blocks[at : at + n]
                 for i in range(n):
-                    key, block = base + j + i, part[i]
+                    key, block = _pack(base, j + i), part[i]
                     younger = dups.get(key)
                     if ids[a + i] == block:
                         if younger:
@@ -562,28 +636,59 @@ class PrefixCachingAllocator(PagedAllocator):
                 del segs[base]
 
     def _go_idle(self, blocks: list[int], keys: _Keys) -> None:
-        """Cached blocks nobody uses any more join the LRU order, in this order."""
-        if blocks:
-            run = _Run(blocks, keys)
-            self._runs.append(run)
-            run_of = self._run_of
-            if len(run_of) < self._stack.fresh:  # (ids handed out are below it)
-                run_of.extend([None] * (self._stack.fresh - len(run_of)))
-            for block in blocks:
-                run_of[block] = run
-            self._idle_blocks += len(blocks)
+        """Cached blocks nobody uses any more join the LRU order, in this order. A chunk's
+        blocks go together as a rule: their segment says it once."""
+        if not blocks:
+            return
+        run = _Run(blocks, keys)
+        self._runs.append(run)
+        segs, idle_of, at, count = self._segs, self._idle_of, 0, len(blocks)
+        for r in range(len(keys.runs)):
+            if at >= count:
+                break
+            base, _j, n = keys.span(r, 0, count - at)
+            seg = segs[base]
+            if n == seg.count and not seg.mixed:  # (all its blocks, in use till now)
+                seg.idle = run
+            else:
+                if not seg.mixed:
+                    self._mix(seg)
+                for i in range(at, at + n):
+                    idle_of[blocks[i]] = run
+            at += n
+        self._idle_blocks += count
 
-    def _idle_run(self, block: int) -> _Run | None:
-        """The run of an idle cached block; None for one in use (or not cached)."""
-        return self._run_of[block] if block < len(self._run_of) else None
+    def _idle_at(self, block: int, base: int, j: int) -> _Run | None:
+        """The run of a cached block, block j of segment `base`, that is idle; None for one in
+        use (or not cached)."""
+        seg = self._segs.get(base)
+        if seg is None:
+            return None
+        if seg.mixed:
+            return self._idle_of.get(block)
+        a = j - seg.lo
+        return seg.idle if 0 <= a < len(seg.ids) and seg.ids[a] == block else None
 
-    def _revive(self, block: int) -> None:
-        """An idle block found by a lookup is in use again (its run no longer holds it)."""
-        run = self._run_of[block]
-        assert run is not None  # (an idle block)
-        self._run_of[block] = None
-        self._idle_blocks -= 1
-        run.gone += 1
+    def _idle_found(self, req: Request, named: _Keys, found: list[int]) -> int:
+        """How many of the blocks a lookup found (the oldest under their keys) are idle."""
+        segs, idle_of, idle, at = self._segs, self._idle_of, 0, 0
+        for base, _j, n in self._keys_between(req.rid, named, 0, len(found)).runs:
+            seg = segs[base]
+            if seg.mixed:
+                for i in range(at, at + n):
+                    if found[i] in idle_of:
+                        idle += 1
+            elif seg.idle is not None:
+                idle += n
+            at += n
+        return idle
+
+    def _revived(self, run: _Run, n: int) -> None:
+        """n idle blocks of `run` found by a lookup are in use again (the run no longer holds
+        them)."""
+        self._idle_blocks -= n
+        self._in_use += n
+        run.gone += n
         if not run.live():
             self._dead += 1
             if 2 * self._dead > len(self._runs) + 64:  # (evictions may never reach them)
@@ -593,12 +698,13 @@ class PrefixCachingAllocator(PagedAllocator):
     @property
     def _idle(self) -> dict[int, None]:
         """The idle cached blocks in LRU order (assembled, for checks)."""
-        return {
-            block: None
-            for run in self._runs
-            for block in reversed(run.ids[: len(run.ids) - run.pos])
-            if self._idle_run(block) is run
-        }
+        idle: dict[int, None] = {}
+        for run in self._runs:
+            pairs = run.keys.pairs()
+            for p in reversed(range(len(run.ids) - run.pos)):
+                if self._idle_at(run.ids[p], *pairs[p]) is run:
+                    idle[run.ids[p]] = None
+        return idle
 
     @property
     def _refs(self) -> dict[int, int]:
@@ -616,7 +722,7 @@ class PrefixCachingAllocator(PagedAllocator):
         for base, seg in self._segs.items():
             for i, b in enumerate(seg.ids):
                 if b != -1:
-                    key = base + seg.lo + i
+                    key = _pack(base, seg.lo + i)
                     cached[key] = [b, *self._dups.get(key, ())]
         return cached
 
@@ -630,9 +736,9 @@ class PrefixCachingAllocator(PagedAllocator):
             keys.update(zip(held, named, strict=True))
         for run in self._runs:
             left = len(run.ids) - run.pos
-            for block, key in zip(run.ids[:left], run.keys.listed()[:left], strict=True):
-                if self._idle_run(block) is run:
-                    keys[block] = key
+            for block, (base, j) in zip(run.ids[:left], run.keys.pairs()[:left], strict=True):
+                if self._idle_at(block, base, j) is run:
+                    keys[block] = _pack(base, j)
         return keys
 
     def _name(self, live: Live, k: int, private: int, tokens: int) -> tuple[int, ...]:
@@ -670,7 +776,7 @@ class PrefixCachingAllocator(PagedAllocator):
         # capping at tokens - 1 finds them again.
         cap = self._cap(req, named, tokens)
         found = self._found(req, named, cap)
-        revived = sum(1 for b in found if self._idle_run(b))
+        revived = self._idle_found(req, named, found)
         need = super()._blocks_at(live, tokens) - len(found) + revived
         if need > self.free_blocks():
             return self._refusal(req.rid, need)
@@ -678,13 +784,27 @@ class PrefixCachingAllocator(PagedAllocator):
         self.lookups += self._cap(req, named, asked) if asked > tokens else cap
         self.hits += len(found)
         self._uses += len(found)
-        for i, block in enumerate(found):
-            if self._idle_run(block):
-                self._revive(block)  # an idle block counted as free is taken back
-                self._in_use += 1
-            else:
-                self._shared[block] = self._shared.get(block, 0) + 1
-                self._shared_at[block] = i  # (a block's key fixes its position in a table)
+        shared, segs, idle_of, at = self._shared, self._segs, self._idle_of, 0
+        for base, _j, n in self._keys_between(req.rid, named, 0, len(found)).runs:
+            seg = segs[base]
+            # Idle blocks counted as free are taken back; the others gain a user.
+            if not seg.mixed and n == seg.count:  # (all of them, in one state)
+                if seg.idle is not None:
+                    self._revived(seg.idle, n)
+                    seg.idle = None
+                else:
+                    seg.extra += 1
+                at += n
+                continue
+            self._mix(seg)
+            for i in range(at, at + n):
+                block = found[i]
+                run = idle_of.pop(block, None)
+                if run is not None:
+                    self._revived(run, 1)
+                else:
+                    shared[block] = shared.get(block, 0) + 1
+            at += n
         self._keys_of[req.rid] = named
         self._held[req.rid] = list(found)  # (a copy: `_found` may hand out the same list)
         k = self._filled(live, tokens)
@@ -733,44 +853,65 @@ class PrefixCachingAllocator(PagedAllocator):
         own_keys = self._keys_between(rid, named, len(held), len(held) + len(own))
         self._cache(own, own_keys)
         self._uses -= len(held)
-        shared, at = self._shared, self._shared_at
-        # Its blocks others use too: as usual a leading run of them (a common prefix), found
-        # without a pass over all it held when fewer blocks are shared than it held.
-        lead, end = 0, len(held)
-        while lead < end and held[lead] in shared:
-            lead += 1
-        if len(shared) - lead < end - lead:
-            later = any(lead <= p < end and held[p] == b for b, p in at.items())
-        else:
-            later = any(b in shared for b in held[lead:])
-        if not later:
-            for block in held[:lead]:
-                if shared[block] > 1:
-                    shared[block] -= 1
-                else:
-                    del shared[block], at[block]
-            if lead:
-                del held[:lead]
-            held += own  # the others go, with its own blocks (which follow those it held:
-            blocks = held  # the keys of both are one range)
-            keys = self._keys_between(rid, named, lead, end + len(own))
-            self._in_use -= end - lead
-        else:
-            blocks, runs = [], []
-            pairs = self._keys_between(rid, named, 0, end).pairs()
-            for block, (base, j) in zip(held, pairs, strict=True):
+        # Its blocks others hold too stay in use: as usual a leading run of them (a common
+        # prefix), so that the others form a tail of its table, whose keys are one range.
+        shared, segs, end = self._shared, self._segs, len(held)
+        lead = -1  # position of the first block that goes, while those that go are a tail
+        blocks: list[int] | None = None  # once they are not: those that go so far,
+        runs: list[tuple[int, int, int]] = []  # and their keys
+        at = 0
+        for base, j, n in self._keys_between(rid, named, 0, end).runs:
+            seg = segs[base]
+            if not seg.mixed and n == seg.count:  # (all of them: it holds them in use)
+                if seg.extra:  # they stay
+                    seg.extra -= 1
+                    if lead >= 0 and blocks is None:
+                        blocks, runs = self._gone(rid, named, held, lead, at)
+                elif blocks is not None:
+                    blocks += held[at : at + n]
+                    runs.append((base, j, n))
+                elif lead < 0:
+                    lead = at
+                at += n
+                continue
+            self._mix(seg)
+            for i in range(at, at + n):
+                block = held[i]
                 extra = shared.get(block)
-                if extra is None:
-                    blocks.append(block)
-                    runs.append((base, j, 1))
-                    self._in_use -= 1
-                elif extra > 1:
+                if extra is None:  # it goes
+                    if blocks is not None:
+                        blocks.append(block)
+                        runs.append((base, j + i - at, 1))
+                    elif lead < 0:
+                        lead = i
+                    continue
+                if extra > 1:
                     shared[block] = extra - 1
                 else:
-                    del shared[block], at[block]
+                    del shared[block]
+                if lead >= 0 and blocks is None:
+                    blocks, runs = self._gone(rid, named, held, lead, i)
+            at += n
+        if blocks is None:  # (the usual)
+            lead = end if lead < 0 else lead
+            self._in_use -= end - lead
+            if lead:
+                del held[:lead]
+            held += own
+            blocks = held
+            keys = self._keys_between(rid, named, lead, end + len(own))
+        else:
+            self._in_use -= len(blocks)
             blocks += own
             keys = _Keys(runs + own_keys.runs, len(blocks))
         self._go_idle(blocks, keys)
+
+    def _gone(
+        self, rid: int, named: _Keys, held: list[int], lead: int, at: int
+    ) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """The blocks at positions lead..at-1 of a request's table, and their keys (a free's
+        blocks that go, once a block that stays follows them)."""
+        return held[lead:at], [*self._keys_between(rid, named, lead, at).runs]
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
@@ -805,7 +946,7 @@ class PrefixCachingAllocator(PagedAllocator):
         about to join the cache) fit, or `over` of them."""
         if over is None:
             over = self._blocks_total() + extra + self._idle_blocks - self.num_blocks
-        run_of, runs, evicted = self._run_of, self._runs, self._evicted
+        runs, evicted = self._runs, self._evicted
         while over > 0:
             run = runs[0]
             if not run.live():  # every block of it was found again
@@ -816,28 +957,28 @@ class PrefixCachingAllocator(PagedAllocator):
             top = len(ids) - run.pos  # (its blocks not taken yet: ids[:top])
             if not run.gone:  # the run's next `over` blocks
                 end = max(top - over, 0)
-                blocks = ids[end:top]
+                blocks = ids[end:top]  # (in table order: the order they are taken again in)
                 self._uncache(blocks, run.keys, end)
-                blocks.reverse()  # (least recently freed first)
             else:  # skipping the ones found again since
-                blocks, end = [], top
+                lru: list[int] = []
+                end = top
                 picked: list[tuple[int, int, int]] = []
-                while len(blocks) < over and end > 0:
+                while len(lru) < over and end > 0:
                     end -= 1
-                    if run_of[ids[end]] is run:
-                        blocks.append(ids[end])
-                        picked.append(run.keys.at(end))
+                    at = run.keys.at(end)
+                    if self._idle_at(ids[end], at[0], at[1]) is run:
+                        lru.append(ids[end])
+                        picked.append(at)
                     else:
                         run.gone -= 1
-                self._uncache(blocks, _Keys(picked, len(picked)))
+                self._uncache(lru, _Keys(picked, len(picked)))
+                blocks = lru[::-1]
             run.pos = len(ids) - end
             if not run.live():
                 runs.popleft()
-            for block in blocks:
-                run_of[block] = None
             if not self._deferred:  # (nobody takes them otherwise)
-                evicted.update(dict.fromkeys(blocks))
+                evicted.update(dict.fromkeys(reversed(blocks)))  # least recently freed first
             self._idle_blocks -= len(blocks)
-            self._stack.extend(blocks)  # their bytes are dropped
             self.evictions += len(blocks)
             over -= len(blocks)
+            self._stack.give(blocks)  # their bytes are dropped

@@ -147,6 +147,35 @@ def test_groups_hit_as_single_requests_and_count_by_closed_form(beam):
     assert a.account().token_states == 0 and a.saved_by_sharing() == 0
 
 
+def test_a_free_keeps_blocks_others_hold_after_blocks_that_go():
+    # A request's blocks others hold are as a rule a leading run of its table; duplicates
+    # break the rule. Request 0 fills blocks 1-2 after request 1 cached them (its own copies,
+    # younger: nobody finds them) and blocks 3-5 first, which request 2 then finds. Freeing
+    # request 0 idles blocks 1-2 only: block 0 and blocks 3-5 stay in use.
+    a = cache(40)
+    live = {0: req(0, 100, (1, 2, 3, 4))}
+    assert a.admit(live[0], 20, decoding=False)  # block 0 cached
+    live[1] = req(1, 50, (1, 2))
+    assert a.admit(live[1], 51)  # hits block 0, caches blocks 1-2
+    assert a.grow(0, 81)  # blocks 1-2: duplicates; blocks 3-5: the first under their keys
+    live[2] = req(2, 100, (1, 2, 3, 4))
+    assert a.cached_prefix_tokens(live[2]) == 96
+    assert a.admit(live[2], 101)  # finds block 0, request 1's 1-2, request 0's 3-5
+    check_blocks(a, live)
+    table = a.block_table(0)
+    a.free(0)
+    live.pop(0)
+    check_blocks(a, live)
+    assert list(a._idle) == [table[2], table[1]]  # (least recently freed first)
+    assert set(table[3:6]) <= set(a._refs) and a._refs[table[0]] == 2
+    a.free(2)
+    live.pop(2)
+    check_blocks(a, live)
+    a.free(1)
+    assert not a._refs and len(a._idle) == 8 and a.free_blocks() == 40  # 6 + 2 duplicates
+    assert a.cached_prefix_tokens(req(3, 100, (1, 2, 3, 4))) == 96
+
+
 @pytest.mark.parametrize("beam", [False, True])
 def test_a_prefilling_group_keeps_its_blocks_when_the_same_tokens_were_cached_meanwhile(beam):
     # Block tables are append-only (vLLM): a block a request fills is its own and joins the
