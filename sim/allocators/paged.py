@@ -39,7 +39,7 @@ they are not among the group's counted blocks.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from heapq import heappop
 from typing import Final
 
@@ -358,15 +358,6 @@ class FreeIds:
             self.head = 0
         self.chunks.append(blocks)
         self.given += len(blocks)
-
-    def append(self, block: int) -> None:
-        self.give([block])
-
-    def extend(self, blocks: Iterable[int]) -> None:
-        """Push each of `blocks` in turn (the last on top)."""
-        chunk = list(blocks)
-        chunk.reverse()
-        self.give(chunk)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)

@@ -651,8 +651,7 @@ class PrefixCachingAllocator(PagedAllocator):
             if n == seg.count and not seg.mixed:  # (all its blocks, in use till now)
                 seg.idle = run
             else:
-                if not seg.mixed:
-                    self._mix(seg)
+                self._mix(seg)
                 for i in range(at, at + n):
                     idle_of[blocks[i]] = run
             at += n

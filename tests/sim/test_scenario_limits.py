@@ -29,8 +29,8 @@ def test_free_ids_match_the_list_they_replace():
             else:
                 taken = [b for b in range(size) if b not in ref]
                 back = rng.sample(taken, min(len(taken), rng.randint(0, 3)))
-                ref.extend(back)
-                ids.extend(back)
+                ref.extend(back)  # (pushed in turn: the last on top, the first popped)
+                ids.give(back[::-1])
             assert len(ids) == len(ref)
             assert list(ids) == ref
     assert [9] + FreeIds(3) == [9, 2, 1, 0]  # noqa: RUF005 - tests keep `list + _stack`
