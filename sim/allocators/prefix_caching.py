@@ -98,6 +98,7 @@ with 512-token blocks, where a chunk is one block).
 from __future__ import annotations
 
 from collections import deque
+from typing import cast
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
@@ -113,6 +114,10 @@ from mypy_extensions import mypyc_attr
 #: (9 % of a run on the Mooncake sample at 16-token blocks). `prefix_keys` gives the digest
 #: of the pair.
 Key = int
+#: A segment base, typed as an object so that compiled code keeps the int boxed: half the
+#: hashes fit a native int, and one unboxed would be boxed again (a new int object) at every
+#: dictionary lookup, which then compares values instead of finding the very object it holds.
+Base = object
 #: Over 2**64, and odd, so that keys hash apart: an int hashes to itself mod 2**61 - 1, and a
 #: power of two would give (base, j + 8) the hash of (base + 1, j).
 _J = 2**64 + 0x9E3779B97F4A7C15
@@ -120,14 +125,14 @@ _J = 2**64 + 0x9E3779B97F4A7C15
 _OWN = 2**64
 
 
-def _own_base(rid: int) -> int:
+def _own_base(rid: int) -> Base:
     """The segment base of request `rid`'s own blocks."""
     return _OWN + rid
 
 
-def _pack(base: int, j: int) -> Key:
+def _pack(base: Base, j: int) -> Key:
     """The key of block j of segment `base`, as one int."""
-    return base * _J + j
+    return cast(int, base) * _J + j
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
@@ -140,7 +145,7 @@ class _Keys:
 
     __slots__ = ("_ends", "offset", "runs", "size")
 
-    def __init__(self, runs: list[tuple[int, int, int]], size: int = -1, offset: int = -1) -> None:
+    def __init__(self, runs: list[tuple[Base, int, int]], size: int = -1, offset: int = -1) -> None:
         self.runs = runs
         if size < 0:  # (not known to the caller)
             size = 0
@@ -207,7 +212,7 @@ class _Keys:
         base, j, _ = self.at(pos)
         return _pack(base, j)
 
-    def at(self, pos: int) -> tuple[int, int, int]:
+    def at(self, pos: int) -> tuple[Base, int, int]:
         """The run of the one key at position `pos`."""
         r, start = self.first_run(pos)
         if r >= len(self.runs):
@@ -215,15 +220,15 @@ class _Keys:
         base, j, _ = self.runs[r]
         return base, j + pos - start, 1
 
-    def span(self, r: int, skip: int, most: int) -> tuple[int, int, int]:
+    def span(self, r: int, skip: int, most: int) -> tuple[Base, int, int]:
         """Run r less its first `skip` keys, `most` keys at the most."""
         base, j, n = self.runs[r]
         return base, j + skip, min(n - skip, most)
 
-    def spans(self, start: int, count: int) -> list[tuple[int, int, int]]:
+    def spans(self, start: int, count: int) -> list[tuple[Base, int, int]]:
         """The keys at positions start..start+count-1, as runs (a pass that has no use for the
         list walks `span` itself: making it is 7 % of a run on Mooncake at 16-token blocks)."""
-        out: list[tuple[int, int, int]] = []
+        out: list[tuple[Base, int, int]] = []
         r, skip = self.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
         at = 0
@@ -234,7 +239,7 @@ class _Keys:
             at += run[2]
         return out
 
-    def pairs(self) -> list[tuple[int, int]]:
+    def pairs(self) -> list[tuple[Base, int]]:
         """(segment base, block index) of each key, in order (for the rare per-block paths)."""
         return [(b, j + i) for b, j, n in self.runs for i in range(n)]
 
@@ -312,7 +317,7 @@ class PrefixCachingAllocator(PagedAllocator):
         if not isinstance(cache_generated, bool):
             raise ValueError(f"cache_generated must be true or false, got {cache_generated!r}")
         self.cache_generated = cache_generated
-        self._segs: dict[int, _Seg] = {}  # segment base -> its cached blocks' oldest ids
+        self._segs: dict[Base, _Seg] = {}  # segment base -> its cached blocks' oldest ids
         self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
         self._in_use = 0  # cached blocks in use (held by a live request)
         self._shared: dict[int, int] = {}  # id -> users beyond one, in use in a mixed segment
@@ -342,8 +347,8 @@ class PrefixCachingAllocator(PagedAllocator):
             return self._last_keys[1]
         bs, chunk = self.block_size, req.prefix_tokens
         blocks = req.prompt // bs
-        runs: list[tuple[int, int, int]] = []
-        h = 0
+        runs: list[tuple[Base, int, int]] = []
+        h: Base = 0
         prefix: tuple[object, ...] = req.prefix  # (its values are hashed: no unboxing)
         for c, value in enumerate(prefix):
             # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
@@ -449,7 +454,7 @@ class PrefixCachingAllocator(PagedAllocator):
     def prefix_keys(self, rid: int) -> tuple[int, ...]:
         live = self._get(rid)
         named = self._keys_of.get(rid)
-        keys: list[tuple[int, ...]] = [*named.pairs()] if named else []
+        keys: list[tuple[object, ...]] = [*named.pairs()] if named else []
         if self._caches_own(live.req):
             keys += [(rid, j, -1) for j in range(len(keys), live.final // self.block_size)]
         return tuple(hash(key) for key in keys)
@@ -553,7 +558,7 @@ class PrefixCachingAllocator(PagedAllocator):
             for i in range(n):
                 self._cache_one(seg, a + i, base, j + i, part[i])
 
-    def _cache_one(self, seg: _Seg, a: int, base: int, j: int, block: int) -> None:
+    def _cache_one(self, seg: _Seg, a: int, base: Base, j: int, block: int) -> None:
         """Block j of segment `base` (at ids[a]) joins the cache: the one found under its key
         if none is cached there yet, else a younger duplicate."""
         ids = seg.ids
@@ -657,7 +662,7 @@ class PrefixCachingAllocator(PagedAllocator):
             at += n
         self._idle_blocks += count
 
-    def _idle_at(self, block: int, base: int, j: int) -> _Run | None:
+    def _idle_at(self, block: int, base: Base, j: int) -> _Run | None:
         """The run of a cached block, block j of segment `base`, that is idle; None for one in
         use (or not cached)."""
         seg = self._segs.get(base)
@@ -857,7 +862,7 @@ class PrefixCachingAllocator(PagedAllocator):
         shared, segs, end = self._shared, self._segs, len(held)
         lead = -1  # position of the first block that goes, while those that go are a tail
         blocks: list[int] | None = None  # once they are not: those that go so far,
-        runs: list[tuple[int, int, int]] = []  # and their keys
+        runs: list[tuple[Base, int, int]] = []  # and their keys
         at = 0
         for base, j, n in self._keys_between(rid, named, 0, end).runs:
             seg = segs[base]
@@ -907,7 +912,7 @@ class PrefixCachingAllocator(PagedAllocator):
 
     def _gone(
         self, rid: int, named: _Keys, held: list[int], lead: int, at: int
-    ) -> tuple[list[int], list[tuple[int, int, int]]]:
+    ) -> tuple[list[int], list[tuple[Base, int, int]]]:
         """The blocks at positions lead..at-1 of a request's table, and their keys (a free's
         blocks that go, once a block that stays follows them)."""
         return held[lead:at], [*self._keys_between(rid, named, lead, at).runs]
@@ -961,7 +966,7 @@ class PrefixCachingAllocator(PagedAllocator):
             else:  # skipping the ones found again since
                 lru: list[int] = []
                 end = top
-                picked: list[tuple[int, int, int]] = []
+                picked: list[tuple[Base, int, int]] = []
                 while len(lru) < over and end > 0:
                     end -= 1
                     at = run.keys.at(end)
