@@ -287,11 +287,14 @@ class _Run:
     leaves the run (`gone` counts those not taken yet, which the idle map no longer sends to
     this run)."""
 
-    __slots__ = ("gone", "ids", "keys", "pos")
+    __slots__ = ("gone", "ids", "keys", "pos", "segs")
 
-    def __init__(self, ids: list[int], keys: _Keys) -> None:
+    def __init__(self, ids: list[int], keys: _Keys, segs: list[_Seg]) -> None:
         self.ids = ids
         self.keys = keys
+        # The segment of each of its key runs: a block idle in the run is cached in its
+        # segment, which holds it until it is evicted (so no lookup by base on evictions).
+        self.segs = segs
         self.pos = 0
         self.gone = 0
 
@@ -350,15 +353,19 @@ class PrefixCachingAllocator(PagedAllocator):
         runs: list[tuple[Base, int, int]] = []
         h: Base = 0
         prefix: tuple[object, ...] = req.prefix  # (its values are hashed: no unboxing)
-        for c, value in enumerate(prefix):
-            # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk)
-            start, end = c * chunk // bs, min((c + 1) * chunk // bs, blocks)
+        # Blocks j whose last token is in chunk c: (j + 1)*bs - 1 in [c*chunk, (c+1)*chunk),
+        # i.e. from c*chunk // bs (where the previous chunk's blocks end) to (c+1)*chunk // bs.
+        start, end = 0, 0
+        for value in prefix:
             if start >= blocks:  # (chunks past the prompt's full blocks name none)
                 break
             h = hash((h, value))
-            if end > start:
-                runs.append((h, start, end - start))
-        keys = _Keys(runs, min(len(req.prefix) * chunk // bs, blocks), 0)
+            end += chunk
+            n = min(end // bs, blocks) - start
+            if n > 0:
+                runs.append((h, start, n))
+                start += n
+        keys = _Keys(runs, start, 0)  # (start: min(len(prefix)*chunk // bs, blocks) now)
         self._last_keys = (req, keys)
         return keys
 
@@ -528,10 +535,11 @@ class PrefixCachingAllocator(PagedAllocator):
         segs = self._segs
         r, skip = keys.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
-        at, count = 0, len(blocks)
+        at, count, runs = 0, len(blocks), keys.runs
         self._version += 1
-        while at < count:  # (keys.spans(start, count), without making the list)
-            base, j, n = keys.span(r, skip, count - at)
+        while at < count:  # (keys.spans(start, count), without the list or a call a run)
+            base, j, n = runs[r]
+            j, n = j + skip, min(n - skip, count - at)
             r, skip = r + 1, 0
             seg = segs.get(base)
             if n == 1:  # (a chunk of one block: large blocks)
@@ -591,18 +599,22 @@ class PrefixCachingAllocator(PagedAllocator):
             seg.extra = 0
         seg.mixed = True
 
-    def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
+    def _uncache(
+        self, blocks: list[int], keys: _Keys, start: int = 0, found: list[_Seg] | None = None
+    ) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
-        blocks' keys are those at positions start.. of `keys`."""
+        blocks' keys are those at positions start.. of `keys`; `found`, when given, the
+        segment of each of its runs."""
         segs, dups, idle_of = self._segs, self._dups, self._idle_of
         r, skip = keys.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
-        at, count = 0, len(blocks)
+        at, count, runs = 0, len(blocks), keys.runs
         self._version += 1
-        while at < count:  # (keys.spans(start, count), without making the list)
-            base, j, n = keys.span(r, skip, count - at)
+        while at < count:  # (keys.spans(start, count), without the list or a call a run)
+            base, j, n = runs[r]
+            j, n = j + skip, min(n - skip, count - at)
+            seg = segs[base] if found is None else found[r]
             r, skip = r + 1, 0
-            seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
             if seg.mixed:  # (idle blocks kept by id: these are idle)
@@ -640,19 +652,25 @@ class PrefixCachingAllocator(PagedAllocator):
             if not seg.count:
                 del segs[base]
 
-    def _go_idle(self, blocks: list[int], keys: _Keys) -> None:
+    def _go_idle(self, blocks: list[int], keys: _Keys, found: list[_Seg] | None = None) -> None:
         """Cached blocks nobody uses any more join the LRU order, in this order. A chunk's
-        blocks go together as a rule: their segment says it once."""
+        blocks go together as a rule: their segment says it once. `found`: the segments of
+        the first runs of `keys`, as far as the caller knows them."""
         if not blocks:
             return
-        run = _Run(blocks, keys)
+        segl: list[_Seg] = [] if found is None else found
+        run = _Run(blocks, keys, segl)
         self._runs.append(run)
         segs, idle_of, at, count = self._segs, self._idle_of, 0, len(blocks)
-        for r in range(len(keys.runs)):
+        for r, (base, _j, n) in enumerate(keys.runs):
             if at >= count:
                 break
-            base, _j, n = keys.span(r, 0, count - at)
-            seg = segs[base]
+            n = min(n, count - at)
+            if r < len(segl):
+                seg = segl[r]
+            else:
+                seg = segs[base]
+                segl.append(seg)
             if n == seg.count and not seg.mixed:  # (all its blocks, in use till now)
                 seg.idle = run
             else:
@@ -863,9 +881,11 @@ class PrefixCachingAllocator(PagedAllocator):
         lead = -1  # position of the first block that goes, while those that go are a tail
         blocks: list[int] | None = None  # once they are not: those that go so far,
         runs: list[tuple[Base, int, int]] = []  # and their keys
-        at = 0
+        found: list[_Seg] = []  # the segment of each run walked
+        at, r0 = 0, 0  # (r0: the run of `lead`)
         for base, j, n in self._keys_between(rid, named, 0, end).runs:
             seg = segs[base]
+            found.append(seg)
             if not seg.mixed and n == seg.count:  # (all of them: it holds them in use)
                 if seg.extra:  # they stay
                     seg.extra -= 1
@@ -875,7 +895,7 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks += held[at : at + n]
                     runs.append((base, j, n))
                 elif lead < 0:
-                    lead = at
+                    lead, r0 = at, len(found) - 1
                 at += n
                 continue
             self._mix(seg)
@@ -887,7 +907,7 @@ class PrefixCachingAllocator(PagedAllocator):
                         blocks.append(block)
                         runs.append((base, j + i - at, 1))
                     elif lead < 0:
-                        lead = i
+                        lead, r0 = i, len(found) - 1
                     continue
                 if extra > 1:
                     shared[block] = extra - 1
@@ -897,18 +917,19 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks, runs = self._gone(rid, named, held, lead, i)
             at += n
         if blocks is None:  # (the usual)
-            lead = end if lead < 0 else lead
+            if lead < 0:
+                lead, r0 = end, len(found)
             self._in_use -= end - lead
             if lead:
                 del held[:lead]
             held += own
-            blocks = held
+            # Its keys' runs are those of the walk from run r0 on (then its own blocks').
             keys = self._keys_between(rid, named, lead, end + len(own))
+            self._go_idle(held, keys, found[r0:] if r0 else found)
         else:
             self._in_use -= len(blocks)
             blocks += own
-            keys = _Keys(runs + own_keys.runs, len(blocks))
-        self._go_idle(blocks, keys)
+            self._go_idle(blocks, _Keys(runs + own_keys.runs, len(blocks)))
 
     def _gone(
         self, rid: int, named: _Keys, held: list[int], lead: int, at: int
@@ -962,7 +983,7 @@ class PrefixCachingAllocator(PagedAllocator):
             if not run.gone:  # the run's next `over` blocks
                 end = max(top - over, 0)
                 blocks = ids[end:top]  # (in table order: the order they are taken again in)
-                self._uncache(blocks, run.keys, end)
+                self._uncache(blocks, run.keys, end, run.segs)
             else:  # skipping the ones found again since
                 lru: list[int] = []
                 end = top
