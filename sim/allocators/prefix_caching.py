@@ -287,14 +287,11 @@ class _Run:
     leaves the run (`gone` counts those not taken yet, which the idle map no longer sends to
     this run)."""
 
-    __slots__ = ("gone", "ids", "keys", "pos", "segs")
+    __slots__ = ("gone", "ids", "keys", "pos")
 
-    def __init__(self, ids: list[int], keys: _Keys, segs: list[_Seg]) -> None:
+    def __init__(self, ids: list[int], keys: _Keys) -> None:
         self.ids = ids
         self.keys = keys
-        # The segment of each of its key runs: a block idle in the run is cached in its
-        # segment, which holds it until it is evicted (so no lookup by base on evictions).
-        self.segs = segs
         self.pos = 0
         self.gone = 0
 
@@ -599,12 +596,9 @@ class PrefixCachingAllocator(PagedAllocator):
             seg.extra = 0
         seg.mixed = True
 
-    def _uncache(
-        self, blocks: list[int], keys: _Keys, start: int = 0, found: list[_Seg] | None = None
-    ) -> None:
+    def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
-        blocks' keys are those at positions start.. of `keys`; `found`, when given, the
-        segment of each of its runs."""
+        blocks' keys are those at positions start.. of `keys`."""
         segs, dups, idle_of = self._segs, self._dups, self._idle_of
         r, skip = keys.first_run(start)
         skip = start - skip  # (keys of the first run before `start`)
@@ -613,8 +607,8 @@ class PrefixCachingAllocator(PagedAllocator):
         while at < count:  # (keys.spans(start, count), without the list or a call a run)
             base, j, n = runs[r]
             j, n = j + skip, min(n - skip, count - at)
-            seg = segs[base] if found is None else found[r]
             r, skip = r + 1, 0
+            seg = segs[base]
             a = j - seg.lo
             ids = seg.ids
             if seg.mixed:  # (idle blocks kept by id: these are idle)
@@ -652,25 +646,19 @@ class PrefixCachingAllocator(PagedAllocator):
             if not seg.count:
                 del segs[base]
 
-    def _go_idle(self, blocks: list[int], keys: _Keys, found: list[_Seg] | None = None) -> None:
+    def _go_idle(self, blocks: list[int], keys: _Keys) -> None:
         """Cached blocks nobody uses any more join the LRU order, in this order. A chunk's
-        blocks go together as a rule: their segment says it once. `found`: the segments of
-        the first runs of `keys`, as far as the caller knows them."""
+        blocks go together as a rule: their segment says it once."""
         if not blocks:
             return
-        segl: list[_Seg] = [] if found is None else found
-        run = _Run(blocks, keys, segl)
+        run = _Run(blocks, keys)
         self._runs.append(run)
         segs, idle_of, at, count = self._segs, self._idle_of, 0, len(blocks)
-        for r, (base, _j, n) in enumerate(keys.runs):
+        for base, _j, n in keys.runs:
             if at >= count:
                 break
             n = min(n, count - at)
-            if r < len(segl):
-                seg = segl[r]
-            else:
-                seg = segs[base]
-                segl.append(seg)
+            seg = segs[base]
             if n == seg.count and not seg.mixed:  # (all its blocks, in use till now)
                 seg.idle = run
             else:
@@ -881,11 +869,9 @@ class PrefixCachingAllocator(PagedAllocator):
         lead = -1  # position of the first block that goes, while those that go are a tail
         blocks: list[int] | None = None  # once they are not: those that go so far,
         runs: list[tuple[Base, int, int]] = []  # and their keys
-        found: list[_Seg] = []  # the segment of each run walked
-        at, r0 = 0, 0  # (r0: the run of `lead`)
+        at = 0
         for base, j, n in self._keys_between(rid, named, 0, end).runs:
             seg = segs[base]
-            found.append(seg)
             if not seg.mixed and n == seg.count:  # (all of them: it holds them in use)
                 if seg.extra:  # they stay
                     seg.extra -= 1
@@ -895,7 +881,7 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks += held[at : at + n]
                     runs.append((base, j, n))
                 elif lead < 0:
-                    lead, r0 = at, len(found) - 1
+                    lead = at
                 at += n
                 continue
             self._mix(seg)
@@ -907,7 +893,7 @@ class PrefixCachingAllocator(PagedAllocator):
                         blocks.append(block)
                         runs.append((base, j + i - at, 1))
                     elif lead < 0:
-                        lead, r0 = i, len(found) - 1
+                        lead = i
                     continue
                 if extra > 1:
                     shared[block] = extra - 1
@@ -917,19 +903,18 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks, runs = self._gone(rid, named, held, lead, i)
             at += n
         if blocks is None:  # (the usual)
-            if lead < 0:
-                lead, r0 = end, len(found)
+            lead = end if lead < 0 else lead
             self._in_use -= end - lead
             if lead:
                 del held[:lead]
             held += own
-            # Its keys' runs are those of the walk from run r0 on (then its own blocks').
+            blocks = held
             keys = self._keys_between(rid, named, lead, end + len(own))
-            self._go_idle(held, keys, found[r0:] if r0 else found)
         else:
             self._in_use -= len(blocks)
             blocks += own
-            self._go_idle(blocks, _Keys(runs + own_keys.runs, len(blocks)))
+            keys = _Keys(runs + own_keys.runs, len(blocks))
+        self._go_idle(blocks, keys)
 
     def _gone(
         self, rid: int, named: _Keys, held: list[int], lead: int, at: int
@@ -983,7 +968,7 @@ class PrefixCachingAllocator(PagedAllocator):
             if not run.gone:  # the run's next `over` blocks
                 end = max(top - over, 0)
                 blocks = ids[end:top]  # (in table order: the order they are taken again in)
-                self._uncache(blocks, run.keys, end, run.segs)
+                self._uncache(blocks, run.keys, end)
             else:  # skipping the ones found again since
                 lru: list[int] = []
                 end = top
