@@ -538,20 +538,19 @@ class PrefixCachingAllocator(PagedAllocator):
             base, j, n = runs[r]
             j, n = j + skip, min(n - skip, count - at)
             r, skip = r + 1, 0
-            seg = segs.get(base)
+            # One dictionary probe: as a rule the segment is new (a chunk found cached is
+            # not cached again), and the one made for nothing otherwise costs less.
+            part = blocks[at : at + n] if n > 1 else [blocks[at]]
+            new = _Seg(j, part, n)
+            seg = segs.setdefault(base, new)
+            if seg is new:
+                at += n
+                continue
             if n == 1:  # (a chunk of one block: large blocks)
-                block = blocks[at]
+                self._cache_one(seg, seg.span(j, 1), base, j, part[0])
                 at += 1
-                if seg is None:
-                    segs[base] = _Seg(j, [block], 1)
-                else:
-                    self._cache_one(seg, seg.span(j, 1), base, j, block)
                 continue
-            part = blocks[at : at + n]
             at += n
-            if seg is None:
-                segs[base] = _Seg(j, part, n)
-                continue
             a = seg.span(j, n)
             ids = seg.ids
             if ids[a : a + n].count(-1) == n:  # the rule: none of them cached yet
@@ -646,19 +645,22 @@ class PrefixCachingAllocator(PagedAllocator):
             if not seg.count:
                 del segs[base]
 
-    def _go_idle(self, blocks: list[int], keys: _Keys) -> None:
+    def _go_idle(self, blocks: list[int], keys: _Keys, found: list[_Seg] | None = None) -> None:
         """Cached blocks nobody uses any more join the LRU order, in this order. A chunk's
-        blocks go together as a rule: their segment says it once."""
+        blocks go together as a rule: their segment says it once. `found`: the segments of
+        the first runs of `keys`, as far as the caller has them (not kept: a run that held
+        its segments would make a reference cycle with each, which names its run)."""
         if not blocks:
             return
         run = _Run(blocks, keys)
         self._runs.append(run)
         segs, idle_of, at, count = self._segs, self._idle_of, 0, len(blocks)
-        for base, _j, n in keys.runs:
+        known = 0 if found is None else len(found)
+        for r, (base, _j, n) in enumerate(keys.runs):
             if at >= count:
                 break
             n = min(n, count - at)
-            seg = segs[base]
+            seg = found[r] if found is not None and r < known else segs[base]
             if n == seg.count and not seg.mixed:  # (all its blocks, in use till now)
                 seg.idle = run
             else:
@@ -869,9 +871,11 @@ class PrefixCachingAllocator(PagedAllocator):
         lead = -1  # position of the first block that goes, while those that go are a tail
         blocks: list[int] | None = None  # once they are not: those that go so far,
         runs: list[tuple[Base, int, int]] = []  # and their keys
-        at = 0
+        found: list[_Seg] = []  # the segment of each run walked
+        at, r0 = 0, 0  # (r0: the run of `lead`)
         for base, j, n in self._keys_between(rid, named, 0, end).runs:
             seg = segs[base]
+            found.append(seg)
             if not seg.mixed and n == seg.count:  # (all of them: it holds them in use)
                 if seg.extra:  # they stay
                     seg.extra -= 1
@@ -881,7 +885,7 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks += held[at : at + n]
                     runs.append((base, j, n))
                 elif lead < 0:
-                    lead = at
+                    lead, r0 = at, len(found) - 1
                 at += n
                 continue
             self._mix(seg)
@@ -893,7 +897,7 @@ class PrefixCachingAllocator(PagedAllocator):
                         blocks.append(block)
                         runs.append((base, j + i - at, 1))
                     elif lead < 0:
-                        lead = i
+                        lead, r0 = i, len(found) - 1
                     continue
                 if extra > 1:
                     shared[block] = extra - 1
@@ -903,18 +907,19 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks, runs = self._gone(rid, named, held, lead, i)
             at += n
         if blocks is None:  # (the usual)
-            lead = end if lead < 0 else lead
+            if lead < 0:
+                lead, r0 = end, len(found)
             self._in_use -= end - lead
             if lead:
                 del held[:lead]
             held += own
-            blocks = held
+            # Its keys' runs are those of the walk from run r0 on (then its own blocks').
             keys = self._keys_between(rid, named, lead, end + len(own))
+            self._go_idle(held, keys, found[r0:] if r0 else found)
         else:
             self._in_use -= len(blocks)
             blocks += own
-            keys = _Keys(runs + own_keys.runs, len(blocks))
-        self._go_idle(blocks, keys)
+            self._go_idle(blocks, _Keys(runs + own_keys.runs, len(blocks)))
 
     def _gone(
         self, rid: int, named: _Keys, held: list[int], lead: int, at: int
