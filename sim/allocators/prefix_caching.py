@@ -356,7 +356,7 @@ class PrefixCachingAllocator(PagedAllocator):
         for value in prefix:
             if start >= blocks:  # (chunks past the prompt's full blocks name none)
                 break
-            h = hash((h, value))
+            h = cast(Base, hash((h, value)))  # (kept boxed: not narrowed to an int)
             end += chunk
             n = min(end // bs, blocks) - start
             if n > 0:
