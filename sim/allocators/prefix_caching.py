@@ -394,7 +394,10 @@ class PrefixCachingAllocator(PagedAllocator):
             if n <= 0 or seg is None or j < seg.lo:
                 break
             part = seg.ids[j - seg.lo : j - seg.lo + n]
-            k = part.index(-1) if -1 in part else len(part)
+            if seg.count == len(seg.ids):  # (no hole in it: the usual, with no scan)
+                k = len(part)
+            else:
+                k = part.index(-1) if -1 in part else len(part)
             found.extend(part[:k])
             if k < n:
                 break
