@@ -652,9 +652,9 @@ class PrefixCachingAllocator(PagedAllocator):
             if not seg.count:
                 del segs[base]
 
-    def _go_idle(self, blocks: list[int], keys: _Keys, found: list[_Seg] | None = None) -> None:
+    def _go_idle(self, blocks: list[int], keys: _Keys, walked: list[_Seg]) -> None:
         """Cached blocks nobody uses any more join the LRU order, in this order. A chunk's
-        blocks go together as a rule: their segment says it once. `found`: the segments of
+        blocks go together as a rule: their segment says it once. `walked`: the segments of
         the first runs of `keys`, as far as the caller has them (not kept: a run that held
         its segments would make a reference cycle with each, which names its run)."""
         if not blocks:
@@ -662,12 +662,11 @@ class PrefixCachingAllocator(PagedAllocator):
         run = _Run(blocks, keys)
         self._runs.append(run)
         segs, idle_of, at, count = self._segs, self._idle_of, 0, len(blocks)
-        known = 0 if found is None else len(found)
         for r, (base, _j, n) in enumerate(keys.runs):
             if at >= count:
                 break
             n = min(n, count - at)
-            seg = found[r] if found is not None and r < known else segs[base]
+            seg = walked[r] if r < len(walked) else segs[base]
             if n == seg.count and not seg.mixed:  # (all its blocks, in use till now)
                 seg.idle = run
             else:
@@ -878,11 +877,11 @@ class PrefixCachingAllocator(PagedAllocator):
         lead = -1  # position of the first block that goes, while those that go are a tail
         blocks: list[int] | None = None  # once they are not: those that go so far,
         runs: list[tuple[Base, int, int]] = []  # and their keys
-        found: list[_Seg] = []  # the segment of each run walked
+        walked: list[_Seg] = []  # the segment of each run walked
         at, r0 = 0, 0  # (r0: the run of `lead`)
         for base, j, n in self._keys_between(rid, named, 0, end).runs:
             seg = segs[base]
-            found.append(seg)
+            walked.append(seg)
             if not seg.mixed and n == seg.count:  # (all of them: it holds them in use)
                 if seg.extra:  # they stay
                     seg.extra -= 1
@@ -892,7 +891,7 @@ class PrefixCachingAllocator(PagedAllocator):
                     blocks += held[at : at + n]
                     runs.append((base, j, n))
                 elif lead < 0:
-                    lead, r0 = at, len(found) - 1
+                    lead, r0 = at, len(walked) - 1
                 at += n
                 continue
             self._mix(seg)
@@ -904,7 +903,7 @@ class PrefixCachingAllocator(PagedAllocator):
                         blocks.append(block)
                         runs.append((base, j + i - at, 1))
                     elif lead < 0:
-                        lead, r0 = i, len(found) - 1
+                        lead, r0 = i, len(walked) - 1
                     continue
                 if extra > 1:
                     shared[block] = extra - 1
@@ -915,18 +914,18 @@ class PrefixCachingAllocator(PagedAllocator):
             at += n
         if blocks is None:  # (the usual)
             if lead < 0:
-                lead, r0 = end, len(found)
+                lead, r0 = end, len(walked)
             self._in_use -= end - lead
             if lead:
                 del held[:lead]
             held += own
             # Its keys' runs are those of the walk from run r0 on (then its own blocks').
             keys = self._keys_between(rid, named, lead, end + len(own))
-            self._go_idle(held, keys, found[r0:] if r0 else found)
+            self._go_idle(held, keys, walked[r0:] if r0 else walked)
         else:
             self._in_use -= len(blocks)
             blocks += own
-            self._go_idle(blocks, _Keys(runs + own_keys.runs, len(blocks)))
+            self._go_idle(blocks, _Keys(runs + own_keys.runs, len(blocks)), [])
 
     def _gone(
         self, rid: int, named: _Keys, held: list[int], lead: int, at: int
