@@ -272,16 +272,25 @@ def workload_paths(node: Any, loc: list) -> Iterator[tuple[list, str]]:
 
 
 def _check_paths(node: Any, loc: list, base: Path, path: Path, root: yaml.Node | None) -> None:
-    """Every file the workload names must exist, so a run never fails half-way for it."""
+    """Every file the workload names must be a regular, non-empty file, so that a run never
+    fails half-way for it, nor hangs on a FIFO or a device: checked by `stat`, not read."""
     from kvfrag.workloads import samples
+    from kvfrag.workloads.readers import MISSING, resolve_path, trace_file_problem
+    from kvfrag.workloads.table import show
 
     for here, value in workload_paths(node, loc):
         if value.startswith("sample:"):
             ok = value.removeprefix("sample:") in samples.names()
             problem = f"no shipped sample {value!r} (samples: {', '.join(samples.names())})"
+        elif not value.strip():  # (Path("") is the scenario's folder)
+            ok, problem = False, "the path is empty; name a file"
         else:
-            ok = (base / value).exists()
-            problem = f"no such file {value!r} (relative to {base})"
+            found = trace_file_problem(resolve_path(value, base))
+            ok = found is None
+            problem = (
+                f"no such file {show(value)} (relative to {base})" if found == MISSING else
+                f"{show(value)} {found}; kvfrag reads only regular, non-empty files"
+            )
         if not ok:
             line = _line_of(root, here)
             where = f"{path}:{line}" if line else str(path)

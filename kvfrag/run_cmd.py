@@ -190,6 +190,13 @@ def _run(
         for t in unique
     }
     every_input = sorted({p for files in inputs.values() for p in files})
+    # Every distinct workload is read and generated once, here, before anything is staged or
+    # run (and shared with the workers): a bad trace at any sweep point is bad input that
+    # refuses the whole run (exit 2, nothing written), and a FIFO or a device, refused by its
+    # stat, is never opened by the staging's digests.
+    workloads, errors = build_workloads(unique, loaded.base_dir)
+    if errors and not workloads:  # nothing can run: the one-line error of a plain run
+        raise ValueError(next(iter(errors.values())))
     staged = store.open(resolved, args.resume, code_fingerprint(), every_input)
     todo = [t for t in unique if t.key not in staged]
     geo = scenario.geometry
@@ -218,12 +225,6 @@ def _run(
             file=sys.stderr,
         )
 
-    # Each distinct workload is read and generated once, here, and shared with the workers.
-    workloads, errors = build_workloads([*todo, tasks[0]], loaded.base_dir)
-    if errors and not workloads:  # nothing can run: the one-line error of a plain run
-        if not staged:
-            store.remove()
-        raise ValueError(next(iter(errors.values())))
     failed: dict[str, str] = {}
     for task in todo:
         if task.workload in errors:
@@ -233,7 +234,9 @@ def _run(
     if len(runnable) < 2 and executor.name == "processes":
         executor = SerialExecutor()
     results: dict[str, RunResult] = {}
-    _run_points(executor, runnable, workloads, store, results, failed, args.quiet, inputs)
+    needed = {t.workload for t in runnable}  # (only these are shipped to the workers)
+    _run_points(executor, runnable, {k: w for k, w in workloads.items() if k in needed}, store,
+                results, failed, args.quiet, inputs)
     for key in staged:
         results[key] = store.get(key)
 

@@ -139,12 +139,22 @@ def format_stats(stats: TraceStats, workload: Workload) -> str:
             f"prefix reuse      {100 * blocks:.1f} % of blocks, {100 * tokens:.1f} % of prompt "
             "tokens at most (unbounded cache, arrival order)"
         )
-    lines += ["", f"{'tokens':<8}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}"]
+    rows = [["tokens", "mean", "p50", "p90", "p99", "max"]]
     for name, s in (("prompt", stats.prompt), ("output", stats.output)):
-        cells = [f"{s.mean:.1f}", *(_num(p) for p in (s.p50, s.p90, s.p99)), str(s.max)]
-        lines.append(f"{name:<8}" + "".join(f"{c:>10}" for c in cells))
+        rows.append([name, f"{s.mean:.1f}", *(_num(p) for p in (s.p50, s.p90, s.p99)),
+                     str(s.max)])
+    lines += ["", *_columns(rows)]
     lines += [f"note: {note}" for note in workload.notes]
     return "\n".join(lines)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """`rows` as aligned text: the first column left, the others right, each as wide as its
+    widest cell plus two spaces (10 at least), so 9- and 10-digit values never run together."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    first = max(8, widths[0] + 2)
+    return [f"{row[0]:<{first}}" + "".join(f"{c:>{max(10, w + 2)}}" for c, w in
+                                           zip(row[1:], widths[1:], strict=True)) for row in rows]
 
 
 def _num(value: float) -> str:

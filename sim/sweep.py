@@ -107,7 +107,14 @@ def distinct(tasks: Iterable[Task]) -> list[Task]:
 def build_workloads(
     tasks: Iterable[Task], base_dir: Path
 ) -> tuple[dict[str, Workload], dict[str, str]]:
-    """Build each distinct workload of `tasks` once: (built by key, error message by key)."""
+    """Build each distinct workload of `tasks` once: (built by key, error message by key).
+
+    Bad input (`WorkloadError`: a bad trace or length table, a transform that cannot apply)
+    is raised, naming the sweep point: like a bad scenario it refuses the whole sweep before
+    any run, rather than failing only that point's runs.
+    """
+    from kvfrag.workloads import WorkloadError
+
     built: dict[str, Workload] = {}
     errors: dict[str, str] = {}
     for task in tasks:
@@ -117,6 +124,11 @@ def build_workloads(
         point = task.scenario
         try:
             built[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
+        except WorkloadError as exc:
+            if not task.sweep:
+                raise
+            values = ", ".join(f"{k}={v}" for k, v in task.sweep.items())
+            raise WorkloadError(f"point {task.point} ({values}): {exc}") from None
         except Exception as exc:
             errors[key] = _error(exc)
     return built, errors

@@ -17,14 +17,20 @@ With `format="auto"` the container is sniffed from the file's first bytes and th
 first one whose columns are all present. Any other layout loads with a column mapping
 (`columns={"arrival": ..., "prompt_tokens": ..., "output_tokens": ...}`) and a `time_unit`.
 
+The path must name a regular, non-empty file: a folder, a device (`/dev/zero` never ends), a
+FIFO (opening one waits for a writer) or an empty file is refused from its `stat`, before it
+is opened. A file of more than `MAX_ROWS` rows is refused as it is read.
+
 Files stream in chunks (CSV via pandas `chunksize`, Parquet by record batch, JSONL line by line
 into per-chunk column lists); each chunk is parsed into typed arrays and the raw chunk dropped,
 so only the final columns are held. Every bad value is reported with the file, the 1-based row
 (CSV: `row R (line L)`; Parquet: `row R`) or line (JSONL) and the column, or, with
-`drop_bad_rows`, dropped and counted in `Workload.dropped_rows`. Damage to the file itself
-(text that is not UTF-8, truncated gzip or Parquet, duplicated column names) always stops the
-read with an error naming the file. Gzip is recognised by its magic bytes whatever the file is
-called, and a leading UTF-8 byte order mark is skipped.
+`drop_bad_rows`, dropped and counted in `Workload.dropped_rows`; so is a CSV row with more
+fields than the header (its values cannot be trusted to be in their columns). Damage to the
+file itself (text that is not UTF-8, truncated gzip or Parquet, duplicated column names, an
+unclosed quote) always stops the read with an error naming the file. Gzip is recognised by its
+magic bytes whatever the file is called, and a leading UTF-8 byte order mark is skipped.
+Messages quote at most a short excerpt of a bad value (`table.show`).
 """
 
 from __future__ import annotations
@@ -33,9 +39,14 @@ import csv
 import gzip
 import json
 import math
+import os
+import re
+import stat
+import warnings
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -44,13 +55,19 @@ import numpy as np
 import pandas as pd
 from kvfrag.workloads import samples
 from kvfrag.workloads.names import FIELDS, FORMATS, TIME_UNITS, Format, TimeUnit
-from kvfrag.workloads.table import Workload, WorkloadError, validate_requests
+from kvfrag.workloads.table import Workload, WorkloadError, show, validate_requests
 
 _UNITS_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9, "datetime": 1e9}
 CONTAINERS = ("csv", "jsonl", "parquet")
 _CHUNK_ROWS = 100_000
 _MAX_EXAMPLES = 3
 _GZIP_MAGIC = b"\x1f\x8b"
+#: The most rows (JSONL: lines) a trace may have: 10^8 requests is beyond what a simulation
+#: gets through, and the typed columns alone would then take gigabytes.
+MAX_ROWS = 100_000_000
+#: Leading CSV rows with more fields than the header before the header is taken to be wrong.
+_MAX_WIDE_HEAD = 1000
+_SKIPPED = re.compile(r"Skipping line (\d+): expected \d+ fields, saw (\d+)")
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,34 @@ def resolve_path(path: str | Path, base_dir: Path | None = None) -> Path:
     return resolved
 
 
+#: What `trace_file_problem` says of a path that does not exist, and of an empty file.
+MISSING, EMPTY = "does not exist", "is empty (0 bytes)"
+
+
+def trace_file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a trace (or length table), as a predicate ("is a folder"),
+    or None if it can: from its `stat` alone, so that a FIFO (opening one waits for a writer)
+    or a device (`/dev/zero` reads for ever) is refused without being opened."""
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return MISSING
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    mode = info.st_mode
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device"
+    if stat.S_ISSOCK(mode):
+        return "is a socket"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    return EMPTY if info.st_size == 0 else None
+
+
 def _is_gzip(path: Path) -> bool:
     """By the magic bytes, not the suffix: a gzipped `trace.csv` is common and must not be
     decoded as (invalid) text."""
@@ -138,8 +183,15 @@ def _not_utf8(path: Path) -> str:
     return f"{path}: not UTF-8 text; re-encode the file as UTF-8"
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line, and not longer than `limit` characters."""
+    return _short(" ".join(str(exc).split()), limit)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """A name or message from the file, cut to `limit` characters: a header cell can be
+    megabytes long."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _parquet_file(path: Path) -> Any:
@@ -157,8 +209,8 @@ def _check_unique(path: Path, names: list[str], where: str) -> None:
     so a duplicated name would silently read the wrong data."""
     repeated = [name for name, count in Counter(names).items() if count > 1 and name != ""]
     if repeated:
-        raise WorkloadError(f"{path}: {where}, column {repeated[0]}: duplicated column name "
-                            f"(appears {names.count(repeated[0])} times)")
+        raise WorkloadError(f"{path}: {where}, column {_short(repeated[0])}: duplicated "
+                            f"column name (appears {names.count(repeated[0])} times)")
 
 
 def sniff_container(path: Path) -> str:
@@ -173,9 +225,20 @@ def sniff_container(path: Path) -> str:
     raise WorkloadError(f"{path}: empty trace (the file has no content)")
 
 
+@contextmanager
+def _long_csv_fields() -> Iterator[None]:
+    """The csv module refuses a field over 128 KiB (`_csv.Error`), which a long prompt's
+    hash ids can exceed; pandas, which reads the data, has no such limit."""
+    limit = csv.field_size_limit(2**31 - 1)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(limit)
+
+
 def _raw_csv_header(path: Path) -> list[str]:
     """The header's names as written (pandas' own names have duplicates renamed)."""
-    with _open_text(path) as fh:
+    with _open_text(path) as fh, _long_csv_fields():
         for row in csv.reader(fh):
             if row:
                 return row
@@ -237,8 +300,8 @@ def _choose_layout(
         layout = next((lay for lay in LAYOUTS.values() if _matches(lay, header)), None)
         if layout is None:
             raise WorkloadError(
-                f"{path}: cannot tell the trace layout from its columns {header}; name a format "
-                f"({', '.join(LAYOUTS)}) or give a column mapping and a time unit"
+                f"{path}: cannot tell the trace layout from its columns {show(header, 200)}; "
+                f"name a format ({', '.join(LAYOUTS)}) or give a column mapping and a time unit"
             )
     if time_unit is not None:
         layout = replace(layout, time_unit=time_unit)
@@ -272,22 +335,98 @@ def _compression(path: Path) -> str | None:
     return "gzip" if _is_gzip(path) else None
 
 
-def _csv_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
+def _wide_head(path: Path, width: int, first_only: bool) -> list[tuple[int, int, int]]:
+    """(row, line, fields) of the leading data rows with more fields than the header's `width`
+    (`first_only`: of the first of them, the one a read without drop_bad_rows reports).
+
+    pandas would take the first data row's extra field for an index column and shift every
+    value one column to the left, or (with `index_col=False`) cut every row to that row's width,
+    without a word; a later row with extra fields it skips and names by line. So the leading
+    ones are found here (the scan stops at the first row that fits) and skipped by line.
+    """
+    found: list[tuple[int, int, int]] = []
+    with _open_text(path) as fh, _long_csv_fields():
+        reader = csv.reader(fh)
+        header_seen = False
+        row = begun = 0  # data rows so far; lines read before the current row
+        for values in reader:
+            line, begun = begun + 1, reader.line_num
+            if not values:  # a blank line (pandas skips it too)
+                continue
+            if not header_seen:
+                header_seen = True
+                continue
+            row += 1
+            if len(values) <= width:
+                break
+            found.append((row, line, len(values)))
+            if first_only:
+                break
+            if len(found) >= _MAX_WIDE_HEAD:
+                raise WorkloadError(
+                    f"{path}: the first {len(found):,} rows all have more fields than the header "
+                    f"({len(values)} vs {width}): is a column name missing from line 1?"
+                )
+    return found
+
+
+def _csv_chunks(
+    path: Path, fields: dict[str, str], width: int, drop: bool, on_drop: Callable[[str], None]
+) -> Iterator[_Chunk]:
+    """A CSV file's chunks; a row with more fields than the header's `width` is dropped through
+    `on_drop` (with `drop`) or stops the read, after the rows before it have been yielded (so
+    the first bad row of the file is the one reported)."""
+
+    def malformed(row: int, line: int, count: int) -> str:
+        return (f"{path}: row {row} (line {line}): malformed CSV row: {count} fields, the "
+                f"header has {width}")
+
     # No usecols: with it pandas silently ignores rows with extra fields.
     dtypes = {col: str for f, col in fields.items() if f in ("arrival", "hash_ids")}
-    start = 1
+    head = _wide_head(path, width, first_only=not drop)
+    if head and not drop:
+        raise WorkloadError(malformed(*head[0]))
+    for wide in head:
+        on_drop(malformed(*wide))
+    start = len(head) + 1  # the number of the next data row
     try:
-        reader = pd.read_csv(
-            path, dtype=dtypes, chunksize=_CHUNK_ROWS, compression=_compression(path)
-        )
-        for frame in reader:
-            rows = np.arange(start, start + len(frame))
-            start += len(frame)
-            yield _Chunk({f: frame[col] for f, col in fields.items()}, rows)
+        with pd.read_csv(
+            path, dtype=dtypes, chunksize=_CHUNK_ROWS, compression=_compression(path),
+            index_col=False, on_bad_lines="warn", skiprows=[line - 1 for _, line, _ in head],
+        ) as reader:
+            while True:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", pd.errors.ParserWarning)
+                    frame = next(reader, None)
+                # pandas names the lines it skipped (also those after the last row, where it
+                # has no frame left to return); a row's number is its line's less one (the
+                # header's line), as everywhere in this reader.
+                skipped = [(int(line) - 1, int(line), int(count)) for w in caught
+                           for line, count in _SKIPPED.findall(str(w.message))]
+                if frame is None:
+                    if skipped and not drop:
+                        raise WorkloadError(malformed(*min(skipped)))
+                    for wide in skipped:
+                        on_drop(malformed(*wide))
+                    return
+                skipped_rows = np.array([row for row, _, _ in skipped], dtype=np.int64)
+                numbers = np.arange(start, start + len(frame) + len(skipped), dtype=np.int64)
+                rows = numbers[~np.isin(numbers, skipped_rows)][: len(frame)]
+                start = max([start - 1, *skipped_rows.tolist(), *rows[-1:].tolist()]) + 1
+                data = {f: frame[col] for f, col in fields.items()}
+                if skipped and not drop:
+                    row, line, count = min(skipped)
+                    before = int(np.searchsorted(rows, row))
+                    if before:
+                        yield _Chunk({f: v.iloc[:before] for f, v in data.items()}, rows[:before])
+                    raise WorkloadError(malformed(row, line, count))
+                for wide in skipped:
+                    on_drop(malformed(*wide))
+                yield _Chunk(data, rows)
     except pd.errors.ParserError as exc:
-        # Structural damage (a row with extra fields) stops the read even with drop_bad_rows:
-        # pandas' message has the line, and later row numbers could not be trusted.
-        raise WorkloadError(f"{path}: malformed CSV: {exc}") from None
+        # Other structural damage (an unclosed quote) stops the read even with drop_bad_rows:
+        # the rows after it could not be trusted.
+        raise WorkloadError(f"{path}: malformed CSV: {_one_line(exc)}") from None
 
 
 def _parquet_chunks(path: Path, fields: dict[str, str]) -> Iterator[_Chunk]:
@@ -367,23 +506,24 @@ def _plain(value: object) -> object:
 
 def _length_problem(value: object) -> str:
     value = _plain(value)
+    shown = show(value)
     if _missing(value):
         return "missing value (empty, null or NaN)"
     if isinstance(value, bool):
-        return f"{value!r} is not a number"
+        return f"{shown} is not a number"
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        return f"{value!r} is not a number"
+        return f"{shown} is not a number"
     if math.isnan(number):
-        return f"{value!r} is NaN"
+        return f"{shown} is NaN"
     if math.isinf(number) or number > 2**62:
-        return f"{value!r} is not a finite token count"
+        return f"{shown} is not a finite token count"
     if number < 0:
-        return f"{value!r} is negative"
+        return f"{shown} is negative"
     if number != int(number):
-        return f"{value!r} is not a whole number"
-    return f"{value!r} is below 1 (token counts must be at least 1)"
+        return f"{shown} is not a whole number"
+    return f"{shown} is below 1 (token counts must be at least 1)"
 
 
 def _parse_counts(raw: pd.Series) -> tuple[np.ndarray, np.ndarray]:
@@ -421,8 +561,8 @@ def _time_problem(value: object, unit: str) -> str:
     if _missing(value):
         return "missing arrival time (empty, null or NaN)"
     if unit == "datetime":
-        return f"{value!r} is not a timestamp (expected e.g. '2023-11-16 18:17:03.98')"
-    return f"{value!r} is not a finite number of {unit}"
+        return f"{show(value)} is not a timestamp (expected e.g. '2023-11-16 18:17:03.98')"
+    return f"{show(value)} is not a finite number of {unit}"
 
 
 def _parse_hashes(raw: pd.Series) -> tuple[list[list[int] | None], np.ndarray]:
@@ -513,7 +653,7 @@ class _ChunkParser:
                 describe[name] = lambda i, raw=raw: _time_problem(raw.iloc[i], unit)
             elif name == "hash_ids":
                 typed[name], bad[name] = _parse_hashes(raw)
-                describe[name] = lambda i, raw=raw: f"{raw.iloc[i]!r} is not a list of integers"
+                describe[name] = lambda i, raw=raw: f"{show(raw.iloc[i])} is not a list of integers"
             else:
                 typed[name], bad[name] = _parse_counts(raw)
                 describe[name] = lambda i, raw=raw: _length_problem(raw.iloc[i])
@@ -544,7 +684,7 @@ class _ChunkParser:
             raw_times = chunk.data["arrival"]
             prior = describe["arrival"]
             describe["arrival"] = lambda i, p=prior: (
-                f"{raw_times.iloc[i]!r} is earlier than a previous arrival "
+                f"{show(raw_times.iloc[i])} is earlier than a previous arrival "
                 "(arrivals must be in time order)" if order_bad[i] else p(i)
             )
             bad["arrival"] = bad["arrival"] | order_bad
@@ -588,13 +728,22 @@ def load_trace(
     """
     if format not in FORMATS:
         raise WorkloadError(f"{path}: unknown format {format!r}; formats: {', '.join(FORMATS)}")
+    if not str(path).strip():  # (Path("") is the current folder)
+        raise WorkloadError("the trace path is empty; name a trace file")
     resolved = resolve_path(path, base_dir)
-    if not resolved.is_file():
+    problem = trace_file_problem(resolved)  # before anything opens it
+    if problem == MISSING:
         raise WorkloadError(f"{resolved}: no such trace file")
+    if problem == EMPTY:
+        raise WorkloadError(f"{resolved}: empty trace (the file is 0 bytes)")
+    if problem is not None:
+        raise WorkloadError(f"{resolved}: {problem}; a trace must be a regular file")
     try:
         return _read(resolved, format, columns, time_unit, drop_bad_rows, hash_block_tokens)
     except UnicodeDecodeError:
         raise WorkloadError(_not_utf8(resolved)) from None
+    except csv.Error as exc:  # (the header and leading rows are read with the csv module)
+        raise WorkloadError(f"{resolved}: malformed CSV: {_one_line(exc)}") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise WorkloadError(f"{resolved}: truncated or corrupt gzip data: {_one_line(exc)}") \
             from None
@@ -616,17 +765,21 @@ def _read(
         if col not in header:
             where = {"csv": "line 1 (header)", "jsonl": "line 1", "parquet": "schema"}[container]
             raise WorkloadError(f"{resolved}: {where}, column {col}: missing ({name} column); "
-                                f"found columns {header}")
+                                f"found columns {show(header, 200)}")
 
     parser = _ChunkParser(resolved, container, layout, drop_bad_rows)
     fields = layout.fields()
     if container == "csv":
-        chunks = _csv_chunks(resolved, fields)
+        chunks = _csv_chunks(resolved, fields, len(header), drop_bad_rows, parser.out.drop)
     elif container == "parquet":
         chunks = _parquet_chunks(resolved, fields)
     else:
         chunks = _jsonl_chunks(resolved, fields, drop_bad_rows, parser.out.drop)
     for chunk in chunks:
+        if len(chunk.locs) and chunk.locs[-1] > MAX_ROWS:
+            where = "lines" if container == "jsonl" else "rows"
+            raise WorkloadError(f"{resolved}: more than {MAX_ROWS:,} {where}; kvfrag reads at "
+                                f"most {MAX_ROWS:,} requests (split the file)")
         parser.add(chunk)
     return _assemble(resolved, layout, parser.out)
 

@@ -49,6 +49,34 @@ class WorkloadError(ValueError):
     """Bad workload input; the message names the file, the 1-based row or line and the column."""
 
 
+#: The most characters of a bad value a message quotes: a 50 MB cell is not echoed whole.
+SHOWN_CHARS = 60
+
+
+def show(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`value` as an error message quotes it: numpy scalars as plain Python (`100`, not
+    `np.int64(100)`), arrays as lists, and at most `limit` characters of it, then "...".
+
+    Only a bounded head of a long string or sequence is formatted, so quoting a huge cell
+    costs no more than quoting a short one.
+    """
+    if isinstance(value, np.generic):
+        value = value.item()
+    whole = True
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        value, whole = value[:limit], False
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) > limit:
+            value, whole = value[:limit], False
+        value = value.tolist() if isinstance(value, np.ndarray) else [
+            v.item() if isinstance(v, np.generic) else v for v in value
+        ]
+    text = repr(value)
+    if len(text) > limit:
+        return text[:limit] + "..."
+    return text if whole else text + "..."
+
+
 @dataclass(frozen=True, eq=False)
 class Workload:
     """A validated request table plus what was done to get it (nothing is dropped silently).
@@ -111,7 +139,7 @@ class _Check:
             row = int(bad[0])
             value = self.df[column].iloc[row]
             raise WorkloadError(
-                f"{self.source}: row {row + 1}, column {column}: {value!r} {what}"
+                f"{self.source}: row {row + 1}, column {column}: {show(value)} {what}"
                 f" ({len(bad)} row(s) affected)"
             )
 
@@ -181,7 +209,7 @@ def validate_requests(df: pd.DataFrame, source: str) -> pd.DataFrame:
         block = df.attrs.get("hash_block_tokens")
         if not isinstance(block, int) or block < 1:
             raise WorkloadError(
-                f"{source}: hash_ids present but attrs['hash_block_tokens'] is {block!r}"
+                f"{source}: hash_ids present but attrs['hash_block_tokens'] is {show(block)}"
             )
         bad_hash = np.array(
             [not (isinstance(h, list) and all(type(x) is int for x in h)) for h in df["hash_ids"]]

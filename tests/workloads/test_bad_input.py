@@ -4,6 +4,8 @@ drop_bad_rows, the rows dropped and counted."""
 from __future__ import annotations
 
 import gzip
+import os
+import random
 import re
 from pathlib import Path
 
@@ -13,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from kvfrag.workloads import WorkloadSpec, load_trace, validate_requests
-from kvfrag.workloads.table import WorkloadError
+from kvfrag.workloads import WorkloadSpec, load_trace, readers, validate_requests
+from kvfrag.workloads.table import WorkloadError, show
 from pydantic import ValidationError
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -197,8 +199,216 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_malformed_csv(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("num_prefill_tokens,num_decode_tokens\n1,2\n3,4,5,6\n")
-    with pytest.raises(WorkloadError, match=r"t\.csv: malformed CSV"):
+    with pytest.raises(WorkloadError, match=r"t\.csv: row 2 \(line 3\): malformed CSV row: 4 "
+                       "fields, the header has 2$"):
         load_trace(path)
+
+
+def test_unclosed_quote_stops_the_read(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text('prompt_tokens,output_tokens\n1,2\n"3,4\n5,6\n')
+    expect_file_error(path, "malformed CSV: .*EOF inside string")
+
+
+# --- rows with more fields than the header: their values cannot be trusted to be in their
+# columns, so such a row is bad (dropped with drop_bad_rows), wherever it is ----------------
+
+EXTRA = "arrival_s,prompt_tokens,output_tokens\n"
+
+
+@pytest.mark.parametrize(("rows", "bad", "kept"), [
+    # (pandas took a first row's extra field for an index column, shifting every value left)
+    (["0,5,5,9", "1,6,6", "2,7,7"], [(1, 2, 4)], [6, 7]),
+    (["0,5,5", "1,6,6,9", "2,7,7"], [(2, 3, 4)], [5, 7]),
+    (["0,5,5,9,9", "1,6,6,1,1,1", "2,7,7", "3,8,8,8"], [(1, 2, 5), (2, 3, 6), (4, 5, 4)], [7]),
+    (["0,5,5", "1,6,6", "2,7,7,"], [(3, 4, 4)], [5, 6]),  # a trailing comma is a field too
+])
+def test_extra_fields(tmp_path: Path, rows: list[str], bad: list[tuple[int, int, int]],
+                      kept: list[int]) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(EXTRA + "\n".join(rows) + "\n")
+    row, line, fields = bad[0]
+    with pytest.raises(WorkloadError, match=f"^{re.escape(str(path))}: row {row} \\(line {line}"
+                       f"\\): malformed CSV row: {fields} fields, the header has 3$"):
+        load_trace(path)
+    workload = load_trace(path, drop_bad_rows=True)
+    assert workload.requests["prompt_tokens"].tolist() == kept
+    assert workload.dropped_rows == len(bad)
+    assert all(f"row {r} (line {n}): malformed CSV row: {f} fields" in workload.notes[0]
+               for r, n, f in bad[:3])
+
+
+@pytest.mark.parametrize(("rows", "match"), [
+    (["0,x,5", "1,6,6,6", "2,7,7"], r"row 1 \(line 2\), column prompt_tokens: 'x'"),
+    (["0,5,5", "1,6,6,6", "2,x,7"], r"row 2 \(line 3\): malformed CSV row"),
+])
+def test_first_bad_row_of_either_kind_is_reported(tmp_path: Path, rows: list[str],
+                                                  match: str) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(EXTRA + "\n".join(rows) + "\n")
+    with pytest.raises(WorkloadError, match=match):
+        load_trace(path)
+    assert load_trace(path, drop_bad_rows=True).dropped_rows == 2
+
+
+def test_extra_field_rows_keep_later_row_numbers(tmp_path: Path, monkeypatch) -> None:
+    """Rows after a skipped one, in this chunk and the next, keep their own numbers."""
+    monkeypatch.setattr(readers, "_CHUNK_ROWS", 2)
+    path = tmp_path / "t.csv"
+    path.write_text(EXTRA + "0,5,5\n1,6,6,6\n2,7,7\n3,8,8\n4,x,9\n5,9,9,9\n")
+    workload = load_trace(path, drop_bad_rows=True)
+    assert workload.requests["prompt_tokens"].tolist() == [5, 7, 8]
+    assert all(where in workload.notes[0] for where in (
+        "row 2 (line 3): malformed", "row 5 (line 6), column prompt_tokens: 'x'",
+        "row 6 (line 7): malformed"))
+    path.write_text(EXTRA + "0,5,5\n1,6,6\n2,7,7\n3,8,8,8\n")
+    with pytest.raises(WorkloadError, match=r"row 4 \(line 5\): malformed CSV row"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_extra_fields_against_a_reference(tmp_path: Path, monkeypatch, seed: int) -> None:
+    """Random rows of 3 to 5 fields, read in chunks of 1 to 100 rows: exactly the 3-field rows
+    are kept, and the first wider one is the one reported."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(readers, "_CHUNK_ROWS", rng.choice([1, 2, 3, 100]))
+    widths = [rng.choice([3, 3, 3, 4, 5]) for _ in range(rng.randint(1, 12))]
+    path = tmp_path / "t.csv"
+    path.write_text(EXTRA + "".join(f"{i},{10 + i},1" + ",9" * (w - 3) + "\n"
+                                    for i, w in enumerate(widths)))
+    kept = [10 + i for i, w in enumerate(widths) if w == 3]
+    wide = [(i + 1, w) for i, w in enumerate(widths) if w > 3]
+    if kept:
+        workload = load_trace(path, drop_bad_rows=True)
+        assert workload.requests["prompt_tokens"].tolist() == kept
+        assert workload.dropped_rows == len(wide)
+    if wide:
+        row, fields = wide[0]
+        with pytest.raises(WorkloadError, match=rf"row {row} \(line {row + 1}\): malformed CSV "
+                           rf"row: {fields} fields"):
+            load_trace(path)
+
+
+def test_extra_field_in_gzip_csv(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress((EXTRA + "0,5,5,5\n1,6,6\n2,7,7,7\n3,8,8\n").encode()))
+    workload = load_trace(path, drop_bad_rows=True)
+    assert (workload.dropped_rows, workload.requests["prompt_tokens"].tolist()) == (2, [6, 8])
+
+
+def test_every_row_wider_than_the_header(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(readers, "_MAX_WIDE_HEAD", 5)
+    path = tmp_path / "t.csv"
+    path.write_text(EXTRA + "".join(f"{i},5,5,5\n" for i in range(10)))
+    for drop in (False, True):
+        with pytest.raises(WorkloadError, match="row 1 .*4 fields" if not drop else
+                           "the first 5 rows all have more fields than the header"):
+            load_trace(path, drop_bad_rows=drop)
+
+
+def test_csv_field_over_128_kib(tmp_path: Path) -> None:
+    """The csv module's own field limit does not apply: a long prompt's hash ids are data."""
+    path = tmp_path / "t.csv"
+    ids = ", ".join(map(str, range(40_000)))
+    path.write_text(f'prompt_tokens,output_tokens,hash_ids\n640000,1,"[{ids}]"\n')
+    workload = load_trace(path, hash_block_tokens=16)
+    assert len(workload.requests["hash_ids"][0]) == 40_000
+
+
+# --- what is not a regular, non-empty file is refused from its stat, before it is opened -----
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "device", "empty"])
+def test_not_a_regular_file(tmp_path: Path, kind: str) -> None:
+    path = not_regular(tmp_path, kind)
+    problem = readers.trace_file_problem(path)
+    assert problem is not None and problem.startswith("is ")
+    match = "empty trace" if kind == "empty" else f"{re.escape(problem)}; a trace must be"
+    with pytest.raises(WorkloadError, match=f"^{re.escape(str(path))}: {match}"):
+        load_trace(path)
+
+
+def not_regular(tmp_path: Path, kind: str) -> Path:
+    """A folder, a FIFO (opening it would wait for a writer), /dev/zero or an empty file."""
+    if kind == "device":
+        if not Path("/dev/zero").is_char_device():
+            pytest.skip("no /dev/zero here")
+        return Path("/dev/zero")
+    path = tmp_path / f"{kind}.csv"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "fifo":
+        if not hasattr(os, "mkfifo"):
+            pytest.skip("no FIFOs here")
+        os.mkfifo(path)
+    else:
+        path.touch()
+    return path
+
+
+@pytest.mark.parametrize(("name", "header", "row", "unit"), [
+    ("t.csv", EXTRA, "0,5,5\n", "rows"),
+    ("t.jsonl", "", '{"prompt_tokens": 5, "output_tokens": 5}\n', "lines"),
+])
+def test_too_many_rows(tmp_path: Path, monkeypatch, name: str, header: str, row: str,
+                       unit: str) -> None:
+    monkeypatch.setattr(readers, "MAX_ROWS", 3)
+    path = tmp_path / name
+    path.write_text(header + row * 3)
+    assert len(load_trace(path).requests) == 3
+    path.write_text(header + row * 4)
+    with pytest.raises(WorkloadError, match=f"more than 3 {unit}; kvfrag reads at most 3 "):
+        load_trace(path)
+
+
+# --- messages quote values as plain numbers, and never more than a short excerpt ------------
+
+
+def test_show() -> None:
+    assert show(np.int64(100)) == "100" and show(np.float64(1.5)) == "1.5"
+    assert show(np.array([1, 2])) == "[1, 2]" and show([np.int64(3)]) == "[3]"
+    assert show("abc") == "'abc'"
+    assert show("x" * 10_000_000) == "'" + "x" * 59 + "..."
+    assert len(show(list(range(10_000)))) == 63 and len(show(np.arange(10_000))) == 63
+
+
+def test_parquet_order_message_is_a_plain_number(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"arrival_s": np.array([200, 100, 300], dtype=np.int64),
+                             "prompt_tokens": [5, 5, 5], "output_tokens": [1, 1, 1]}), path)
+    with pytest.raises(WorkloadError, match=r"row 2, column arrival_s: 100 is earlier") as info:
+        load_trace(path)
+    assert "np." not in str(info.value)
+
+
+def test_validate_quotes_plain_numbers() -> None:
+    df = pd.DataFrame({"request_id": np.arange(2), "arrival_s": [5.0, 1.0],
+                       "prompt_tokens": np.array([100, 0]), "output_tokens": np.ones(2, int)})
+    with pytest.raises(WorkloadError, match=r"^t: row 2, column prompt_tokens: 0 is below 1"):
+        validate_requests(df, "t")
+    df["prompt_tokens"] = 100
+    with pytest.raises(WorkloadError, match=r"^t: row 2, column arrival_s: 1\.0 is earlier"):
+        validate_requests(df, "t")
+
+
+@pytest.mark.parametrize("name", ["t.csv", "t.jsonl"])
+def test_a_huge_cell_is_quoted_short(tmp_path: Path, name: str) -> None:
+    cell = "9" * 2_000_000 + "x"
+    path = tmp_path / name
+    if name.endswith(".csv"):
+        path.write_text(f"prompt_tokens,output_tokens\n5,5\n{cell},5\n")
+    else:
+        path.write_text('{"prompt_tokens": 5, "output_tokens": 5}\n'
+                        f'{{"prompt_tokens": "{cell}", "output_tokens": 5}}\n')
+    with pytest.raises(WorkloadError, match=r"column prompt_tokens: '9{59}\.\.\. is not a "
+                       "number$") as info:
+        load_trace(path)
+    assert len(str(info.value)) < len(str(path)) + 150
+    header = tmp_path / "h.csv"
+    header.write_text("a" * 1_000_000 + ",b\n5,5\n")
+    with pytest.raises(WorkloadError, match="cannot tell the trace layout") as info:
+        load_trace(header)
+    assert len(str(info.value)) < len(str(header)) + 400
 
 
 # --- the file itself is damaged: always an error naming the file, even with drop_bad_rows ----
