@@ -811,7 +811,7 @@ def write_output(out: Path, doc: dict[str, Any], folders: list[Folder], wait: bo
     from kvfrag.results import dumps_json
 
     out = Path(out)
-    with outdir.locked(out, f"kvfrag compare -o {out}", wait), outdir.terminate_as_interrupt():
+    with outdir.terminate_as_interrupt(), outdir.locked(out, f"kvfrag compare -o {out}", wait):
         outdir.clean_stale(out)
         outdir.check_target(out)  # again: another kvfrag may have written it as we waited
         _check_ours(out)

@@ -18,10 +18,7 @@ map and `MAX_PANELS` maps, as the PNG.
 from __future__ import annotations
 
 import base64
-import contextlib
 import html
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -388,21 +385,12 @@ def render(folder: Path | str) -> str:
 
 
 def write_report(folder: Path | str) -> Path:
-    """Write `folder/report.html` atomically (a temporary beside it, then renamed)."""
+    """Write `folder/report.html` atomically (through a temporary folder beside it that
+    `kvfrag.outdir` marks as its own: a killed writer's is not taken for the user's)."""
+    from kvfrag.outdir import write_text_atomic
+
     folder = Path(folder)
     page = render(folder)
     path = folder / REPORT
-    # (named as outdir's temporaries: a killed writer's is cleaned up, not taken as foreign)
-    fd, tmp = tempfile.mkstemp(prefix=f".{REPORT}.tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(page)
-        from kvfrag.outdir import FILE_MODE
-
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, page)
     return path

@@ -1,4 +1,8 @@
-"""`kvfrag report RESULTS_DIR`: (re)build a results folder's `report.html` (kvfrag.report)."""
+"""`kvfrag report RESULTS_DIR`: (re)build a results folder's `report.html` (kvfrag.report).
+
+It writes into a folder kvfrag wrote (its manifest lists everything in it), holding the
+folder's lock (`kvfrag.outdir`), and records the page in the manifest.
+"""
 
 from __future__ import annotations
 
@@ -23,13 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Write report.html in place, under the folder's lock; Ctrl-C, SIGTERM and SIGHUP stop it
+    with the lock released and no temporary left."""
     from kvfrag.report import write_report
 
     folder = args.results
     if not (folder / "summary.csv").exists():
         raise FileNotFoundError(f"{folder}: not a results folder (no summary.csv)")
-    outdir.check_target(folder)  # it writes into the folder: only one kvfrag wrote
-    with outdir.locked(folder, f"kvfrag report {folder}", args.wait), outdir.writing(folder):
+    outdir.check_target(folder, replace=False)  # it writes into the folder: one kvfrag wrote
+    with outdir.terminate_as_interrupt(), \
+            outdir.locked(folder, f"kvfrag report {folder}", args.wait), outdir.writing(folder):
+        outdir.clean_stale_inside(folder)  # a killed report's temporary
+        outdir.check_target(folder, replace=False)  # again: a run may have replaced it
         path = write_report(folder)
         outdir.add_to_manifest(folder, [path])
     print(path)

@@ -558,14 +558,34 @@ def _meta(resolved: dict, source: str) -> dict:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    """Redraw in place, under the folder's lock; Ctrl-C, SIGTERM and SIGHUP stop it with the
+    lock released, and what it drew by then is recorded (the folder stays replaceable)."""
     from kvfrag.plots import redraw
 
     folder = args.results
     if not (folder / "summary.csv").exists():
         raise FileNotFoundError(f"{folder}: not a results folder (no summary.csv)")
-    outdir.check_target(folder)  # it redraws plots/ in place: only in a folder kvfrag wrote
-    with outdir.locked(folder, f"kvfrag plot {folder}", args.wait), outdir.writing(folder):
-        paths = redraw(folder, svg=args.svg, point=args.point)
+
+    def figures() -> set[Path]:
+        try:
+            return {p for p in (folder / "plots").iterdir()
+                    if p.suffix in (".png", ".svg") and p.is_file() and not p.is_symlink()}
+        except OSError:
+            return set()
+
+    # it redraws plots/ in place: only in a folder kvfrag wrote (the current one included)
+    outdir.check_target(folder, replace=False)
+    with outdir.terminate_as_interrupt(), \
+            outdir.locked(folder, f"kvfrag plot {folder}", args.wait), outdir.writing(folder):
+        outdir.clean_stale_inside(folder)
+        outdir.check_target(folder, replace=False)  # again: a run may have replaced it
+        before = figures()
+        try:
+            paths = redraw(folder, svg=args.svg, point=args.point)
+        except BaseException:
+            # (figures that appeared in plots/ while this process held the lock: its own)
+            outdir.add_to_manifest(folder, sorted(figures() - before))
+            raise
         outdir.add_to_manifest(folder, paths)
     for path in paths:
         print(path)

@@ -7,6 +7,11 @@ torch is imported only when the command runs, so `kvfrag --help` works without i
 Progress goes to stderr (none with -q): a bar of the replays, which names the one in hand
 and how far its simulation (requests) or its replay (log rows) is, and one line per replay
 as it ends.
+
+The report folder (default `results/<name>/validate/`) is written whole or not at all, under
+the lock of the run folder holding it, whose manifest then names it (`kvfrag.outdir`): a new
+`kvfrag run` keeps the report and can still replace the folder. Ctrl-C, SIGTERM and SIGHUP
+stop it with the lock released and no temporary left.
 """
 
 from __future__ import annotations
@@ -91,8 +96,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # A report inside a run's folder shares that folder's lock: a run replacing the folder
     # carries the report over, and must not do so while it is being rewritten.
     lock_target = out.parent if out.name == VALIDATE_DIR else out
-    with outdir.locked(lock_target, f"kvfrag validate {args.scenario}", args.wait), \
-            outdir.terminate_as_interrupt():
+    with outdir.terminate_as_interrupt(), \
+            outdir.locked(lock_target, f"kvfrag validate {args.scenario}", args.wait):
         outdir.clean_stale(out)
         outdir.check_target(out)
         if not args.quiet:
@@ -128,6 +133,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
             bar.close()
         outcomes += skipped
         write_report(outcomes, out, loaded.resolved(), scenario.name)
+        if out.name == VALIDATE_DIR:  # the run folder holding it names it: stays replaceable
+            with outdir.writing(out.parent):
+                outdir.register_nested(out)
     if not args.quiet and not args.json:
         print(format_table(outcomes))
     if not args.quiet:

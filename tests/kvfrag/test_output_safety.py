@@ -140,12 +140,17 @@ def test_an_empty_folder_is_used(tmp_path):
     assert (out / "summary.csv").is_file()
 
 
-def test_a_results_folder_written_before_manifests_is_recognised(tmp_path):
+def test_a_folder_without_a_manifest_is_not_taken_for_results(tmp_path, capsys):
+    """Results folders were once recognised by their file names; no more: the names prove
+    nothing (a copy of results the user edited, a folder of theirs laid out alike), only a
+    manifest does."""
     out = tmp_path / "old"
     assert _run(out) == 0
     (out / MANIFEST).unlink()  # as earlier kvfrag versions left it
-    assert _run(out) == 0
-    assert (out / MANIFEST).is_file()
+    before = sorted(p.name for p in out.iterdir())
+    assert _run(out) == 2
+    assert "summary.csv" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before
 
 
 # ------------------------------------------------------------------------ locking
@@ -251,19 +256,28 @@ def test_wait_takes_the_lock_when_it_is_released(tmp_path):
     assert (out / "summary.csv").is_file() and _siblings(out) == []
 
 
+def _killed_temporary(target: Path, name: str) -> Path:
+    """A temporary of `target` as a killed writer leaves it (marked by kvfrag), renamed to
+    `name` (as `.old-` ones are)."""
+    tmp = outdir.temp_dir(target)
+    (tmp / "summary.csv").write_text("half")
+    return tmp.rename(tmp.with_name(name))
+
+
 def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path):
+    """Only marked temporaries of this very folder go; a look-alike name proves nothing."""
     out = tmp_path / "r"
-    stale = [tmp_path / ".r.tmp-abcd_123", tmp_path / ".r.old-zz9yx8w7"]
-    others = [tmp_path / ".r2.tmp-abcd_123", tmp_path / ".rtmp-abcd1234", tmp_path / "r.tmp-x"]
-    for folder in stale + others:
+    stale = [_killed_temporary(out, ".r.tmp-abcd_123"), _killed_temporary(out, ".r.old-zz9yx8w7")]
+    others = [tmp_path / ".r2.tmp-abcd_123", tmp_path / ".rtmp-abcd1234", tmp_path / "r.tmp-x",
+              tmp_path / ".r.tmp-unmarked"]  # (the user's, whatever their names)
+    for folder in others:
         folder.mkdir()
         (folder / "summary.csv").write_text("half")
+    others.append(_killed_temporary(tmp_path / "r2", ".r2.tmp-abcdefgh"))  # another folder's
     assert _run(out) == 0
     assert not any(p.exists() for p in stale)
     assert all((p / "summary.csv").exists() for p in others)  # not ours to remove
-    report = out / ".validate.tmp-k1ll3d_x"  # a `kvfrag validate` killed while writing
-    report.mkdir()
-    (report / "validate.csv").write_text("half")
+    report = _killed_temporary(out / "validate", ".validate.tmp-k1ll3d_x")  # a killed validate
     assert _run(out) == 0
     assert not report.exists()
 
@@ -497,17 +511,18 @@ def test_workload_counts_are_on_record(tmp_path):
     assert {r["workload_dropped_rows"] for r in records} == {0}
 
 
-def test_a_killed_report_in_a_folder_of_its_own_is_cleaned(tmp_path):
+def test_a_killed_report_in_a_folder_of_its_own_is_cleaned(tmp_path, capsys):
     out = tmp_path / "r"
-    (out / ".validate.tmp-abcdefgh").mkdir(parents=True)  # validate made r/, then was killed
-    (out / ".validate.tmp-abcdefgh" / "validate.csv").write_text("half")
+    out.mkdir()
+    killed = _killed_temporary(out / "validate", ".validate.tmp-abcdefgh")  # validate made r/
     (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / ".x.tmp-abcdefgh").mkdir()
+    (tmp_path / "mine" / ".x.tmp-abcdefgh").mkdir()  # unmarked: the user's, whatever its name
     (tmp_path / "mine" / ".x.tmp-abcdefgh" / "keep.txt").write_text("mine")
-    assert _run(tmp_path / "mine") == 2  # not kvfrag's: its temporaries are not either
+    assert _run(tmp_path / "mine") == 2
+    assert ".x.tmp-abcdefgh/" in capsys.readouterr().err
     assert (tmp_path / "mine" / ".x.tmp-abcdefgh" / "keep.txt").exists()
     assert _run(out) == 0
-    assert not (out / ".validate.tmp-abcdefgh").exists()
+    assert not killed.exists()
 
 
 def test_validate_refuses_a_users_folder_and_a_file(tmp_path, capsys):
