@@ -815,10 +815,12 @@ def write_output(out: Path, doc: dict[str, Any], folders: list[Folder], wait: bo
         outdir.clean_stale(out)
         outdir.check_target(out)  # again: another kvfrag may have written it as we waited
         _check_ours(out)
+        from kvfrag.csvcells import write_csv
+
         tmp = outdir.temp_dir(out)
         try:
             with outdir.writing(tmp):
-                comparison_frame(doc).to_csv(tmp / "comparison.csv", index=False)
+                write_csv(comparison_frame(doc), tmp / "comparison.csv")
                 (tmp / "comparison.json").write_text(dumps_json(doc) + "\n", encoding="utf-8")
                 _save(breakdown_figure(doc, folders), tmp / "breakdown.png")
                 _save(capacity_figure(doc), tmp / "capacity.png")

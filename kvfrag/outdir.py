@@ -377,7 +377,8 @@ def _mark(folder: Path, name: str) -> None:
         fh.write(json.dumps(data) + "\n")
 
 
-def _unmark(folder: Path) -> None:
+def unmark(folder: Path) -> None:
+    """Take the temporary's mark off `folder` (it is about to become what it was made for)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(folder / MARKER)
 
@@ -452,16 +453,16 @@ def replace_dir(new: Path, target: Path) -> None:
             try:
                 target.rename(old)
             except BaseException:
-                _unmark(target)
+                unmark(target)
                 raise
         try:
             new.rename(target)
         except BaseException:
             if old is not None:
                 old.rename(target)
-                _unmark(target)
+                unmark(target)
             raise
-        _unmark(target)
+        unmark(target)
     except OSError as exc:
         raise output_error(exc, target) from None
     if old is not None:

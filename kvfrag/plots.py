@@ -49,6 +49,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from kvfrag.csvcells import unescape
 from kvfrag.results import (
     OPTION_PREFIX,
     check_schema,
@@ -1788,7 +1789,7 @@ def read_summary(path: Path | str, version: int | None = _BESIDE) -> pd.DataFram
         raise bad(f"missing columns {', '.join(missing)}")
     if not rows:
         raise bad("no rows, only a header")
-    summary = upgrade_summary(pd.read_csv(io.StringIO(text)), version)
+    summary = upgrade_summary(unescape(pd.read_csv(io.StringIO(text))), version)
     for col in ("point", *(FRAC[p] for p in PARTS)):
         values = pd.to_numeric(summary[col], errors="coerce")
         if col == "point" and not values.isna().any() and (values % 1 != 0).any():

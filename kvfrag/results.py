@@ -29,6 +29,7 @@ import pandas as pd
 import yaml
 
 from kvfrag import outdir
+from kvfrag.csvcells import write_csv
 from kvfrag.outdir import VALIDATE_DIR, replace_dir, temp_dir, writing
 from kvfrag.sim.engine import RunResult
 from kvfrag.sim.scenario import ScenarioResult
@@ -53,13 +54,13 @@ def write_results(
                 yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8"
             )
             summary = result.summary()
-            summary_table(summary).to_csv(tmp / "summary.csv", index=False)
+            write_csv(summary_table(summary), tmp / "summary.csv")
             document = summary_document(result.scenario.name, summary)
             (tmp / "summary.json").write_text(dumps_json(document) + "\n", encoding="utf-8")
             result.frames("timeseries").to_parquet(tmp / "timeseries.parquet", index=False)
             result.frames("requests").to_parquet(tmp / "requests.parquet", index=False)
             if failures is not None and len(failures):
-                failures.to_csv(tmp / "failures.csv", index=False)
+                write_csv(failures, tmp / "failures.csv")
             write_snapshots(result, tmp)
             if plot is not None:
                 plot(tmp)
@@ -448,8 +449,7 @@ class PointStore:
                 "(it changed since); run without --resume to start over"
             )
         self._write_inputs()
-        for stale in self.dir.glob(".*.tmp-*"):  # points being written when it was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        outdir.clean_stale_inside(self.dir)  # points being written when it was killed
         keys = set()
         for p in sorted(self.dir.iterdir()):
             if p.name.startswith(".") or not (p / "summary.json").is_file():
@@ -537,6 +537,7 @@ class PointStore:
             target = self.dir / key
             if target.exists():
                 shutil.rmtree(target)
+            outdir.unmark(tmp)  # (a staged point, no longer a temporary)
             tmp.rename(target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

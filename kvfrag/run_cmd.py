@@ -133,8 +133,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     executor = make_executor(args.executor, args.jobs, args.address)
     store = PointStore(out)
     try:
-        with outdir.locked(out, f"kvfrag run {args.scenario}", args.wait), \
-                outdir.terminate_as_interrupt():
+        # (the handler first: a SIGTERM as the lock is taken still removes the lock file)
+        with outdir.terminate_as_interrupt(), \
+                outdir.locked(out, f"kvfrag run {args.scenario}", args.wait):
             outdir.clean_stale(out)
             outdir.clean_stale(out / VALIDATE_DIR)  # a killed `kvfrag validate` (same lock)
             outdir.check_target(out)  # again: another run may have written it as we waited

@@ -50,6 +50,7 @@ import numpy as np
 import pandas as pd
 import simpy
 from kvfrag.sim.allocators.base import PARTS, Allocator, Reason, Refusal, Request
+from kvfrag.sim.interrupts import poll
 from kvfrag.sim.units import check_size
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
@@ -454,10 +455,11 @@ class Engine:
         to the end of the run."""
         env, cfg, progress = self.env, self.cfg, self.progress
         while True:
-            if progress is not None:  # the clock is read once in PROGRESS_TURNS turns only
-                self.turns += 1
-                due = not self.turns % PROGRESS_TURNS
-                if due and time.monotonic() - self.reported >= PROGRESS_S:
+            self.turns += 1
+            if not self.turns % PROGRESS_TURNS:
+                poll()  # a pending signal's handler runs here (see sim/interrupts.py)
+                # (the clock is read once in PROGRESS_TURNS turns only)
+                if progress is not None and time.monotonic() - self.reported >= PROGRESS_S:
                     progress(self.retired, len(self.inputs))
                     self.reported = time.monotonic()
             self._release_arrivals(self.now)
@@ -738,7 +740,7 @@ class Engine:
         if self.cfg.max_time_s is not None:
             horizon = min(horizon, self.cfg.max_time_s)
         if horizon < math.inf:
-            n = min(n, _iterations_to_reach(horizon - self.now, w0, w1))
+            n = _iterations_to_reach(horizon - self.now, w0, w1, n)
         return n, w0, w1, n * w0 + w1 * n * (n - 1) / 2
 
     # -------------------------------------------------------------- iteration end
@@ -990,6 +992,13 @@ class Engine:
             now = self.alloc.parts(self._probe())
             frac = {p: v / cap for p, v in zip(PARTS, now, strict=True)}
             over = self.alloc.overreserved_bytes() / cap
+        if not (math.isfinite(total) and all(math.isfinite(v) for v in frac.values())):
+            # (simulated times so long that byte-seconds overflow: written, the run would
+            # look like a success whose every share is NaN)
+            raise ValueError(
+                f"the run's time averages are not finite ({total:.3g} s simulated): its step "
+                "or arrival times are too large to measure"
+            )
         allocated = integrals["token_states"] + integrals["reserved"] + integrals["internal"]
         done = requests[requests["status"] == "completed"]
         rejected = requests[requests["status"] == "rejected"]
@@ -1143,16 +1152,23 @@ def _stats(values: pd.Series) -> dict[str, float]:
     return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def _iterations_to_reach(delta: float, w0: float, w1: float) -> int:
-    """Fewest iterations (>= 1) whose durations w0, w0+w1, ... add up to at least `delta`."""
-    if delta <= w0:
+def _iterations_to_reach(delta: float, w0: float, w1: float, most: int) -> int:
+    """Fewest iterations (>= 1) whose durations w0, w0+w1, ... add up to at least `delta`, or
+    `most` if they do not reach it within `most`.
+
+    `most` bounds the search: far horizons (an arrival or `max_time_s` 1e300 s away) give
+    iteration counts where n - 1 == n in floats, and a step-by-step search there never ends.
+    """
+    if delta <= w0 or most <= 1:
         return 1
+    if most * w0 + w1 * most * (most - 1) / 2 < delta:
+        return most
     if w1 == 0:
         n = math.ceil(delta / w0)
     else:
         a = w0 - w1 / 2
         n = math.ceil((-a + math.sqrt(a * a + 2 * w1 * delta)) / w1)
-    n = max(n, 1)
+    n = min(max(n, 1), most)
     while n > 1 and (n - 1) * w0 + w1 * (n - 1) * (n - 2) / 2 >= delta:
         n -= 1
     while n * w0 + w1 * n * (n - 1) / 2 < delta:

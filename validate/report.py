@@ -24,6 +24,7 @@ import yaml
 from kvfrag.validate.outcome import FAILING, Outcome
 
 from kvfrag import outdir
+from kvfrag.csvcells import write_csv
 from kvfrag.results import json_value
 
 META = (
@@ -106,7 +107,7 @@ def _write_files(
     """Every file of the report, into the temporary folder `tmp`; the manifest last."""
     from kvfrag.results import SCHEMA_VERSION
 
-    table(outcomes).to_csv(tmp / "validate.csv", index=False)
+    write_csv(table(outcomes), tmp / "validate.csv")
     document = {"schema_version": SCHEMA_VERSION, "scenario": scenario,
                 "rows": report_rows(outcomes)}
     (tmp / "validate.json").write_text(json.dumps(document, indent=2), encoding="utf-8")

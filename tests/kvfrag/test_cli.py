@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvfrag.cli import main
-from kvfrag.outdir import write_manifest
+from kvfrag.outdir import register_nested, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["token_states_frac", "reserved_frac", "internal_frac", "external_frac", "usable_free_frac"]
@@ -149,7 +149,8 @@ def test_a_new_run_keeps_the_validation_report(tmp_path):
     report = out / "validate" / "validate.csv"
     report.parent.mkdir()
     report.write_text("label,status\npaged-16,pass\n")
-    write_manifest(report.parent, "kvfrag validate")  # as `kvfrag validate` leaves it
+    write_manifest(report.parent, "kvfrag validate")  # as `kvfrag validate` leaves it:
+    register_nested(report.parent)  # a report the run folder's manifest names
     (out / "summary.csv").write_text("stale")
     assert main(args) == 0
     assert report.read_text() == "label,status\npaged-16,pass\n"  # carried over

@@ -146,8 +146,19 @@ def test_without_json_the_table_is_printed(run, tmp_path):
 
 
 def _run_failing_sweep(tmp_path, monkeypatch, sweep: str) -> dict:
-    """`run --json` of a tiny scenario whose second point names a missing trace (`sweep`: the
-    sweep's one line); the exit status is the same with --json."""
+    """`run --json` of a tiny scenario whose second point fails while it runs (`sweep`: the
+    sweep's one line); the exit status is the same with --json. (A point whose input is bad,
+    a missing trace, refuses the whole run before any point runs: test_sweep.py.)"""
+    import kvfrag.sim.sweep
+
+    real = kvfrag.sim.sweep.run_task
+
+    def run_task(task, *args):
+        if task.point == 1:
+            raise RuntimeError("the allocator broke at point 1")
+        return real(task, *args)
+
+    monkeypatch.setattr(kvfrag.sim.sweep, "run_task", run_task)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.yaml").write_text(
         "model: {name: tiny, layers: 2, kv_heads: 2, head_dim: 64}\nkv_budget: 4MiB\n"
@@ -163,22 +174,22 @@ def _run_failing_sweep(tmp_path, monkeypatch, sweep: str) -> dict:
 
 def test_run_json_lists_the_failures(tmp_path, monkeypatch):
     doc = _run_failing_sweep(
-        tmp_path, monkeypatch, "workload.trace.path: ['sample:azure-conv', missing.csv]"
+        tmp_path, monkeypatch, "workload.trace.path: ['sample:azure-conv', 'sample:azure-code']"
     )
     assert [r["point"] for r in doc["runs"]] == [0]
     failures = pd.read_csv(tmp_path / "r" / "failures.csv").to_dict("records")
-    assert doc["failures"] == failures and "no such trace file" in failures[0]["error"]
+    assert doc["failures"] == failures and "the allocator broke" in failures[0]["error"]
 
 
 def test_run_json_failures_hold_a_swept_mapping_native(tmp_path, monkeypatch):
     doc = _run_failing_sweep(
         tmp_path, monkeypatch,
-        "workload.trace: [{path: 'sample:azure-conv'}, {path: missing.csv}]",
+        "workload.trace: [{path: 'sample:azure-conv'}, {path: 'sample:azure-code'}]",
     )
     [failure] = doc["failures"]
-    assert failure["workload.trace"] == {"path": "missing.csv"}
+    assert failure["workload.trace"] == {"path": "sample:azure-code"}
     [row] = pd.read_csv(tmp_path / "r" / "failures.csv").to_dict("records")
-    assert json.loads(row["workload.trace"]) == {"path": "missing.csv"}  # (text in the CSV)
+    assert json.loads(row["workload.trace"]) == {"path": "sample:azure-code"}  # (CSV: text)
     assert {k: v for k, v in failure.items() if k != "workload.trace"} == {
         k: v for k, v in row.items() if k != "workload.trace"
     }

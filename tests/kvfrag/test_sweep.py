@@ -240,8 +240,9 @@ def test_resume_refuses_points_of_another_scenario(scenario, tmp_path, monkeypat
     assert len(calls) == DISTINCT
 
 
-def test_a_workload_that_fails_to_build_fails_only_its_points(tmp_path, capsys):
-    # A file named in a sweep value is only looked for when its workload is built.
+def test_a_workload_that_cannot_be_built_at_one_point_refuses_the_run(tmp_path, capsys):
+    # A file named in a sweep value is bad input like a bad scenario: every point's workload is
+    # built before any runs, and the run stops there (exit 2, one line, nothing written).
     path = tmp_path / "s.yaml"
     swept = (
         "  workload.synthetic.output:\n"
@@ -250,12 +251,10 @@ def test_a_workload_that_fails_to_build_fails_only_its_points(tmp_path, capsys):
     )
     path.write_text(SCENARIO.replace("  allocators.paged.block_size: [8, 32]\n", swept))
     out = tmp_path / "r"
-    assert _run(path, out, "-j", "2") == 1
-    assert "missing.csv" in capsys.readouterr().err
-    failures = pd.read_csv(out / "failures.csv")
-    assert len(failures) == 6 and failures["error"].str.contains("missing.csv").all()
-    assert failures["workload.synthetic.output"].str.contains("empirical").all()
-    assert len(pd.read_csv(out / "summary.csv")) == 6
+    assert _run(path, out, "-j", "2") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.csv" in err and "point 1" in err
+    assert not out.exists() and not list(tmp_path.glob(".r.*"))
 
 
 def test_bad_executor_arguments_are_one_line(scenario, tmp_path, capsys):
