@@ -32,6 +32,7 @@ from kvfrag.sim.scenario import (
     set_path,
     show_values,
 )
+from kvfrag.sim.units import EXCERPT_CHARS, clip_quoted, excerpt
 
 #: Largest scenario file read: scenarios are a page of YAML, so anything bigger (a trace given
 #: by mistake, /dev/zero behind a link) is refused before it is read.
@@ -97,14 +98,16 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
             )
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ScenarioError(f"--set {item!r}: write key=value, e.g. --set kv_budget=40GB")
+            raise ScenarioError(
+                f"--set {excerpt(item)}: write key=value, e.g. --set kv_budget=40GB"
+            )
         try:
             value = _load_yaml(raw)[1] if raw.strip() else ""
             set_path(data, key.strip(), value)
         except _DuplicateKey as exc:
-            raise ScenarioError(f"--set {item!r}: {exc.problem}") from None
+            raise ScenarioError(f"--set {excerpt(item)}: {exc.problem}") from None
         except (yaml.YAMLError, ValueError) as exc:
-            raise ScenarioError(f"--set {item!r}: {_one_line(exc)}") from None
+            raise ScenarioError(f"--set {excerpt(item)}: {_one_line(exc)}") from None
         origins[key.strip()] = item
     if "name" not in data:
         try:
@@ -118,13 +121,17 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
     _resolve_set_paths(data, origins)
     try:
         scenario = Scenario.model_validate(data)
-    except ValidationError as exc:
-        raise ScenarioError(_describe(exc, path, root, data, origins)) from None
-    try:
         for _ in scenario.iter_points():  # every point now, so a run never fails half-way
             pass
+    except ValidationError as exc:
+        raise ScenarioError(_describe(exc, path, root, data, origins)) from None
     except SweepPointError as exc:
         raise ScenarioError(_describe_point(exc, path, root, data, origins)) from None
+    except ArithmeticError:  # (the bounds keep every number computable: this is a bug)
+        raise ScenarioError(
+            f"{path}: a number is beyond what kvfrag can compute with; the README's "
+            "'Scenario files' lists the range of each"
+        ) from None
     base_dir = path.resolve().parent
     _check_paths(data.get("workload"), ["workload"], base_dir, path, root)
     return LoadedScenario(scenario, path, base_dir)
@@ -179,7 +186,8 @@ class _DuplicateKey(yaml.constructor.ConstructorError):
     def __init__(self, key: Any, first: yaml.Node, again: yaml.Node) -> None:
         first_line = first.start_mark.line + 1
         super().__init__(
-            None, None, f"duplicate key {key!r} (first at line {first_line})", again.start_mark
+            None, None, f"duplicate key {excerpt(key)} (first at line {first_line})",
+            again.start_mark
         )
         self.line = again.start_mark.line + 1
 
@@ -224,7 +232,8 @@ def _load_yaml(text: str) -> tuple[yaml.Node | None, Any]:
 
 
 def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
+    """The message on one line, any value it quotes cut to an excerpt."""
+    return clip_quoted(" ".join(str(exc).split()))
 
 
 def _given_by_set(dotted: str, origins: dict[str, str]) -> bool:
@@ -303,7 +312,7 @@ def _describe(
     """The first validation error as `file:line: field.path: message` (or `--set ITEM: ...`)."""
     loc, msg = _first_error(exc, data)
     where = _where(loc, data, path, root, origins)
-    return f"{where}: {_field(loc) or 'scenario'}: {msg}"
+    return f"{where}: {_field(loc) or 'scenario'}: {clip_quoted(msg)}"
 
 
 def _describe_point(
@@ -323,7 +332,8 @@ def _describe_point(
         key = next((k for k in keys if _overlaps(k.split("."), inner)), keys[0])
     detail = msg if not loc or ".".join(inner) == key else f"{_field(loc)}: {msg}"
     where = _where(["sweep", key], data, path, root, origins)
-    return f"{where}: sweep.{key}: point {exc.index} ({show_values(exc.values)}): {detail}"
+    return (f"{where}: sweep.{_part(key)}: point {exc.index} ({show_values(exc.values)}): "
+            f"{clip_quoted(detail)}")
 
 
 def _first_error(exc: ValidationError, data: Any) -> tuple[list, str]:
@@ -340,7 +350,7 @@ def _first_error(exc: ValidationError, data: Any) -> tuple[list, str]:
     if err["type"] == "extra_forbidden":
         valid = _valid_fields(loc[:-1], data)
         hint = nearest(str(loc[-1]), valid)
-        msg = f"unknown key {loc[-1]!r}" + (f"; did you mean {hint!r}?" if hint else "")
+        msg = f"unknown key {excerpt(loc[-1])}" + (f"; did you mean {hint!r}?" if hint else "")
         if valid:
             msg += f" (valid: {', '.join(valid)})"
     elif err["type"] == "missing":
@@ -351,7 +361,13 @@ def _first_error(exc: ValidationError, data: Any) -> tuple[list, str]:
 
 
 def _field(loc: list) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{_part(p)}" for p in loc).lstrip(".")
+
+
+def _part(name: Any) -> str:
+    """A key of the field path, cut to an excerpt (a key may be any YAML scalar)."""
+    text = str(name)
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 3] + "..."
 
 
 def _where(
@@ -361,7 +377,7 @@ def _where(
     parts = _dotted(loc, data)
     for key, item in reversed(origins.items()):
         if _overlaps(key.split("."), parts):
-            return f"--set {item!r}" if len(item) <= 200 else f"--set {item[:200]!r}..."
+            return f"--set {excerpt(item)}"
     line = _line_of(root, loc)
     return f"{path}:{line}" if line else str(path)
 
@@ -391,7 +407,10 @@ def _data_loc(err: Any, data: Any) -> list:
     loc, kind = err["loc"], err["type"]
     out, node = [], data
     for i, part in enumerate(loc):
-        in_dict = isinstance(node, dict) and part in node
+        # (a key that is also a union's tag, like step_time's `roofline: true`, is the tag when
+        # the location goes on below it: a scalar has nothing below)
+        in_dict = isinstance(node, dict) and part in node and (
+            i == len(loc) - 1 or isinstance(node[part], dict | list))
         if in_dict or (isinstance(node, list) and isinstance(part, int) and part < len(node)):
             node = node[part]
         elif isinstance(node, dict) and node.get("kind") == part:

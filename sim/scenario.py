@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 
 import pandas as pd
 from kvfrag.sim.allocators import Allocator, make_allocator, options_of
+from kvfrag.sim.allocators.paged import MAX_BLOCK_SIZE
 from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
 from kvfrag.sim.architecture import Architecture
 from kvfrag.sim.engine import EngineConfig, IterationTime, RunResult, StepTime
@@ -34,35 +35,63 @@ from kvfrag.sim.hardware import PRESETS as GPUS
 from kvfrag.sim.memory import kv_budget
 from kvfrag.sim.presets import lookup, nearest
 from kvfrag.sim.timing import OVERHEAD_S, from_profile, read_profile, roofline
-from kvfrag.sim.units import check_size, format_size, parse_size
+from kvfrag.sim.units import (
+    MAX_SIZE,
+    check_size,
+    clip_quoted,
+    excerpt,
+    format_size,
+    parse_rate,
+    parse_size,
+)
 from kvfrag.workloads import Workload, WorkloadSpec, build_workload
+from kvfrag.workloads.spec import (
+    MAX_BANDWIDTH,
+    MAX_DTYPE_BYTES,
+    MAX_FLOPS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_NUM_SEQS,
+    MAX_REQUESTS,
+    MAX_ROUNDUP_DIVISIONS,
+    MAX_STEP_S,
+    MAX_SWEEP_RUNS,
+    MAX_TIME_S,
+    MAX_TIMED_TOKENS,
+    MAX_TOKEN_S,
+    MAX_TOKENS,
+    MAX_TP,
+    MAX_VOCAB,
+    MIN_BANDWIDTH,
+    MIN_FLOPS,
+    FieldError,
+    check_number,
+    number,
+    show,
+    whole,
+)
 from pydantic import (
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
-    PositiveInt,
     Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-#: Longest max_model_len modeled (tokens); a larger one is a typo.
-MAX_MODEL_LEN = 2**31
+#: Longest max_model_len modeled (tokens); a larger one is a typo. Every bound of a scenario's
+#: numbers is in `workloads.spec` ("bounds"), this one included.
+MAX_MODEL_LEN = MAX_TOKENS
 #: A scenario name is one folder name of the results: no separators, not hidden (leading dots
 #: are the staging folders'), nothing a shell or a spreadsheet would read specially.
 NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 #: Allocator labels reach summary.csv and file names: no formula starts (=, +, -, @) there.
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+@-]{0,63}$")
-
-
-class FieldError(ValueError):
-    """A model-level problem with one field inside: `loc` says which, for the error's line."""
-
-    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
-        super().__init__(message)
-        self.loc = loc
 
 
 class SweepPointError(ValueError):
@@ -77,7 +106,12 @@ def show_values(values: dict[str, Any]) -> str:
     """`key=value, ...` of a sweep point, each value cut to a readable length."""
 
     def one(v: Any) -> str:
-        text = v if isinstance(v, str) else json.dumps(v, default=str)
+        if isinstance(v, str):
+            text = v[:41]
+        elif isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+            text = f"<a {len(str(v))}-digit number>"
+        else:
+            text = json.dumps(v, default=str)
         return text if len(text) <= 40 else text[:37] + "..."
 
     return ", ".join(f"{k}={one(v)}" for k, v in values.items())
@@ -87,7 +121,7 @@ def check_name(value: str) -> str:
     """A scenario name usable as one path component of the results folder."""
     if not NAME_RE.match(value):
         raise ValueError(
-            f"name {value[:120]!r} is not a valid scenario name: one folder name of letters, "
+            f"name {excerpt(value)} is not a valid scenario name: one folder name of letters, "
             "digits, '.', '_' and '-', not starting with '.', at most 100 characters"
         )
     return value
@@ -97,21 +131,54 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+#: Step-time terms: a whole iteration's, and one token's.
+StepSeconds = number(0, MAX_STEP_S, unit="seconds")
+TokenSeconds = number(0, MAX_TOKEN_S, unit="seconds per token")
+
+
+def _size(value: Any, what: str, positive: bool = False) -> int:
+    """A byte size, read before pydantic's int (which would take `true` as 1 byte) and
+    bounded by MAX_SIZE."""
+    low = "1 B" if positive else "0 B"
+    try:
+        size = check_size(parse_size(value), what)
+    except ValueError as exc:
+        if "at most" in str(exc):  # (a size too large: the message gives the limit)
+            raise
+        text = str(exc).removesuffix(" (write e.g. 50GB or 12GiB)")
+        span = f"{low} to {format_size(MAX_SIZE)}"
+        raise ValueError(f"{text} (a size is {span}, e.g. 12GiB)") from None
+    if positive and size <= 0:
+        raise ValueError(f"{what} must be a size from {low} to {format_size(MAX_SIZE)}, not 0")
+    return size
+
+
 class ModelSpec(_Frozen):
     """A custom model; a preset is named by a plain string instead. The KV geometry (layers,
     kv_heads, head_dim) is all memory needs; timing from `hardware` and a derived kv_budget
     also need the matrices (hidden, intermediate, heads, vocab, gated_mlp)."""
 
     name: str = "custom"
-    layers: PositiveInt
-    kv_heads: PositiveInt
-    head_dim: PositiveInt
-    dtype_bytes: PositiveInt = 2
-    hidden: PositiveInt | None = None
-    intermediate: PositiveInt | None = None  # width of one MLP matrix
-    heads: PositiveInt | None = None
-    vocab: PositiveInt | None = None
+    layers: whole(1, MAX_LAYERS)
+    kv_heads: whole(1, MAX_HEADS)
+    head_dim: whole(1, MAX_HEAD_DIM)
+    dtype_bytes: whole(1, MAX_DTYPE_BYTES) = 2
+    hidden: whole(1, MAX_HIDDEN) | None = None
+    intermediate: whole(1, MAX_INTERMEDIATE) | None = None  # width of one MLP matrix
+    heads: whole(1, MAX_HEADS) | None = None
+    vocab: whole(1, MAX_VOCAB) | None = None
     gated_mlp: bool = True
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelSpec:
+        """The geometry and the matrices must agree (heads a multiple of kv_heads, ...):
+        checked here, so the error is at `model`."""
+        try:
+            KVGeometry(self.name, self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
+            self.architecture()
+        except ValueError as exc:
+            raise ValueError(clip_quoted(str(exc))) from None
+        return self
 
     def architecture(self) -> Architecture | None:
         """The architecture, or None when its matrices are not given."""
@@ -126,14 +193,14 @@ class HardwareSpec(_Frozen):
 
     name: str = "custom-gpu"
     memory_bytes: int | str
-    hbm_bandwidth_bytes_s: float = Field(gt=0)
-    fp16_dense_flops: float = Field(gt=0)
-    interconnect_bytes_s: float = Field(gt=0)
+    hbm_bandwidth_bytes_s: number(MIN_BANDWIDTH, MAX_BANDWIDTH, unit="bytes per second")
+    fp16_dense_flops: number(MIN_FLOPS, MAX_FLOPS, unit="FLOP per second")
+    interconnect_bytes_s: number(MIN_BANDWIDTH, MAX_BANDWIDTH, unit="bytes per second")
 
-    @field_validator("memory_bytes")
+    @field_validator("memory_bytes", mode="before")
     @classmethod
-    def _memory(cls, value: int | str) -> int:
-        return check_size(parse_size(value), "memory_bytes")
+    def _memory(cls, value: Any) -> int:
+        return _size(value, "memory_bytes", positive=True)
 
     def gpu(self) -> GPU:
         return GPU(self.name, int(self.memory_bytes), self.hbm_bandwidth_bytes_s,
@@ -144,14 +211,14 @@ class GpuBudget(_Frozen):
     """KV budget as a server computes it: GPU memory x utilization - weights - activations."""
 
     gpu_memory: int | str
-    utilization: float = Field(default=0.9, gt=0, le=1)
+    utilization: number(0, 1, above=True) = 0.9
     weights: int | str = 0
     activations: int | str = 0
 
-    @field_validator("gpu_memory", "weights", "activations")
+    @field_validator("gpu_memory", "weights", "activations", mode="before")
     @classmethod
-    def _size(cls, value: int | str, info: ValidationInfo) -> int:
-        return check_size(parse_size(value), str(info.field_name))
+    def _size(cls, value: Any, info: ValidationInfo) -> int:
+        return _size(value, str(info.field_name))
 
     def bytes(self) -> int:
         budget = int(self.gpu_memory * self.utilization) - self.weights - self.activations
@@ -166,9 +233,9 @@ class GpuBudget(_Frozen):
 class StepTimeSpec(_Frozen):
     """Linear coefficients (sim.engine.StepTime); `kvfrag calibrate` fits them to a server."""
 
-    base_s: float = Field(default=0.02, ge=0)
-    per_batched_token_s: float = Field(default=0.0, ge=0)
-    per_kv_token_s: float = Field(default=0.0, ge=0)
+    base_s: StepSeconds = 0.02
+    per_batched_token_s: TokenSeconds = 0.0
+    per_kv_token_s: TokenSeconds = 0.0
 
 
 class ProfileSpec(_Frozen):
@@ -176,7 +243,7 @@ class ProfileSpec(_Frozen):
     attention and the LM head from the roofline of the scenario's `hardware`."""
 
     profile: str
-    overhead_s: float = Field(default=OVERHEAD_S, ge=0)
+    overhead_s: StepSeconds = OVERHEAD_S
 
 
 class RooflineSpec(_Frozen):
@@ -184,7 +251,7 @@ class RooflineSpec(_Frozen):
     out to change its per-iteration CPU overhead."""
 
     roofline: Literal[True] = True
-    overhead_s: float = Field(default=OVERHEAD_S, ge=0)
+    overhead_s: StepSeconds = OVERHEAD_S
 
 
 def _step_time_form(value: Any) -> str:
@@ -207,16 +274,16 @@ class EngineSpec(_Frozen):
     limits of the scenario's `hardware` class (`sim.hardware.batch_defaults`); without
     chunked prefill the token budget is at least max_model_len."""
 
-    max_num_seqs: PositiveInt | None = None
-    max_num_batched_tokens: PositiveInt | None = None
+    max_num_seqs: whole(1, MAX_NUM_SEQS) | None = None
+    max_num_batched_tokens: whole(1, MAX_TOKENS) | None = None
     batching: str = "continuous"
     chunked_prefill: bool = True
     admission: str = "fcfs"
-    lookahead: PositiveInt = 64
-    watermark: float = Field(default=0.0, ge=0, lt=1)
+    lookahead: whole(1, MAX_REQUESTS) = 64
+    watermark: number(0, 1, below=True) = 0.0
     # None: the roofline of `hardware` when the scenario names one, else a flat 20 ms
     step_time: StepTimeForm | None = None
-    max_time_s: float | None = Field(default=None, gt=0)
+    max_time_s: number(0, MAX_TIME_S, above=True, unit="seconds") | None = None
 
 
 class AllocatorSpec(BaseModel):
@@ -226,6 +293,15 @@ class AllocatorSpec(BaseModel):
 
     label: str
     kind: str
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        try:  # (an unknown kind: the error that lists the valid ones; no kind is that long)
+            options_of(value if len(value) <= 100 else value[:100] + "...")
+        except ValueError as exc:
+            raise ValueError(clip_quoted(str(exc))) from None
+        return value
 
     @field_validator("label")
     @classmethod
@@ -248,11 +324,46 @@ class AllocatorSpec(BaseModel):
             if name not in valid:
                 hint = nearest(name, valid)
                 raise ValueError(
-                    f"allocator {self.label!r} ({self.kind}) has no option {name!r}"
+                    f"allocator {self.label!r} ({self.kind}) has no option {excerpt(name)}"
                     + (f"; did you mean {hint!r}?" if hint else "")
                     + f" (valid: {', '.join(valid) or 'none'})"
                 )
+        for name, value in self.options.items():
+            try:
+                _check_option(name, value)
+            except ValueError as exc:
+                raise ValueError(f"allocator {self.label!r}: {name} {exc}") from None
         return self
+
+
+#: Allocator options that are whole numbers, and their ranges.
+_WHOLE_OPTIONS = {
+    "block_size": (1, MAX_BLOCK_SIZE),
+    "roundup_power2_divisions": (1, MAX_ROUNDUP_DIVISIONS),
+}
+
+
+def _check_option(name: str, value: Any) -> None:
+    """The type and range of an allocator option that is a number, a size or a name, checked
+    before the allocator is built (it checks the rest: names, booleans, powers of two), so
+    that `true`, 1e30 or 2.5 is one clear line. Raises ValueError("must be ...")."""
+    if name in _WHOLE_OPTIONS:
+        check_number(value, *_WHOLE_OPTIONS[name], whole=True)
+    elif name == "bandwidth":
+        rate = parse_rate(value) if isinstance(value, str) else value
+        check_number(rate, MIN_BANDWIDTH, MAX_BANDWIDTH, unit="bytes per second")
+    elif name == "max_split_size_mb" and value is not None:
+        check_number(value, 20, MAX_SIZE // 2**20, above=True, unit="MiB")
+    elif name == "page_size":
+        try:
+            size = parse_size(value)
+        except ValueError:
+            size = 0
+        if not 1 <= size <= MAX_SIZE:
+            raise ValueError(f"must be a size from 1 B to {format_size(MAX_SIZE)} (e.g. 2MiB), "
+                             f"not {show(value)}")
+    elif name in ("reserve", "placement") and (not isinstance(value, str) or len(value) > 100):
+        raise ValueError(f"must be a name, not {show(value)}")
 
 
 class Scenario(_Frozen):
@@ -261,11 +372,11 @@ class Scenario(_Frozen):
     # A GPU (sim.hardware preset or custom): vLLM's batch defaults, the step time, and the
     # kv_budget when none is given. Budget and time are per GPU of `tp`.
     hardware: str | HardwareSpec | None = None
-    tp: PositiveInt = 1  # tensor parallelism: KV heads and weights split across tp GPUs
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # for a derived kv_budget
+    tp: whole(1, MAX_TP) = 1  # tensor parallelism: KV heads and weights split across tp GPUs
+    gpu_memory_utilization: number(0, 1, above=True) = 0.9  # for a derived kv_budget
     model: str | ModelSpec
     kv_budget: int | str | GpuBudget | None = None  # per GPU; None: derived from hardware
-    max_model_len: PositiveInt
+    max_model_len: whole(1, MAX_TOKENS)
     workload: WorkloadSpec
     engine: EngineSpec = EngineSpec()
     allocators: list[AllocatorSpec] = Field(min_length=1)
@@ -275,15 +386,6 @@ class Scenario(_Frozen):
     @classmethod
     def _name(cls, value: str) -> str:
         return check_name(value)
-
-    @field_validator("max_model_len")
-    @classmethod
-    def _max_len(cls, value: int) -> int:
-        if value > MAX_MODEL_LEN:
-            raise ValueError(
-                f"max_model_len {value} is larger than kvfrag models (at most 2**31 tokens)"
-            )
-        return value
 
     @field_validator("hardware")
     @classmethod
@@ -301,18 +403,20 @@ class Scenario(_Frozen):
             lookup(PRESETS, value, "model", "layers, kv_heads, head_dim")
         return value
 
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _budget_size(cls, value: Any) -> Any:
+        """A size is read here (a mapping is a GpuBudget's, checked by it)."""
+        if value is None or isinstance(value, dict | GpuBudget):
+            return value
+        return _size(value, "kv_budget", positive=True)
+
     @field_validator("kv_budget")
     @classmethod
     def _budget(cls, value: int | str | GpuBudget | None) -> int | GpuBudget | None:
-        if value is None:
-            return None
         if isinstance(value, GpuBudget):
             value.bytes()
-            return value
-        size = parse_size(value)
-        if size <= 0:
-            raise ValueError("kv_budget must be positive")
-        return check_size(size, "kv_budget")
+        return value
 
     @field_validator("allocators")
     @classmethod
@@ -361,12 +465,27 @@ class Scenario(_Frozen):
                     geometry=geo,
                     **spec.options,
                 )
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise FieldError(("allocators", i), f"allocator {spec.label!r}: {exc}") from None
+            except (TypeError, ValueError, ArithmeticError) as exc:
+                raise FieldError(
+                    ("allocators", i), f"allocator {spec.label!r}: {clip_quoted(str(exc))}"
+                ) from None
         return self
 
     @model_validator(mode="after")
     def _engine(self) -> Scenario:
+        seqs, tokens = self._batch_limits()
+        e = self.engine
+        if seqs > tokens:  # (at the one given, max_num_seqs when both are)
+            which = "max_num_seqs" if e.max_num_seqs else "max_num_batched_tokens"
+            raise FieldError(("engine", which), f"max_num_seqs ({seqs:,}) must be at most "
+                             f"max_num_batched_tokens ({tokens:,})")
+        if self.hardware is not None and self._timed_by_hardware and tokens > MAX_TIMED_TOKENS:
+            # (none given: without chunked prefill, the token budget is max_model_len's)
+            loc = ("engine", "max_num_batched_tokens") if e.max_num_batched_tokens else (
+                "max_model_len",)
+            raise FieldError(loc, f"a step time from `hardware` tabulates every batch of up to "
+                             f"max_num_batched_tokens ({tokens:,}) tokens; at most "
+                             f"{MAX_TIMED_TOKENS:,} (or give engine.step_time coefficients)")
         try:
             cfg = self.engine_config()
         except (OSError, ValueError) as exc:
@@ -393,10 +512,19 @@ class Scenario(_Frozen):
 
     @field_validator("sweep")
     @classmethod
-    def _sweep(cls, value: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    def _sweep(cls, value: dict[str, list[Any]], info: ValidationInfo) -> dict[str, list[Any]]:
+        """Refused before any point is made: a sweep of more than MAX_SWEEP_RUNS runs
+        (points x allocators), counted from the lengths of its lists."""
         for key, values in value.items():
             if not values:
-                raise ValueError(f"sweep key {key!r} has no values")
+                raise ValueError(f"sweep key {excerpt(key)} has no values")
+        points = math.prod(len(v) for v in value.values())
+        allocators = len(info.data.get("allocators") or ()) or 1
+        if points * allocators > MAX_SWEEP_RUNS:
+            raise ValueError(
+                f"{points:,} points x {allocators} allocator(s) = {points * allocators:,} runs; "
+                f"a scenario runs at most {MAX_SWEEP_RUNS:,} (split the sweep across scenarios)"
+            )
         return value
 
     # ----------------------------------------------------------- derived

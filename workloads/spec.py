@@ -20,14 +20,222 @@ Relative paths are resolved against the scenario file's directory by `build_work
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from kvfrag.workloads.readers import Format, TimeUnit
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from kvfrag.workloads.readers import MAX_ROWS, Format, TimeUnit
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 #: Standard-normal quantile at 0.99, for fitting a lognormal to a target p99.
 Z99 = 2.3263478740408408
+
+# --- bounds -----------------------------------------------------------------------------------
+# Every number of a scenario has a range that kvfrag models, checked where the scenario is
+# validated, so that a typo (1e30, 2**63, `true`) is one clear line and never a run that
+# exhausts memory or time, a NaN summary or an OverflowError. They live here, at the bottom of
+# the import graph, so that these models and sim.scenario's read the same constants; byte
+# sizes are bounded by `sim.units.MAX_SIZE` (1 PiB). README "Scenario files" lists them all.
+
+#: Requests in one workload (synthetic count, first_n, sample_n, a tiled workload, closed-loop
+#: users): as many rows as a trace may have (`readers.MAX_ROWS`, 10**8): the table alone is
+#: gigabytes there, and the simulation takes hours.
+MAX_REQUESTS = MAX_ROWS
+#: Tokens of one sequence (max_model_len, every length): 2**31 is beyond any model's context,
+#: and a prompt plus an output plus a system prompt still fits an int64 many times over.
+MAX_TOKENS = 2**31
+#: Simulated seconds (max_time_s, window bounds): 10**9 s is 31.7 years, and float64 seconds
+#: still resolve 0.1 us there.
+MAX_TIME_S = 1e9
+#: A closed-loop user's think time and the stagger of first requests: 10**6 s, 11.6 days.
+MAX_THINK_S = 1e6
+#: Arrival rates, requests per second: from one request in 11.6 days to one a nanosecond, so
+#: that the arrival times of MAX_REQUESTS requests stay finite, distinct float64 seconds.
+MIN_RATE, MAX_RATE = 1e-6, 1e9
+#: rate_scale: the same factor of 10**6 either way.
+MIN_RATE_SCALE, MAX_RATE_SCALE = 1e-6, 1e6
+#: A gamma process's coefficient of variation: 10**-3 (clockwork) to 10**3 (one burst); beyond,
+#: the gamma shape 1/cv**2 underflows or overflows.
+MIN_CV, MAX_CV = 1e-3, 1e3
+#: A lognormal's sigma (of log length): at 10 the draws already span e**60; more overflows.
+MAX_SIGMA = 10.0
+#: A zipf exponent: at 100 only length 1 is ever drawn; more only underflows.
+MAX_ZIPF_A = 100.0
+#: A zipf's largest length: its weight table is 8 bytes a length (80 MB here).
+MAX_ZIPF_MAX = 10_000_000
+#: Samples per prompt (n) and beams (beam_width): 1,024 sequences per request, 8x the largest
+#: n the OpenAI API takes (128).
+MAX_SEQS_PER_REQUEST = 1024
+#: Hash ids a synthetic shared prefix gives in all (count x chunks per prompt): each is a
+#: Python int in a list, some 40 bytes, so 10**8 of them are 4 GB.
+MAX_HASH_IDS = 100_000_000
+#: The workload's seed: it is written into summary tables as an int64.
+MAX_SEED = 2**63 - 1
+
+#: A model (sim.scenario.ModelSpec): well beyond the largest published ones (126 layers, 128
+#: heads, head_dim 256, hidden 18,432, MLP 73,728, vocab 256k), so that bytes per token
+#: (layers x kv_heads x head_dim x 2 x dtype_bytes <= 2**36) and weights stay exact, small ints.
+MAX_LAYERS = 1024
+MAX_HEADS = 1024  # heads and kv_heads
+MAX_HEAD_DIM = 4096
+MAX_DTYPE_BYTES = 8  # fp64; presets use 1 (fp8), 2 (fp16/bf16) and 4 (fp32)
+MAX_HIDDEN = 131_072
+MAX_INTERMEDIATE = 1_048_576
+MAX_VOCAB = 4_194_304
+#: Tensor parallelism: GPUs one model is split across.
+MAX_TP = 1024
+
+#: A GPU (sim.scenario.HardwareSpec), per second: from 1 MB/s and 1 GFLOP/s (slower than any
+#: accelerator a million-fold) to 1 PB/s and 1 EFLOP/s (faster a hundred-fold), so that roofline
+#: step times stay finite and non-zero.
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1e6, 1e15
+MIN_FLOPS, MAX_FLOPS = 1e9, 1e18
+
+#: The engine (sim.scenario.EngineSpec): max_num_seqs (vLLM's defaults are 256 and 1,024).
+MAX_NUM_SEQS = 1_048_576
+#: max_num_batched_tokens when the step time comes from `hardware` (roofline or profile): its
+#: tables hold every batch size up to it, 2 s and 0.5 GB to build at 2**22.
+MAX_TIMED_TOKENS = 2**22
+#: A step-time term that is a whole iteration (base_s, overhead_s): an hour.
+MAX_STEP_S = 3600.0
+#: A step-time term per token (per_batched_token_s, per_kv_token_s): a second, 10**4 x any
+#: measured one; with MAX_TOKENS tokens an iteration stays finite.
+MAX_TOKEN_S = 1.0
+
+#: Allocator options (sim.scenario.AllocatorSpec): a block (block_size) is at most
+#: `sim.allocators.paged.MAX_BLOCK_SIZE` tokens (2**22); a compaction copies at a `bandwidth`
+#: from MIN_BANDWIDTH to MAX_BANDWIDTH; torch's max_split_size_mb is at most the largest size
+#: (`sim.units.MAX_SIZE`) in MiB, and its roundup_power2_divisions at most 2**20 (steps of under
+#: a byte for a MiB block).
+MAX_ROUNDUP_DIVISIONS = 2**20
+
+#: Runs of one scenario (sweep points x allocators), refused before the sweep is expanded: each
+#: is validated at load and simulated after; split a larger sweep across scenarios.
+MAX_SWEEP_RUNS = 10_000
+
+
+class BoundError(ValueError):
+    """A number outside its range: the message says the range and (an excerpt of) the value."""
+
+
+_NUMBER_RE = re.compile(
+    r"^[+-]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][+-]?[0-9]+)?$"
+)
+_NON_FINITE = ("inf", "infinity", "nan")
+
+
+def _bound(x: float) -> str:
+    """A bound as people read it: 1,024 and 1,000,000,000; 1e-06 and 1e+15."""
+    if float(x).is_integer() and abs(x) < 1e12:
+        return f"{int(x):,}"
+    return f"{x:g}"
+
+
+def show(value: Any) -> str:
+    """A bad value, short: a number as written, a boolean as YAML writes it, a string as an
+    excerpt of at most 80 characters, any other thing by its kind. (`sim.units.excerpt` is
+    its twin on the simulator's side: this package imports nothing from there.)"""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return str(value) if value.bit_length() <= 128 else f"a {len(str(value))}-digit number"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        text = repr(value[:81])
+        return text if len(value) <= 80 else text[:77] + "...'"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def _range(low: float, high: float, above: bool, below: bool) -> str:
+    if not above and not below:
+        return f"from {_bound(low)} to {_bound(high)}"
+    return (f"{'above' if above else 'at least'} {_bound(low)} and "
+            f"{'below' if below else 'at most'} {_bound(high)}")
+
+
+def check_number(
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    whole: bool = False,
+    above: bool = False,
+    below: bool = False,
+    unit: str = "",
+) -> int | float:
+    """`value` as an int (`whole`) or a float, if it is a number in the range; else a
+    BoundError that says the range. Booleans are not numbers (YAML's `true` is not 1);
+    numeric strings are (YAML reads `1e-3`, without a dot, as one)."""
+    infinite = (isinstance(value, float) and not math.isfinite(value)) or (
+        isinstance(value, str) and value.strip().lstrip("+-").lower() in _NON_FINITE)
+    kind = "a whole number" if whole else "a finite number" if infinite else "a number"
+    rule = f"must be {kind} {_range(low, high, above, below)}{f' ({unit})' if unit else ''}"
+    exact: Decimal | None = None
+    if isinstance(value, bool) or infinite:
+        pass
+    elif isinstance(value, int | float):
+        exact = Decimal(value)
+    elif isinstance(value, str) and len(value) <= 80 and _NUMBER_RE.match(value.strip()):
+        try:
+            exact = Decimal(value.strip())
+        except InvalidOperation:  # "1__0", an exponent beyond Decimal's
+            exact = None
+    if exact is None:
+        raise BoundError(f"{rule}, not {show(value)}")
+    lo, hi = Decimal(str(low)), Decimal(str(high))  # (as written: 1e-3 is 0.001, exactly)
+    too_low = exact <= lo if above else exact < lo
+    too_high = exact >= hi if below else exact > hi
+    if too_low or too_high:
+        raise BoundError(f"{rule}, not {show(value)}")
+    if whole:
+        if exact != exact.to_integral_value():
+            raise BoundError(f"{rule}, not {show(value)}")
+        return int(exact)
+    return float(value) if isinstance(value, float) else float(exact)
+
+
+def whole(low: int, high: int) -> Any:
+    """An int field bounded to [low, high] (booleans refused)."""
+
+    def check(value: Any) -> int:
+        return int(check_number(value, low, high, whole=True))
+
+    return Annotated[int, BeforeValidator(check)]
+
+
+def number(
+    low: float, high: float, *, above: bool = False, below: bool = False, unit: str = ""
+) -> Any:
+    """A float field bounded to [low, high] (`above`/`below`: that end excluded), finite,
+    booleans refused."""
+
+    def check(value: Any) -> float:
+        return float(check_number(value, low, high, above=above, below=below, unit=unit))
+
+    return Annotated[float, BeforeValidator(check)]
+
+
+class FieldError(ValueError):
+    """A model-level problem with one field inside: `loc` says which, for the error's line."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+#: Field types, by what they count.
+Requests = whole(1, MAX_REQUESTS)
+Tokens = whole(1, MAX_TOKENS)
+PerRequest = whole(1, MAX_SEQS_PER_REQUEST)
+Seconds = number(0, MAX_TIME_S, unit="seconds")
+Rate = number(MIN_RATE, MAX_RATE, unit="requests per second")
+Length = number(0, MAX_TOKENS, above=True, unit="tokens")
 
 
 class _Model(BaseModel):
@@ -56,15 +264,15 @@ class ColumnMap(_Model):
 
 class FixedLengths(_Model):
     kind: Literal["fixed"] = "fixed"
-    value: PositiveInt
+    value: Tokens
 
 
 class UniformLengths(_Model):
     """Integers uniform on [low, high], both inclusive."""
 
     kind: Literal["uniform"] = "uniform"
-    low: PositiveInt
-    high: PositiveInt
+    low: Tokens
+    high: Tokens
 
     @model_validator(mode="after")
     def _ordered(self) -> UniformLengths:
@@ -77,10 +285,10 @@ class NormalLengths(_Model):
     """Normal(mean, std) truncated to [min, max] by redrawing (so the mean shifts if it bites)."""
 
     kind: Literal["normal"] = "normal"
-    mean: PositiveFloat
-    std: float = Field(ge=0)
-    min: PositiveInt = 1
-    max: PositiveInt | None = None
+    mean: Length
+    std: number(0, MAX_TOKENS, unit="tokens")
+    min: Tokens = 1
+    max: Tokens | None = None
 
     @model_validator(mode="after")
     def _bounds(self) -> NormalLengths:
@@ -97,9 +305,9 @@ class LognormalLengths(_Model):
     """
 
     kind: Literal["lognormal"] = "lognormal"
-    mean: PositiveFloat
-    sigma: PositiveFloat | None = None
-    p99: PositiveFloat | None = None
+    mean: Length
+    sigma: number(0, MAX_SIGMA, above=True) | None = None
+    p99: Length | None = None
 
     @model_validator(mode="after")
     def _one_shape(self) -> LognormalLengths:
@@ -127,15 +335,15 @@ class LognormalLengths(_Model):
 
 class ExponentialLengths(_Model):
     kind: Literal["exponential"] = "exponential"
-    mean: PositiveFloat
+    mean: Length
 
 
 class ZipfLengths(_Model):
     """P(k) proportional to k**-a on 1..max (heavy-tailed; `a` may be <= 1 since it is bounded)."""
 
     kind: Literal["zipf"] = "zipf"
-    a: PositiveFloat
-    max: int = Field(ge=1, le=10_000_000)
+    a: number(0, MAX_ZIPF_A, above=True)
+    max: whole(1, MAX_ZIPF_MAX)
 
     def mean(self) -> float:
         k = np.arange(1, self.max + 1, dtype=np.float64)
@@ -175,20 +383,20 @@ class AtOnceArrivals(_Model):
 
 class ConstantArrivals(_Model):
     kind: Literal["constant"] = "constant"
-    rate: PositiveFloat = Field(description="requests per second")
+    rate: Rate
 
 
 class PoissonArrivals(_Model):
     kind: Literal["poisson"] = "poisson"
-    rate: PositiveFloat = Field(description="requests per second")
+    rate: Rate
 
 
 class GammaArrivals(_Model):
     """Gamma inter-arrival times: mean 1/rate, coefficient of variation `cv` (>1 is bursty)."""
 
     kind: Literal["gamma"] = "gamma"
-    rate: PositiveFloat = Field(description="requests per second")
-    cv: PositiveFloat
+    rate: Rate
+    cv: number(MIN_CV, MAX_CV)
 
 
 class ReplayArrivals(_Model):
@@ -212,10 +420,10 @@ class ClosedLoopArrivals(_Model):
     """
 
     kind: Literal["closed_loop"] = "closed_loop"
-    users: PositiveInt
-    think_s: float = Field(ge=0)
+    users: Requests
+    think_s: number(0, MAX_THINK_S, unit="seconds")
     think: Literal["fixed", "exponential"] = "exponential"
-    stagger_s: float = Field(default=0.0, ge=0)
+    stagger_s: number(0, MAX_THINK_S, unit="seconds") = 0.0
 
 
 ArrivalSpec = Annotated[
@@ -235,7 +443,7 @@ class TraceSpec(_Model):
     format: Format = "auto"
     columns: ColumnMap | None = None
     time_unit: TimeUnit | None = None
-    hash_block_tokens: PositiveInt | None = None
+    hash_block_tokens: Tokens | None = None
     drop_bad_rows: bool = False
     arrival: ArrivalSpec | None = None
 
@@ -246,9 +454,9 @@ class SharedPrefix(_Model):
     hash ids per `chunk_tokens` tokens: the system prompt's whole chunks are shared within a
     group, every other chunk is the request's own."""
 
-    tokens: PositiveInt
-    groups: PositiveInt = 1
-    chunk_tokens: PositiveInt = 16
+    tokens: Tokens
+    groups: Requests = 1
+    chunk_tokens: Tokens = 16
 
 
 class SyntheticSpec(_Model):
@@ -259,20 +467,33 @@ class SyntheticSpec(_Model):
     output length.
     """
 
-    count: PositiveInt
+    count: Requests
     prompt: LengthSpec
     output: LengthSpec
-    correlation: float = Field(default=0.0, ge=-1, le=1)
+    correlation: number(-1, 1) = 0.0
     arrival: ArrivalSpec = AtOnceArrivals()
-    max_tokens: PositiveInt | None = None
+    max_tokens: Tokens | None = None
     shared_prefix: SharedPrefix | None = None
+
+    @model_validator(mode="after")
+    def _hash_ids(self) -> SyntheticSpec:
+        """A shared prefix's hash ids are lists in memory: at least count x its chunks."""
+        sp = self.shared_prefix
+        if sp is not None and self.count * -(-sp.tokens // sp.chunk_tokens) > MAX_HASH_IDS:
+            raise FieldError(
+                ("shared_prefix", "chunk_tokens"),
+                f"{self.count:,} prompts of {sp.tokens:,} shared tokens in chunks of "
+                f"{sp.chunk_tokens:,} are over {MAX_HASH_IDS:,} hash ids; use fewer requests "
+                "or larger chunks",
+            )
+        return self
 
 
 class Window(_Model):
     """Keep requests arriving in [start_s, end_s) (end open when None)."""
 
-    start_s: float = Field(default=0.0, ge=0)
-    end_s: PositiveFloat | None = None
+    start_s: Seconds = 0.0
+    end_s: number(0, MAX_TIME_S, above=True, unit="seconds") | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> Window:
@@ -294,14 +515,14 @@ class TransformSpec(_Model):
     """
 
     window: Window | None = None
-    first_n: PositiveInt | None = None
-    sample_n: PositiveInt | None = None
-    tile: PositiveInt = 1
+    first_n: Requests | None = None
+    sample_n: Requests | None = None
+    tile: Requests = 1
     tile_mode: Literal["sequential", "overlay"] = "sequential"
-    rate_scale: PositiveFloat | None = None
-    max_model_len: int | None = Field(default=None, ge=2)
-    max_prompt_tokens: PositiveInt | None = None
-    max_output_tokens: PositiveInt | None = None
+    rate_scale: number(MIN_RATE_SCALE, MAX_RATE_SCALE) | None = None
+    max_model_len: whole(2, MAX_TOKENS) | None = None
+    max_prompt_tokens: Tokens | None = None
+    max_output_tokens: Tokens | None = None
     long_requests: Literal["clip", "reject"] = "reject"
 
 
@@ -309,12 +530,28 @@ class WorkloadSpec(_Model):
     trace: TraceSpec | None = None
     synthetic: SyntheticSpec | None = None
     transforms: TransformSpec = TransformSpec()
-    n: PositiveInt | None = Field(default=None, description="samples per prompt, all requests")
-    beam_width: PositiveInt | None = Field(default=None, description="beams, all requests")
-    seed: int = 0
+    n: PerRequest | None = Field(default=None, description="samples per prompt, all requests")
+    beam_width: PerRequest | None = Field(default=None, description="beams, all requests")
+    seed: whole(0, MAX_SEED) = 0
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkloadSpec:
         if (self.trace is None) == (self.synthetic is None):
             raise ValueError("workload: give exactly one of trace or synthetic")
+        return self
+
+    @model_validator(mode="after")
+    def _tiled(self) -> WorkloadSpec:
+        """A tiled workload stays within MAX_REQUESTS, as far as its size is known before it
+        is built (a trace's rows are counted again when it is tiled)."""
+        t = self.transforms
+        known = [n for n in (t.first_n, t.sample_n) if n is not None]
+        if self.synthetic is not None:
+            known.append(self.synthetic.count)
+        if t.tile > 1 and known and min(known) * t.tile > MAX_REQUESTS:
+            raise FieldError(
+                ("transforms", "tile"),
+                f"{min(known):,} requests tiled {t.tile:,} times are "
+                f"{min(known) * t.tile:,}; a workload has at most {MAX_REQUESTS:,}",
+            )
         return self

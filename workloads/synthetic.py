@@ -2,7 +2,8 @@
 
 Every draw comes from the `numpy.random.Generator` passed in, in a fixed order (prompt lengths,
 output lengths, correlation, arrivals), so the same seed and spec give the same table.
-Continuous length draws are rounded to whole tokens and floored at 1.
+Continuous length draws are rounded to whole tokens, floored at 1 and capped at MAX_TOKENS
+(a lognormal's tail can reach past what an int64 holds).
 
 Prompt/output correlation is induced by reordering (Iman-Conover): both length samples are drawn
 independently, then paired by the ranks of a bivariate normal with correlation rho. The
@@ -19,6 +20,8 @@ import numpy as np
 import pandas as pd
 from kvfrag.workloads.readers import load_trace
 from kvfrag.workloads.spec import (
+    MAX_HASH_IDS,
+    MAX_TOKENS,
     ArrivalSpec,
     AtOnceArrivals,
     ClosedLoopArrivals,
@@ -42,7 +45,7 @@ _MAX_REDRAWS = 1000
 
 
 def _tokens(values: np.ndarray) -> np.ndarray:
-    return np.maximum(np.rint(values), 1).astype(np.int64)
+    return np.clip(np.rint(values), 1, MAX_TOKENS).astype(np.int64)
 
 
 def sample_lengths(
@@ -252,6 +255,12 @@ def shared_prefix_hashes(
     """Hash ids per `chunk` prompt tokens: the first tokens // chunk of them name the chunks
     of the request's system prompt (one of `groups`, drawn), the rest are unique."""
     shared = tokens // chunk
+    total = int((-(-prompt.astype(np.int64) // chunk)).sum())
+    if total > MAX_HASH_IDS:
+        raise WorkloadError(
+            f"synthetic: prompts in chunks of {chunk} tokens have {total:,} hash ids; at most "
+            f"{MAX_HASH_IDS:,} (use larger chunk_tokens or fewer requests)"
+        )
     group = rng.integers(0, groups, len(prompt))
     next_id = groups * shared
     hashes = []

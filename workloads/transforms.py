@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
+from kvfrag.workloads.spec import MAX_REQUESTS
 from kvfrag.workloads.table import Workload, WorkloadError, finish_table
 
 
@@ -86,6 +87,11 @@ def tile(
     if k == 1:
         return workload
     df = workload.requests
+    if len(df) * k > MAX_REQUESTS:  # (checked before any copy is made)
+        raise WorkloadError(
+            f"{workload.source}: {len(df):,} requests tiled {k:,} times are {len(df) * k:,}; "
+            f"a workload has at most {MAX_REQUESTS:,}"
+        )
     arrivals = df["arrival_s"].to_numpy()
     span = float(arrivals[-1] - arrivals[0])
     period = span + (span / (len(df) - 1) if len(df) > 1 else 0.0)

@@ -76,7 +76,8 @@ def test_budget_units_and_gpu_budget(tmp_path):
         (GOOD.replace("kind: paged, block_size", "kind: paged, blok_size"),
          r"s.yaml:12: allocators\[1\]: .*no option 'blok_size'; did you mean 'block_size'"),
         (GOOD.replace("kind: paged,", "kind: pagd,"),
-         r"allocators\[1\]: unknown allocator kind 'pagd' \(valid: buddy, contiguous, paged"),
+         r"s.yaml:12: allocators\[1\]\.kind: unknown allocator kind 'pagd' \(valid: buddy, "
+         r"contiguous, paged"),
         (GOOD.replace("reserve: max_model_len", "reserve: max"),
          r"s.yaml:11: allocators\[0\]: allocator 'orca-max': unknown reservation policy 'max'"),
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: 12 GiBs"), r"kv_budget: .*unknown unit"),
@@ -117,7 +118,8 @@ def test_set_overrides(tmp_path):
         ("kv_budget", r"--set 'kv_budget': write key=value"),
         ("allocators.paged-32.block_size=8", r"no allocator labelled 'paged-32'; did you mean"),
         ("allocators.paged-16.block_size=0", r"allocator 'paged-16': block_size must be"),
-        ("engine.max_num_seqs=-1", r"engine.max_num_seqs: Input should be greater than 0"),
+        ("engine.max_num_seqs=-1",
+         r"engine.max_num_seqs: must be a whole number from 1 to 1,048,576, not -1$"),
     ],
 )
 def test_bad_set(tmp_path, item, expected):
@@ -230,22 +232,28 @@ ENGINE = "engine:\n  max_time_s: 100\n  watermark: 0.01\n  step_time: {base_s: 0
     ("text", "expected"),
     [
         (GOOD + ENGINE.replace("base_s: 0.02", "base_s: .inf"),
-         r"^.*s\.yaml:16: engine\.step_time\.base_s: Input should be a finite number$"),
+         r"^.*s\.yaml:16: engine\.step_time\.base_s: must be a finite number from 0 to 3,600 "
+         r"\(seconds\), not inf$"),
         (GOOD + ENGINE.replace("base_s: 0.02", "base_s: .nan"),
-         r"s\.yaml:16: engine\.step_time\.base_s: Input should be a finite number$"),
+         r"s\.yaml:16: engine\.step_time\.base_s: must be a finite number .*, not nan$"),
         (GOOD + ENGINE.replace("max_time_s: 100", "max_time_s: .inf"),
-         r"s\.yaml:14: engine\.max_time_s: Input should be a finite number$"),
+         r"s\.yaml:14: engine\.max_time_s: must be a finite number above 0 and at most "
+         r"1,000,000,000 \(seconds\), not inf$"),
         (GOOD + ENGINE.replace("watermark: 0.01", "watermark: .nan"),
-         r"s\.yaml:15: engine\.watermark: Input should be a finite number$"),
+         r"s\.yaml:15: engine\.watermark: must be a finite number at least 0 and below 1, "
+         r"not nan$"),
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: .inf"),
-         r"s\.yaml:3: kv_budget: Input should be a finite number$"),
+         r"s\.yaml:3: kv_budget: size inf is not a finite number \(a size is 1 B to 1\.0 PiB, "
+         r"e\.g\. 12GiB\)$"),
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: {gpu_memory: 80GB, utilization: .nan}"),
-         r"s\.yaml:3: kv_budget\.utilization: Input should be a finite number$"),
+         r"s\.yaml:3: kv_budget\.utilization: must be a finite number above 0 and at most 1, "
+         r"not nan$"),
         (GOOD.replace("output: {kind: uniform, low: 10, high: 200}",
                       "output: {kind: normal, mean: 100, std: .inf}"),
          r"s\.yaml:9: workload\.synthetic\.output\.std: .*finite number"),
         (GOOD.replace("kind: buddy, reserve: max_model_len}", "kind: contiguous, bandwidth: .nan}"),
-         r"s\.yaml:11: allocators\[0\]: allocator 'orca-max': rate nan must be a positive, finite"),
+         r"s\.yaml:11: allocators\[0\]: allocator 'orca-max': bandwidth must be a finite number "
+         r"from 1,000,000 to 1e\+15 \(bytes per second\), not nan$"),
         (GOOD + "sweep:\n  engine.watermark: [0.1, .nan]\n",
          r"s\.yaml:14: sweep\.engine\.watermark\[1\]: must be a finite number, not nan$"),
     ],
@@ -276,10 +284,11 @@ def test_non_finite_floats_are_refused_by_the_model_too():
          r"unknown key 'max_num_seqz'; did you mean 'max_num_seqs'\?"),
         ("  kv_budget: [20GB]\n  engine.max_num_seqs: [4, -1]\n",
          r"s\.yaml:15: sweep\.engine\.max_num_seqs: point 2 "
-         r"\(kv_budget=20GB, engine\.max_num_seqs=-1\): Input should be greater than 0$"),
+         r"\(kv_budget=20GB, engine\.max_num_seqs=-1\): must be a whole number from 1 to "
+         r"1,048,576, not -1$"),
         ("  allocators.paged-16.block_size: [16, 0]\n",
          r"s\.yaml:14: sweep\.allocators\.paged-16\.block_size: point 2 .*: allocators\[1\]: "
-         r"allocator 'paged-16': block_size must be a positive integer, got 0$"),
+         r"allocator 'paged-16': block_size must be a whole number from 1 to 4,194,304, not 0$"),
         ("  allocators.paged-61.block_size: [16]\n",
          r"s\.yaml:14: sweep\.allocators\.paged-61\.block_size: point 1 .*: "
          r"no allocator labelled 'paged-61'; did you mean 'paged-16'\?"),
@@ -300,20 +309,23 @@ def test_bad_sweep_from_set_names_the_set(tmp_path):
         load_scenario(write(tmp_path, GOOD), [item])
     assert str(info.value) == (
         f"--set {item!r}: sweep.engine.max_num_seqs: point 2 (engine.max_num_seqs=-1): "
-        "Input should be greater than 0"
+        "must be a whole number from 1 to 1,048,576, not -1"
     )
+
+
+NUM_SEQS = "must be a whole number from 1 to 1,048,576, not "
 
 
 @pytest.mark.parametrize(
     ("item", "expected"),
     [
         ("engine.max_num_seqs=-3",
-         "--set 'engine.max_num_seqs=-3': engine.max_num_seqs: Input should be greater than 0"),
+         "--set 'engine.max_num_seqs=-3': engine.max_num_seqs: " + NUM_SEQS + "-3"),
         ("engine={max_num_seqs: -3}",
-         "--set 'engine={max_num_seqs: -3}': engine.max_num_seqs: Input should be greater than 0"),
+         "--set 'engine={max_num_seqs: -3}': engine.max_num_seqs: " + NUM_SEQS + "-3"),
         ("allocators.paged-16.block_size=0",
          "--set 'allocators.paged-16.block_size=0': allocators[1]: allocator 'paged-16': "
-         "block_size must be a positive integer, got 0"),
+         "block_size must be a whole number from 1 to 4,194,304, not 0"),
     ],
 )
 def test_bad_set_values_are_blamed_on_the_set_not_a_line(tmp_path, item, expected):
@@ -324,7 +336,7 @@ def test_bad_set_values_are_blamed_on_the_set_not_a_line(tmp_path, item, expecte
 
 def test_a_file_error_is_still_blamed_on_its_line_when_sets_are_given(tmp_path):
     text = GOOD + "engine: {max_num_seqs: 0}\n"
-    with pytest.raises(ScenarioError, match=r"s\.yaml:13: engine\.max_num_seqs: Input should"):
+    with pytest.raises(ScenarioError, match=r"s\.yaml:13: engine\.max_num_seqs: must be a whole"):
         load_scenario(write(tmp_path, text), ["kv_budget=20GB", "engine.watermark=0.1"])
     bad = GOOD.replace("reserve: max_model_len", "reserve: max")
     with pytest.raises(ScenarioError, match=r"^.*s\.yaml:11: allocators\[0\]: allocator 'orca"):
@@ -380,10 +392,11 @@ def test_merge_keys_may_override_without_being_duplicates(tmp_path):
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: " + "9" * 5000),
          r"s\.yaml:3: malformed YAML: integer of 5000 digits is too long$"),
         (GOOD.replace("max_model_len: 2048", "max_model_len: 10000000000"),
-         r"s\.yaml:4: max_model_len: max_model_len 10000000000 is larger than kvfrag models"),
+         r"s\.yaml:4: max_model_len: must be a whole number from 1 to 2,147,483,648, "
+         r"not 10000000000$"),
         (GOOD.replace("block_size: 16}", "block_size: 100000000000}"),
-         r"s\.yaml:12: allocators\[1\]: allocator 'paged-16': blocks of 100000000000 tokens are "
-         r"larger than kvfrag models"),
+         r"s\.yaml:12: allocators\[1\]: allocator 'paged-16': block_size must be a whole number "
+         r"from 1 to 4,194,304, not 100000000000$"),
     ],
 )
 def test_absurd_sizes_are_refused_before_anything_is_built(tmp_path, text, expected):
