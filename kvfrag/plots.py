@@ -21,6 +21,13 @@ MAX_PANELS), or one (`point`, `kvfrag plot --point N`). Sweep points are named a
 table names them (`block_size=32`, `n=2`: `point_names`), byte axes in the unit that fits the
 budget (`byte_unit`), and a panel with nothing to draw says why.
 
+A figure draws at most what a person can read, and says in its title what it leaves out: the
+first MAX_ALLOCATORS allocators in the scenario's order; of a sweep, MAX_POINT_PANELS points
+of the breakdown and MAX_LINE_POINTS along the capacity figure's lines, evenly spaced with the
+first and last (`spread`), and the first points that fill MAX_PANELS panels of the timeline
+and the address map. `plot_results` says it on stderr too, a line each (`left_out`), and
+names a missing Parquet file and the figures left out for it.
+
 Figures are built on `matplotlib.figure.Figure` (Agg), never pyplot: no global state, safe to
 call from threads and from tests. One palette everywhere: token states are always green.
 Rectangles are drawn as collections, one artist per colour rather than one per bar or slab:
@@ -33,11 +40,12 @@ import csv
 import io
 import math
 import os
+import sys
 import textwrap
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import matplotlib
 import matplotlib.ticker as mticker
@@ -117,11 +125,28 @@ MAX_SLABS = 3000
 MAX_PANELS = 16
 #: More timeseries segments than this per allocator: time-averaged into this many bins.
 MAX_SEGMENTS = 2000
+#: At most this many allocators in a figure (a bar, a line or a panel each): the first in the
+#: scenario's order. Sixteen lines are still told apart (8 colours, 4 line styles, 8 markers)
+#: and sixteen bars keep their names level; 2,000 would take hours to draw, and no one reads
+#: them. The figure, `kvfrag run`/`kvfrag plot` and report.html say how many are left out.
+MAX_ALLOCATORS = 16
+#: At most this many sweep points in the breakdown (a panel each; one allocator: a bar each),
+#: and at most MAX_BARS bars in all (sixteen allocators: six points): a panel needs room for
+#: its bars' names. The points are evenly spaced, the first and last included (`spread`).
+MAX_POINT_PANELS = 24
+MAX_BARS = 96
+#: At most this many sweep points along a line (the capacity figure against the swept value),
+#: evenly spaced, the first and last included: a line needs far less room per point than a
+#: panel, and fifty markers still stand apart.
+MAX_LINE_POINTS = 50
+#: At most this many named ticks on an axis of sweep points (more are thinned, evenly).
+_MAX_TICKS = 16
 
 #: More requests than this: the length CDFs are drawn through this many evenly spaced ranks.
 _CDF_POINTS = 2000
 
 GIB = 2**30
+_T = TypeVar("_T")
 _DPI = 150
 _LINE_IN = 0.17  # inches per caption line kept at the bottom of every figure
 
@@ -261,6 +286,54 @@ def _with_keys(df: pd.DataFrame) -> pd.DataFrame:
     if "point" not in df.columns:
         df["point"] = 0
     return df
+
+
+def spread(points: Sequence[_T], most: int) -> list[_T]:
+    """At most `most` of `points`, evenly spaced, the first and last included (all of them
+    when there are as few): a subset that spans the whole sweep, the same on every draw."""
+    points = list(points)
+    if len(points) <= most:
+        return points
+    if most <= 1:
+        return points[:1]
+    return [points[i] for i in np.linspace(0, len(points) - 1, most).round().astype(int)]
+
+
+def _breakdown_keep(labels: list[str], points: list[int]) -> tuple[list[str], list[int]]:
+    """The allocators and sweep points the breakdown draws (MAX_ALLOCATORS, MAX_POINT_PANELS,
+    MAX_BARS)."""
+    labels = labels[:MAX_ALLOCATORS]
+    return labels, spread(points, max(1, min(MAX_POINT_PANELS, MAX_BARS // max(len(labels), 1))))
+
+
+def _panel_keep(labels: list[str], points: list[int]) -> tuple[list[str], list[int]]:
+    """The allocators and sweep points the timeline and the address map draw, a panel each:
+    the first MAX_ALLOCATORS, and the first points that keep the panels to MAX_PANELS (the
+    others one at a time: `kvfrag plot --point N`)."""
+    labels = labels[:MAX_ALLOCATORS]
+    return labels, points[: max(1, MAX_PANELS // max(len(labels), 1))]
+
+
+def _allocators_note(shown: int, total: int, what: str = "allocators") -> list[str]:
+    """The figure's note on allocators left out (none when none are)."""
+    if shown >= total:
+        return []
+    return [f"showing {shown} of {total:,} {what}: the first {shown} in the scenario's order"]
+
+
+def _points_note(shown: int, total: int) -> list[str]:
+    """The figure's note on sweep points left out by `spread` (none when none are)."""
+    if shown >= total:
+        return []
+    return [f"showing {shown} of {total:,} sweep points: evenly spaced, the first and last "
+            "included"]
+
+
+def _notes_text(notes: Sequence[str], width_in: float) -> str:
+    """Notes for the end of a figure's title: each in brackets on lines of its own, wrapped to
+    the figure's width (at the title's 11 pt)."""
+    chars = max(int(width_in * 72 / (11 * 0.56)), 30)
+    return "".join("\n" + textwrap.fill(f"({note})", chars) for note in notes)
 
 
 def _first_point(df: pd.DataFrame) -> int:
@@ -640,13 +713,17 @@ def _drawn_parts(frac: pd.DataFrame) -> list[str]:
     return [*PARTS[:i], *INTERNAL_SPLIT, *PARTS[i + 1:]]
 
 
-def _breakdown_panels(summary: pd.DataFrame) -> list[tuple[str, list[str], pd.DataFrame, str]]:
+def _breakdown_panels(
+    summary: pd.DataFrame, full: pd.DataFrame | None = None
+) -> list[tuple[str, list[str], pd.DataFrame, str]]:
     """(title, bar names, rows, x label) per panel: a panel per sweep point with a bar per
-    allocator; a single allocator swept gets one panel with a bar per point."""
+    allocator; a single allocator swept gets one panel with a bar per point. Points are named
+    from `full` (the whole summary, of which `summary` is the part drawn), as everywhere."""
+    full = summary if full is None else full
     points = sorted(int(p) for p in pd.unique(summary["point"]))
     labels = _labels(summary)
     if len(labels) == 1 and len(points) > 1:
-        xlabel, _, text, _ = sweep_axis(summary)
+        xlabel, _, text, _ = sweep_axis(full)
         rows = summary.drop_duplicates("point").sort_values("point")
         names = [text[int(p)] for p in rows["point"]]
         return [(labels[0], names, rows.set_index(pd.Index(names)), xlabel)]
@@ -656,7 +733,7 @@ def _breakdown_panels(summary: pd.DataFrame) -> list[tuple[str, list[str], pd.Da
         rows = rows.set_index(rows["label"].astype(str))
         rows = rows[~rows.index.duplicated()]
         present = [lb for lb in labels if lb in rows.index]
-        title = _point_title(summary, point) if len(points) > 1 else ""
+        title = _point_title(full, point) if len(points) > 1 else ""
         panels.append((title, present, rows.loc[present], ""))
     return panels
 
@@ -672,9 +749,16 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
     """Stacked bars: the KV budget split into token states, reserved, internal, external and
     free (time-averaged, % of the budget), one bar per allocator and a panel per sweep point
     (one allocator swept: a bar per sweep point). When the parts that hold no tokens (reserved,
-    internal, external) are small, a row below zooms in on them."""
-    summary = _with_keys(summary)
-    panels = _breakdown_panels(summary)
+    internal, external) are small, a row below zooms in on them. At most MAX_ALLOCATORS
+    allocators (the first) and MAX_POINT_PANELS sweep points (evenly spaced), MAX_BARS bars in
+    all: the title says what is left out."""
+    full = summary = _with_keys(summary)
+    labels, points = _labels(summary), sorted(int(p) for p in pd.unique(summary["point"]))
+    shown, kept = _breakdown_keep(labels, points)
+    notes = _allocators_note(len(shown), len(labels)) + _points_note(len(kept), len(points))
+    if notes:
+        summary = summary[summary["label"].astype(str).isin(shown) & summary["point"].isin(kept)]
+    panels = _breakdown_panels(summary, full)
     npanels = len(panels)
     nbars = max(len(names) for _, names, _, _ in panels)
     longest = max(len(n) for _, names, _, _ in panels for n in names)
@@ -693,7 +777,8 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
     width = 1.0 + panel_w * ncols + 2.4
     height = (4.6 if nrows == 1 else 3.6) + (0.075 * longest if rotate else 0.0)
     zoom_h = 1.7 if zoom else 0.0
-    fig = _new_figure(max(min(width, 17), 6.0), 0.6 + (height + zoom_h) * nrows, meta, summary)
+    fig_w = max(min(width, 17), 6.0)
+    fig = _new_figure(fig_w, 0.6 + (height + zoom_h) * nrows + 0.2 * len(notes), meta, full)
     if zoom:
         gs = fig.add_gridspec(2 * nrows, ncols, height_ratios=[height - 0.6, zoom_h] * nrows)
         axes, zooms = [], []
@@ -769,7 +854,8 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         title_fontsize=8,
     )
     legend.get_title().set_color("#444444")
-    fig.suptitle("Where the KV-cache budget goes, per allocator (time-averaged)", fontsize=11)
+    fig.suptitle("Where the KV-cache budget goes, per allocator (time-averaged)"
+                 + _notes_text(notes, fig_w), fontsize=11)
     return fig
 
 
@@ -826,37 +912,40 @@ def _steps(ts: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _timeline_panels(
     timeseries: pd.DataFrame, summary: pd.DataFrame | None, point: int | None
-) -> tuple[list[tuple[str, pd.DataFrame, int]], int, str, list[int]]:
+) -> tuple[list[tuple[str, pd.DataFrame, int]], int, str, list[str]]:
     """(title, rows, point) per panel, the number of columns, what the figure title adds, and
-    the sweep points left out (more panels than MAX_PANELS). Every sweep point is drawn (or
-    `point` alone): a single allocator gets a panel per point; several get a row per point
-    with a panel per allocator."""
+    its notes on what is left out (`_panel_keep`: the first MAX_ALLOCATORS allocators, and the
+    first points that keep to MAX_PANELS panels). Every sweep point is drawn (or `point`
+    alone): a single allocator gets a panel per point; several get a row per point with a
+    panel per allocator."""
+    names_of = timeseries["label"].astype(str)
+    present = set(pd.unique(names_of))
     labels = _labels(summary) if summary is not None else _labels(timeseries)
-    labels = [lb for lb in labels if (timeseries["label"].astype(str) == lb).any()]
+    labels = [lb for lb in labels if lb in present]
     points = sorted(int(p) for p in pd.unique(timeseries["point"]))
     if summary is not None and "point" in summary.columns:
         points = sorted(set(points) | {int(p) for p in pd.unique(summary["point"])})
     points = _pick_points(points, point)
     swept = summary is not None and "point" in summary.columns and summary["point"].nunique() > 1
     names = point_names(summary) if swept else {}
+    shown, keep = _panel_keep(labels, points)
+    notes = _allocators_note(len(shown), len(labels)) + _left_out(points[len(keep):])
 
     def rows(label: str, p: int) -> pd.DataFrame:
-        return timeseries[(timeseries["point"] == p) & (timeseries["label"].astype(str) == label)]
+        return timeseries[(timeseries["point"] == p) & (names_of == label)]
 
-    if len(labels) == 1 and len(points) > 1:
-        keep = points[:MAX_PANELS]
-        panels = [(names.get(p, f"point {p}"), rows(labels[0], p), p) for p in keep]
-        return panels, _columns(len(panels)), f" ({labels[0]})", points[len(keep):]
-    keep = points[: max(1, MAX_PANELS // max(len(labels), 1))]
+    if len(shown) == 1 and len(points) > 1:
+        panels = [(names.get(p, f"point {p}"), rows(shown[0], p), p) for p in keep]
+        return panels, _columns(len(panels)), f" ({shown[0]})", notes
     if len(keep) == 1:
         p = keep[0]
-        panels = [(lb, rows(lb, p), p) for lb in labels]
+        panels = [(lb, rows(lb, p), p) for lb in shown]
         suffix = f" ({names.get(p, f'point {p}')})" if swept else ""
-        return panels, _columns(len(panels)), suffix, points[1:]
+        return panels, _columns(len(panels)), suffix, notes
     panels = [(f"{lb}  ·  {names.get(p, f'point {p}')}", rows(lb, p), p)
-              for p in keep for lb in labels]
-    ncols = len(labels) if len(labels) <= 5 else _columns(len(panels))
-    return panels, ncols, "", points[len(keep):]
+              for p in keep for lb in shown]
+    ncols = len(shown) if len(shown) <= 5 else _columns(len(panels))
+    return panels, ncols, "", notes
 
 
 def _columns(n: int) -> int:
@@ -864,13 +953,13 @@ def _columns(n: int) -> int:
     return n if n <= 3 else (2 if n == 4 else 3)
 
 
-def _left_out(points: list[int]) -> str:
-    """The figure title's note on sweep points not drawn."""
+def _left_out(points: list[int]) -> list[str]:
+    """The figure title's note on sweep points not drawn (the timeline's, the address map's)."""
     if not points:
-        return ""
+        return []
     which = f"{points[0]}" if len(points) == 1 else f"{points[0]}–{points[-1]}"
-    return (f"\n(sweep points {which} not drawn: more than {MAX_PANELS} panels; "
-            "kvfrag plot --point N draws any one)")
+    return [f"sweep points {which} not drawn: more than {MAX_PANELS} panels; "
+            "kvfrag plot --point N draws any one"]
 
 
 def timeline_figure(
@@ -882,18 +971,20 @@ def timeline_figure(
 ) -> Figure:
     """The KV budget split into its five parts over time (stacked, in the unit that fits the
     budget), per allocator and sweep point, with the requests running and waiting in a small
-    panel above each. Every sweep point is drawn (`point`: that one only); a run with no
-    records says so. Runs longer than `max_segments` segments are time-averaged into that
-    many steps. Panels of one sweep point share their time axis."""
+    panel above each. Every sweep point is drawn (`point`: that one only) up to MAX_PANELS
+    panels, and the first MAX_ALLOCATORS allocators: the title says what is left out. A run
+    with no records says so. Runs longer than `max_segments` segments are time-averaged into
+    that many steps. Panels of one sweep point share their time axis."""
     timeseries = _with_keys(timeseries)
-    panels, ncols, suffix, left_out = _timeline_panels(timeseries, summary, point)
+    panels, ncols, suffix, notes = _timeline_panels(timeseries, summary, point)
     if not panels:
         raise ValueError("no timeseries rows to draw")
     n = len(panels)
     nrows = math.ceil(n / ncols)
     panel_w = 4.6 if ncols <= 3 else max(3.3, 14.0 / ncols)
     panel_h = 4.0 if nrows <= 2 else 3.3
-    fig = _new_figure(min(2.5 + panel_w * ncols, 17.5), 0.9 + panel_h * nrows, meta, summary)
+    fig_w = min(2.5 + panel_w * ncols, 17.5)
+    fig = _new_figure(fig_w, 0.9 + panel_h * nrows + 0.2 * len(notes), meta, summary)
     gs = fig.add_gridspec(2 * nrows, ncols, height_ratios=[1, 2.8] * nrows)
     resampled = any_blocked = False
     # First the series as drawn (sorted, resampled), and the top of the memory axis.
@@ -1021,7 +1112,7 @@ def timeline_figure(
     title = "KV-cache budget over time, per allocator" + suffix
     if resampled:
         title += f"\n(long runs: time-averaged in {max_segments} steps)"
-    title += _left_out(left_out)
+    title += _notes_text(notes, fig_w)
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -1248,17 +1339,20 @@ def address_map_figure(
     says why; slabs whose moves are recorded are drawn a piece per place they were held at
     (`slab_pieces`). Addresses are in the unit that
     fits the budget; torch's caching allocator's are virtual (its segments' addresses are
-    never reused), drawn from its first segment."""
+    never reused), drawn from its first segment. At most MAX_PANELS panels, of the first
+    MAX_ALLOCATORS slab allocators: the title says what is left out."""
     requests = _with_keys(requests)
     summary = _with_keys(summary)
     if "offset_bytes" not in requests.columns:
         return None
     points = sorted(int(p) for p in pd.unique(requests["point"]))
     points = _pick_points(points, point)
-    labels = _slab_labels(requests[requests["point"].isin(points)], summary)
-    if not labels:
+    every = _slab_labels(requests[requests["point"].isin(points)], summary)
+    if not every:
         return None
-    keep = points[: max(1, MAX_PANELS // len(labels))]
+    labels, keep = _panel_keep(every, points)
+    left = _allocators_note(len(labels), len(every), "slab allocators") + _left_out(
+        points[len(keep):])
     swept = summary["point"].nunique() > 1
     names = point_names(summary) if swept else {}
     panels = [(label, p) for label in labels for p in keep]
@@ -1273,7 +1367,8 @@ def address_map_figure(
             for lb, p in panels]
     unit, scale = byte_unit(max(caps))
     width = 11.5 if ncols == 1 else min(1.6 + 5.0 * ncols, 17.5)
-    fig = _new_figure(width, 0.9 + (3.2 if nrows <= 3 else 2.7) * nrows, meta, summary)
+    fig = _new_figure(width, 0.9 + (3.2 if nrows <= 3 else 2.7) * nrows + 0.2 * len(left),
+                      meta, summary)
     gs = fig.add_gridspec(nrows, ncols)
     chars = int(width / ncols * 11)  # a panel title's characters per line
     by_point: dict[int, Axes] = {}
@@ -1330,7 +1425,7 @@ def address_map_figure(
     if any(note.startswith("only each request's 1st") for note in all_notes):
         title += ("\n(a request of several sequences holds a slab per sequence; the results "
                   "keep the first one's offset only, so only that one is drawn)")
-    title += _left_out(points[len(keep):])
+    title += _notes_text(left, width)
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -1511,12 +1606,20 @@ def _grid(n: int) -> tuple[int, int]:
 def capacity_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figure:
     """Requests running at once (mean and max), throughput and latency (mean and p99) per
     allocator, and where a scenario shows them, prefix cache hits, memory saved by sharing
-    and compaction stall; for a sweep, each against the swept value, a line per allocator."""
-    summary = _with_keys(summary)
-    labels = _labels(summary)
+    and compaction stall; for a sweep, each against the swept value, a line per allocator. At
+    most MAX_ALLOCATORS allocators (the first) and MAX_LINE_POINTS sweep points (evenly spaced):
+    the title says what is left out."""
+    full = summary = _with_keys(summary)
+    every = _labels(summary)
+    labels = every[:MAX_ALLOCATORS]
+    points = sorted(int(p) for p in pd.unique(summary["point"]))
+    kept = spread(points, MAX_LINE_POINTS)
+    notes = _allocators_note(len(labels), len(every)) + _points_note(len(kept), len(points))
+    if notes:
+        summary = summary[summary["label"].astype(str).isin(labels) & summary["point"].isin(kept)]
     metrics = _capacity_metrics(summary)
-    if summary["point"].nunique() > 1:
-        return _capacity_sweep(summary, labels, meta, metrics)
+    if len(points) > 1:
+        return _capacity_sweep(summary, labels, meta, metrics, full, notes)
     rows = (
         summary.drop_duplicates("label")
         .set_index(summary.drop_duplicates("label")["label"].astype(str))
@@ -1528,12 +1631,13 @@ def capacity_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figur
     if long_names:
         per_bar = 0.6
     panel_w = max(1.0 + per_bar * len(labels), 3.6)
+    fig_w = max(min(ncols * panel_w, 15), 7.0)
     fig = _new_figure(
-        max(min(ncols * panel_w, 15), 7.0),
+        fig_w,
         (4.6 if nrows == 1 else 4.0) * nrows
-        + (0.08 * max(len(s) for s in labels) if long_names else 0),
+        + (0.08 * max(len(s) for s in labels) if long_names else 0) + 0.2 * len(notes),
         meta,
-        summary,
+        full,
     )
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[len(metrics):]:
@@ -1580,7 +1684,8 @@ def capacity_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figur
             rotation_mode="anchor" if long_names else "default",
         )
         _finish_axes(ax)
-    fig.suptitle("Serving capacity and latency per allocator", fontsize=11)
+    fig.suptitle("Serving capacity and latency per allocator" + _notes_text(notes, fig_w),
+                 fontsize=11)
     return fig
 
 
@@ -1605,11 +1710,21 @@ def _format(value: float, fmt: str) -> str:
 
 
 def _capacity_sweep(
-    summary: pd.DataFrame, labels: list[str], meta, metrics: list[dict[str, Any]]
+    summary: pd.DataFrame,
+    labels: list[str],
+    meta,
+    metrics: list[dict[str, Any]],
+    full: pd.DataFrame,
+    notes: list[str],
 ) -> Figure:
-    xlabel, xs, text, numeric = sweep_axis(summary)
+    """The capacity figure of a sweep: `summary`'s rows (the part of `full` drawn) against
+    the swept value, named from `full`."""
+    xlabel, xs, text, numeric = sweep_axis(full)
+    drawn = {int(p) for p in pd.unique(summary["point"])}
+    xs = {p: x for p, x in xs.items() if p in drawn}
     nrows, ncols = _grid(len(metrics))
-    fig = _new_figure(min(6.0 * ncols, 17), (4.8 if nrows == 1 else 4.0) * nrows, meta, summary)
+    fig_w = min(6.0 * ncols, 17)
+    fig = _new_figure(fig_w, (4.8 if nrows == 1 else 4.0) * nrows + 0.2 * len(notes), meta, full)
     axes = fig.subplots(nrows, ncols, sharex=True, squeeze=False).ravel()
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
@@ -1655,7 +1770,7 @@ def _capacity_sweep(
             ax.xaxis.set_minor_locator(mticker.NullLocator())
             ax.xaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))
         if not numeric or len(xs) <= 12:
-            ticks = sorted(set(xs.values()))
+            ticks = spread(sorted(set(xs.values())), _MAX_TICKS)
             names = {xs[p]: text[p] for p in xs}
             rot = 30 if max(len(s) for s in names.values()) * len(ticks) > 48 else 0
             ax.set_xticks(
@@ -1667,7 +1782,8 @@ def _capacity_sweep(
         *axes[1].get_legend_handles_labels(), loc="outside right center", fontsize=9,
         frameon=False
     )
-    fig.suptitle(f"Serving capacity and latency against {xlabel}, per allocator", fontsize=11)
+    fig.suptitle(f"Serving capacity and latency against {xlabel}, per allocator"
+                 + _notes_text(notes, fig_w), fontsize=11)
     return fig
 
 
@@ -1835,11 +1951,17 @@ def plot_results(
     meta: Mapping | None = None,
     svg: bool = False,
     point: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> list[Path]:
     """Draw every figure for a results folder into `results_dir/plots/`: PNG, and SVG too with
     `svg`; a figure whose Parquet file is missing or has no rows is skipped. Returns the paths.
     A damaged file raises `ResultsFileError` (a ValueError) before anything is drawn, and so
     does a `point` the sweep does not have (ValueError).
+
+    What the figures leave out is told before they are drawn, a line each to `say` (default:
+    `kvfrag: note: ...` on stderr, as `kvfrag run` and `kvfrag plot` show it): a missing or
+    empty Parquet file and the figures left out for it, and the allocators and sweep points
+    past the caps (`left_out`). Silence would read as "everything is drawn".
 
     The timeline and the address map show every sweep point, or only `point`. The captions
     come from the folder's own files (`scenario.resolved.yaml`, the tables) wherever they say
@@ -1867,8 +1989,13 @@ def plot_results(
     has_ts = timeseries is not None and len(timeseries) > 0
     has_req = requests is not None and len(requests) > 0
     meta = _folder_meta(results_dir, meta, requests if has_req else None)
+    notes = missing_notes(results_dir, timeseries, requests, summary)
     if has_ts and point is not None and not (_with_keys(timeseries)["point"] == point).any():
         has_ts = False  # (that point failed: no records)
+        notes.append(f"{ts_path} has no records of sweep point {point} (did it fail? see "
+                     "failures.csv): the timeline figure is left out")
+    for note in notes + left_out(summary, requests if has_req else None, point):
+        (say or _note)(note)
     # Built one at a time, so that only one figure is in memory at once.
     builders: list[tuple[str, Callable[[], Figure | None]]] = [
         ("breakdown", lambda: breakdown_figure(summary, meta)),
@@ -1893,6 +2020,103 @@ def plot_results(
         if fig is not None:
             paths += save_figure(fig, out / name, svg or (out / f"{name}.svg").exists())
     return paths
+
+
+#: The figures drawn from each Parquet file of a results folder.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "timeseries.parquet": ("timeline",),
+    "requests.parquet": ("address_map", "lengths"),
+}
+
+
+def drawn_from(name: str, summary: pd.DataFrame | None = None) -> list[str]:
+    """The figures drawn from Parquet file `name` (NEEDS), less the address map where the
+    summary's kinds show that no allocator places slabs."""
+    figures = list(NEEDS[name])
+    kinds = summary["kind"] if summary is not None and "kind" in summary.columns else None
+    if kinds is not None and not kinds.astype(str).isin(SLAB_KINDS).any():
+        figures = [f for f in figures if f != "address_map"]
+    return figures
+
+
+def figures_text(figures: Sequence[str]) -> str:
+    """`the timeline figure`, `the address map and request-lengths figures`."""
+    words = {"address_map": "address map", "lengths": "request-lengths"}
+    names = " and ".join(words.get(f, f) for f in figures)
+    return f"the {names} figure{'s' if len(figures) > 1 else ''}"
+
+
+def missing_notes(
+    results_dir: Path | str,
+    timeseries: pd.DataFrame | None,
+    requests: pd.DataFrame | None,
+    summary: pd.DataFrame | None = None,
+) -> list[str]:
+    """A line for each Parquet file that is missing (None) or has no rows, naming it and the
+    figures left out for it."""
+    notes = []
+    for name, frame in (("timeseries.parquet", timeseries), ("requests.parquet", requests)):
+        if frame is None or not len(frame):
+            why = "is missing" if frame is None else "has no rows"
+            figures = drawn_from(name, summary)
+            verb = "are" if len(figures) > 1 else "is"
+            notes.append(f"{Path(results_dir) / name} {why}: {figures_text(figures)} {verb} "
+                         "left out")
+    return notes
+
+
+def left_out(
+    summary: pd.DataFrame, requests: pd.DataFrame | None = None, point: int | None = None
+) -> list[str]:
+    """What the figures of these results leave out, a line for the allocators and one for the
+    sweep points (none when they draw everything); each figure's title says it for itself.
+    `requests`: to count the address map's slab allocators; `point`: the one sweep point the
+    timeline and the address map draw (`kvfrag plot --point N`)."""
+    summary = _with_keys(summary)
+    labels = _labels(summary)
+    points = sorted(int(p) for p in pd.unique(summary["point"]))
+    slab = []
+    if requests is not None and "offset_bytes" in requests.columns:
+        slab = _slab_labels(requests, summary)
+    notes = []
+    if len(labels) > MAX_ALLOCATORS:
+        text = f"the figures show {MAX_ALLOCATORS} of {len(labels):,} allocators"
+        if len(slab) > MAX_ALLOCATORS:
+            text += f" (the address map {MAX_ALLOCATORS} of {len(slab):,} slab allocators)"
+        notes.append(f"{text}: the first {MAX_ALLOCATORS} in the scenario's order")
+    if len(points) <= 1:
+        return notes
+    spaced = [("the breakdown", len(_breakdown_keep(labels, points)[1])),
+              ("the capacity figure", len(spread(points, MAX_LINE_POINTS)))]
+    first = []
+    if point is None:
+        first.append(("the timeline", len(_panel_keep(labels, points)[1])))
+        if slab:
+            first.append(("the address map", len(_panel_keep(slab, points)[1])))
+    spaced = [(what, n) for what, n in spaced if n < len(points)]
+    first = [(what, f"the first {n}") for what, n in first if n < len(points)]
+    parts = []
+    if spaced:
+        parts.append(_shows(spaced) + " (evenly spaced, the first and last included)")
+    if first:
+        parts.append(_shows(first) + " (kvfrag plot --point N draws any one)")
+    if parts:
+        notes.append(f"of {len(points):,} sweep points, " + "; ".join(parts))
+    return notes
+
+
+def _shows(items: Sequence[tuple[str, object]]) -> str:
+    """`the breakdown shows 6 and the capacity figure 50`, or `A and B show 6` when alike."""
+    if len({str(n) for _, n in items}) == 1:
+        whats = " and ".join(what for what, _ in items)
+        return f"{whats} {'shows' if len(items) == 1 else 'show'} {items[0][1]}"
+    (what, n), *rest = items
+    return f"{what} shows {n}" + "".join(f" and {w} {m}" for w, m in rest)
+
+
+def _note(line: str) -> None:
+    """`plot_results`' default `say`: a line on stderr."""
+    print(f"kvfrag: note: {line}", file=sys.stderr, flush=True)
 
 
 def _folder_meta(
@@ -1984,9 +2208,13 @@ __all__ = [
     "capacity_figure",
     "caption",
     "caption_parts",
+    "drawn_from",
+    "figures_text",
     "format_bytes",
+    "left_out",
     "lengths_figure",
     "load_meta",
+    "missing_notes",
     "plot_results",
     "point_names",
     "read_frame",

@@ -12,13 +12,18 @@ address map to draw. The map reuses the static address map's data preparation
 (`kvfrag.plots.slab_polygons`, `_slabs`, `_slab_labels`): each part (stored tokens, reserved,
 internal) is one filled scatter trace of all slabs, separated by gaps, not one shape per
 slab, so thousands of slabs stay fast; at most `MAX_SLABS` slabs (the first by admission) per
-map and `MAX_PANELS` maps, as the PNG.
+map, `MAX_PANELS` maps and `MAX_ALLOCATORS` allocators, as the PNG.
+
+The page says what it leaves out, and why: a missing Parquet file or figure (which one, and
+what is not shown for it: `write_report` tells these on stderr too), and the allocators and
+sweep points past the figures' caps (`kvfrag.plots.left_out`).
 """
 
 from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +108,8 @@ def figures_html(folder: Path) -> str:
     """Every PNG in plots/, inline (base64)."""
     pngs = sorted((folder / "plots").glob("*.png"))
     if not pngs:
-        return "<p>No figures (the run was written with --no-plots).</p>"
+        return ("<p>No figures (the run was written with --no-plots? <code>kvfrag plot</code> "
+                "draws them).</p>")
     parts = []
     for png in pngs:
         data = base64.b64encode(png.read_bytes()).decode("ascii")
@@ -136,8 +142,12 @@ def address_maps(
     labels = P._slab_labels(requests, summary)
     if not labels:
         return [], ["No allocator of this run places slabs (paged only): no address map."]
-    keep = points[: max(1, P.MAX_PANELS // len(labels))]
+    every = labels
+    labels, keep = P._panel_keep(every, points)
     notes = []
+    if len(labels) < len(every):
+        notes.append(f"Maps of the first {len(labels)} of {len(every):,} slab allocators only "
+                     "(in the scenario's order).")
     if len(keep) < len(points):
         notes.append(f"Maps of sweep points {keep[0]}..{keep[-1]} only ({len(points)} points; "
                      f"at most {P.MAX_PANELS} maps): `kvfrag plot --point N` draws another.")
@@ -320,11 +330,67 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}
 .wide{overflow-x:auto}pre{background:#f7f7f7;padding:.8em;overflow-x:auto;font-size:.85em}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:.8em;color:#666}.note{color:#555;font-size:.9em}
+.left-out{background:#fff6dc;border-left:4px solid #e0a800;padding:.2em .8em}
+div.left-out p{margin:.4em 0}
 """
 
 
-def render(folder: Path | str) -> str:
-    """The page's HTML for a results folder."""
+def missing_files(
+    folder: Path,
+    summary: pd.DataFrame,
+    timeseries: pd.DataFrame | None,
+    requests: pd.DataFrame | None,
+) -> list[tuple[str, str]]:
+    """(file, what the page lacks for it) for each file the page is built from that is not
+    there: a Parquet file (None) or one without rows, with the figures and the map drawn from
+    it; and the figures plots/ should hold for the files that are there. The file is relative
+    to `folder`."""
+    from kvfrag import plots as P
+
+    there = {f for f in P.FIGURES if (folder / "plots" / f"{f}.png").is_file()}
+    expected = {"breakdown", "capacity"}
+    out: list[tuple[str, str]] = []
+    for name, frame in (("timeseries.parquet", timeseries), ("requests.parquet", requests)):
+        figures = P.drawn_from(name, summary)
+        if frame is not None and len(frame):
+            slabs = "offset_bytes" in frame.columns and P._slab_labels(frame, summary)
+            expected |= {f for f in figures if f != "address_map" or slabs}
+            continue
+        lacks = []
+        if name == "requests.parquet" and "address_map" in figures:
+            lacks.append("the interactive address map")
+        gone = [f for f in figures if f not in there]
+        if gone:
+            lacks.append(P.figures_text(gone))
+        kept = [f for f in figures if f in there]
+        what = "is missing" if frame is None else "has no rows"
+        if lacks:
+            what += ": " + " and ".join(lacks) + (" are" if len(lacks) > 1 else " is")
+            what += " left out" + (f" ({P.figures_text(kept)} below: as drawn earlier)"
+                                   if kept else "")
+        else:
+            what += f": {P.figures_text(kept)} below is as drawn earlier"
+        out.append((name, what))
+    absent = [f for f in P.FIGURES if f in expected and f not in there]
+    draw = "kvfrag plot draws"  # (no path: the page may be written in a staging folder)
+    if not there:
+        out.append(("plots/", f"holds no figures (written with --no-plots? {draw} them)"))
+    elif len(absent) == 1:
+        out.append((f"plots/{absent[0]}.png",
+                    f"is missing: {P.figures_text(absent)} is left out ({draw} it)"))
+    elif absent:
+        out.append(("plots/", f"lacks {', '.join(f'{f}.png' for f in absent)}: "
+                    f"{P.figures_text(absent)} are left out ({draw} them)"))
+    return out
+
+
+def _quiet(_: str) -> None:
+    """`render`'s default `say`: nothing (`kvfrag run` has told what its figures leave out)."""
+
+
+def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
+    """The page's HTML for a results folder; what it lacks for a missing file is also told to
+    `say`, a line each (`kvfrag report`: on stderr)."""
     import pandas as pd
 
     from kvfrag import plots as P
@@ -346,12 +412,16 @@ def render(folder: Path | str) -> str:
         timeseries = upgrade_timeseries(
             pd.read_parquet(folder / "timeseries.parquet", columns=columns), version
         )
+    missing = missing_files(folder, summary, timeseries, requests)
+    for rel, what in missing:
+        (say or _quiet)(f"{folder / rel}{'/' if rel.endswith('/') else ''} {what}")
     maps: list = []
     notes: list[str] = []
     if requests is not None and len(requests):
         maps, notes = address_maps(requests, summary, timeseries)
     else:
-        notes = ["No requests.parquet: no address map."]
+        notes = [f"requests.parquet {'is missing' if requests is None else 'has no rows'}: "
+                 "no address map."]
     map_html = []
     for i, (title, fig) in enumerate(maps):
         map_html.append(
@@ -370,27 +440,38 @@ def render(folder: Path | str) -> str:
              f"zoom, hover a slab for its request. At most {P.MAX_SLABS:,} slabs (the first "
              f"by admission) per map and {P.MAX_PANELS} maps.</p>") if maps else ""
     note_html = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
+    missing_html = "".join(
+        f"<p><b>Left out:</b> <code>{html.escape(rel)}</code> {html.escape(what)}</p>"
+        for rel, what in missing
+    )
+    if missing_html:
+        missing_html = f"<div class='left-out'>{missing_html}</div>"
+    figure_notes = "".join(
+        f"<p class='note left-out'>{html.escape(n[:1].upper() + n[1:])}.</p>"
+        for n in P.left_out(summary, requests if requests is not None and len(requests) else None)
+    )
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>kvfrag report: {html.escape(name)}</title><style>{_CSS}</style></head><body>"
         f"<h1>kvfrag report: {html.escape(name)}</h1>"
-        f"<p>{html.escape(caption)}</p>"
+        f"<p>{html.escape(caption)}</p>{missing_html}"
         f"<h2>Summary</h2>{summary_html(summary)}"
         f"<h2>Address map</h2>{intro}{note_html}{''.join(map_html)}"
-        f"<h2>Figures</h2>{figures_html(folder)}"
+        f"<h2>Figures</h2>{figure_notes}{figures_html(folder)}"
         f"<h2>Scenario</h2><p class='note'>scenario.resolved.yaml</p>"
         f"<pre>{html.escape(scenario_text)}</pre>"
         "</body></html>\n"
     )
 
 
-def write_report(folder: Path | str) -> Path:
+def write_report(folder: Path | str, say: Callable[[str], None] | None = None) -> Path:
     """Write `folder/report.html` atomically (through a temporary folder beside it that
-    `kvfrag.outdir` marks as its own: a killed writer's is not taken for the user's)."""
+    `kvfrag.outdir` marks as its own: a killed writer's is not taken for the user's); what the
+    page lacks for a missing file is told to `say` too (see `render`)."""
     from kvfrag.outdir import write_text_atomic
 
     folder = Path(folder)
-    page = render(folder)
+    page = render(folder, say)
     path = folder / REPORT
     write_text_atomic(path, page)
     return path

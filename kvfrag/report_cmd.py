@@ -7,6 +7,7 @@ folder's lock (`kvfrag.outdir`), and records the page in the manifest.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from kvfrag import outdir
@@ -28,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html in place, under the folder's lock; Ctrl-C, SIGTERM and SIGHUP stop it
-    with the lock released and no temporary left."""
+    with the lock released and no temporary left. A file the page lacks (a Parquet file, a
+    figure) is named on stderr, a line each, with what is left out for it, as the page says."""
     from kvfrag.report import write_report
 
     folder = args.results
@@ -39,7 +41,12 @@ def cmd_report(args: argparse.Namespace) -> int:
             outdir.locked(folder, f"kvfrag report {folder}", args.wait), outdir.writing(folder):
         outdir.clean_stale_inside(folder)  # a killed report's temporary
         outdir.check_target(folder, replace=False)  # again: a run may have replaced it
-        path = write_report(folder)
+        path = write_report(folder, say=_note)
         outdir.add_to_manifest(folder, [path])
     print(path)
     return 0
+
+
+def _note(line: str) -> None:
+    """A line on what the page leaves out, on stderr (as `kvfrag plot` tells its own)."""
+    print(f"kvfrag: note: {line}", file=sys.stderr, flush=True)
