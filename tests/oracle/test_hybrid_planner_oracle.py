@@ -1,0 +1,396 @@
+"""kvfrag's hybrid KV-cache plan (`kvfrag.sim.hybrid.plan`) against vLLM 0.33's own planner.
+
+For each model shape, budget and block size, the layers' specs are built with vLLM's classes
+(`FullAttentionSpec`, `SlidingWindowSpec`, `ChunkedLocalAttentionSpec`, `MLAAttentionSpec`,
+`MambaSpec` with shapes and dtypes from `MambaStateShapeCalculator` /
+`MambaStateDtypeCalculator`) and planned as the engine core does: `MambaModelConfig` and
+`Platform._align_hybrid_block_size` for Mamba hybrids (with a FlashAttention-like backend:
+kernel blocks of multiples of 16), then `get_global_kv_cache_groups`, `get_kv_cache_configs`
+and `resolve_kv_cache_block_sizes`. The groups (type, layers, padding, block size, page),
+the page size, `num_blocks` and the scheduler / hash block sizes must be kvfrag's exactly.
+
+One `VllmConfig` (tiny llama, bf16, max_model_len 4096) serves every case; each case sets
+the cache and scheduler fields it needs and resets them.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.oracle
+
+pytest.importorskip("vllm.v1.core.kv_cache_planning")
+
+from kvfrag.sim.hybrid import plan  # noqa: E402
+from kvfrag.sim.layers import (  # noqa: E402
+    MLA,
+    ChunkedLocal,
+    FullAttention,
+    LayerStack,
+    MambaState,
+    SlidingWindow,
+)
+
+from . import hybrid_shapes as shapes  # noqa: E402
+from .vllm_driver import TINY_MODEL_DIR, _vllm  # noqa: E402
+
+GiB = shapes.GiB
+MAX_MODEL_LEN = 4096
+BUDGETS = (2 * GiB, 4 * GiB, 40 * GiB)
+
+# (id, stack, hybrid manager, mamba cache mode, prefix caching)
+CASES = [
+    ("gemma-3-27b", shapes.gemma_3_27b, True, "none", True),
+    ("gemma-3-27b-off", shapes.gemma_3_27b, False, "none", True),
+    ("gpt-oss-120b", lambda: shapes.gpt_oss(36), True, "none", True),
+    ("gpt-oss-20b", lambda: shapes.gpt_oss(24), True, "none", True),
+    ("llama-4-scout", shapes.llama_4_scout, True, "none", True),
+    ("llama-4-scout-off", shapes.llama_4_scout, False, "none", True),
+    ("deepseek-v3", shapes.deepseek_v3, True, "none", True),
+    ("qwen3-next-none", shapes.qwen3_next, True, "none", False),
+    ("qwen3-next-align", shapes.qwen3_next, True, "align", True),
+    ("jamba-1.5-mini", shapes.jamba_1_5_mini, True, "none", False),
+    # Full layers with twice the sliding layers' heads: unify_kv_cache_spec_page_size doubles
+    # the sliding blocks, and the hash block size (GCD) differs from the scheduler's (LCM).
+    ("mixed-heads", lambda: _mixed_heads(), True, "none", True),
+]
+# Gemma-3-27B with the hybrid manager is refused in 2 GiB at max_model_len 4096 (each of the
+# six sliding groups reserves min(1023 + in-flight tokens, 4096) tokens + 1 block: 2.19 GiB),
+# where the full-attention layout fits (1.94 GiB): both planners must refuse it.
+
+
+def _mixed_heads() -> LayerStack:
+    return LayerStack(
+        "mixed-heads",
+        tuple(
+            FullAttention(16, 128) if i % 4 == 3 else SlidingWindow(8, 128, window=512)
+            for i in range(8)
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """vLLM's pieces and one VllmConfig for every case (building it takes seconds)."""
+    v = _vllm()
+    import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.config import MambaModelConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    config = v["VllmConfig"](
+        model_config=v["ModelConfig"](
+            model=str(TINY_MODEL_DIR),
+            skip_tokenizer_init=True,
+            max_model_len=MAX_MODEL_LEN,
+            dtype="bfloat16",
+        ),
+        cache_config=v["CacheConfig"](block_size=16),
+        device_config=v["DeviceConfig"](device="cpu"),
+    )
+    # A GPU engine core resolves the layout from its backends; FlashAttention declares none,
+    # so vLLM's default preference applies: LBNHC (layer-outer).
+    config.cache_config.kv_cache_layout = "LBNHC"
+    return SimpleNamespace(
+        config=config,
+        torch=torch,
+        shape_calc=MambaStateShapeCalculator,
+        dtype_calc=MambaStateDtypeCalculator,
+        registry=ModelRegistry,
+        mamba_model_config=MambaModelConfig,
+        platform=Platform,
+        multiple_of=MultipleOf,
+        mamba_backends=MambaAttentionBackendEnum,
+        groups=get_global_kv_cache_groups,
+        configs=get_kv_cache_configs,
+        block_sizes=resolve_kv_cache_block_sizes,
+        full=FullAttentionSpec,
+        sliding=SlidingWindowSpec,
+        chunked=ChunkedLocalAttentionSpec,
+        mla=MLAAttentionSpec,
+        mamba=MambaSpec,
+    )
+
+
+def _mamba_state(v, layer: MambaState):
+    """(shapes, dtypes, backend) of a Mamba layer, from vLLM's calculators (bf16, tp 1)."""
+    dtypes = v.dtype_calc.mamba1_state_dtype(v.torch.bfloat16, "auto", "auto")
+    if layer.mamba_kind == "gated_delta_net":
+        state = v.shape_calc.gated_delta_net_state_shape(1, **shapes.QWEN3_NEXT_GDN)
+        dtypes = v.dtype_calc.gated_delta_net_state_dtype(v.torch.bfloat16, "auto", "auto")
+        backend = v.mamba_backends.GDN_ATTN
+    else:
+        assert layer.mamba_kind == "mamba1"
+        state = v.shape_calc.mamba1_state_shape(1, **shapes.JAMBA_MAMBA1)
+        backend = v.mamba_backends.MAMBA1
+    return tuple(state), tuple(dtypes), backend
+
+
+class _FlashAttentionLike:
+    """What `_align_hybrid_block_size` asks of the attention backend on a CUDA GPU."""
+
+    multiple_of = None
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "FLASH_ATTN"
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
+        return [cls.multiple_of(16)]
+
+    @classmethod
+    def customize_spec(cls, spec):
+        return spec
+
+
+def _align_for_mamba(v, stack: LayerStack, monkeypatch) -> None:
+    """Run vLLM's MambaModelConfig and Platform._align_hybrid_block_size on the config, with
+    the model config's attention shape and Mamba state taken from the stack."""
+    cfg = v.config
+    attn = stack.attention_layers[0]
+    mamba_layer = next(layer for layer in stack.layers if isinstance(layer, MambaState))
+    state, dtypes, _ = _mamba_state(v, mamba_layer)
+
+    class Model:
+        @staticmethod
+        def get_mamba_state_shape_from_config(vllm_config):
+            return state
+
+        @staticmethod
+        def get_mamba_state_dtype_from_config(vllm_config):
+            return dtypes
+
+    model_config = SimpleNamespace(
+        use_mla=isinstance(attn, MLA),
+        dtype=v.torch.bfloat16,
+        architecture="KvfragHybrid",
+        max_model_len=MAX_MODEL_LEN,
+        get_num_kv_heads=lambda parallel_config: attn.kv_heads,
+        get_head_size=lambda: attn.head_dim,
+    )
+    proxy = SimpleNamespace(
+        cache_config=cfg.cache_config,
+        model_config=model_config,
+        parallel_config=cfg.parallel_config,
+        scheduler_config=cfg.scheduler_config,
+        compilation_config=cfg.compilation_config,
+    )
+    backend = type("FA", (_FlashAttentionLike,), {"multiple_of": v.multiple_of})
+
+    class GpuLike(v.platform):
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config):
+            return [backend]
+
+    monkeypatch.setattr(v.registry, "resolve_model_cls", lambda *a, **k: (Model, "KvfragHybrid"))
+    v.mamba_model_config.verify_and_update_config(proxy)
+    GpuLike._align_hybrid_block_size(proxy, backend)
+
+
+def _specs(v, stack: LayerStack) -> dict:
+    """Every layer's vLLM spec, as the model's layers would report them."""
+    cc = v.config.cache_config
+    bf16 = v.torch.bfloat16
+    specs = {}
+    for i, layer in enumerate(stack.layers):
+        bs = cc.block_size
+        if isinstance(layer, MambaState):
+            state, dtypes, backend = _mamba_state(v, layer)
+            spec = v.mamba(
+                block_size=cc.mamba_block_size,
+                shapes=state,
+                dtypes=dtypes,
+                page_size_padded=cc.mamba_page_size_padded,
+                mamba_type=backend,
+                mamba_cache_mode=cc.mamba_cache_mode,
+            )
+        elif isinstance(layer, MLA):
+            spec = v.mla(
+                block_size=bs,
+                num_kv_heads=1,
+                head_size=layer.latent + layer.rope,
+                dtype=bf16,
+                cache_dtype_str="auto",
+            )
+        elif isinstance(layer, SlidingWindow):
+            spec = v.sliding(
+                block_size=bs,
+                num_kv_heads=layer.kv_heads,
+                head_size=layer.head_dim,
+                dtype=bf16,
+                sliding_window=layer.window,
+            )
+        elif isinstance(layer, ChunkedLocal):
+            spec = v.chunked(
+                block_size=bs,
+                num_kv_heads=layer.kv_heads,
+                head_size=layer.head_dim,
+                dtype=bf16,
+                attention_chunk_size=layer.chunk,
+            )
+        else:
+            assert isinstance(layer, FullAttention)
+            spec = v.full(
+                block_size=bs, num_kv_heads=layer.kv_heads, head_size=layer.head_dim, dtype=bf16
+            )
+        specs[f"model.layers.{i}.attn"] = spec
+    return specs
+
+
+_KIND = {
+    "FullAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding_window",
+    "ChunkedLocalAttentionSpec": "chunked_local",
+    "MLAAttentionSpec": "mla",
+    "MambaSpec": "mamba",
+}
+
+
+def _vllm_plan(v, stack, budget, block_size, manager, mode, prefix, monkeypatch) -> dict:
+    """vLLM's plan, in the terms of kvfrag's `Plan`."""
+    cfg = v.config
+    cc = cfg.cache_config
+    monkeypatch.setattr(cc, "block_size", block_size)
+    monkeypatch.setattr(cc, "enable_prefix_caching", prefix)
+    monkeypatch.setattr(cc, "mamba_cache_mode", mode)
+    monkeypatch.setattr(cc, "mamba_block_size", None)
+    monkeypatch.setattr(cc, "mamba_page_size_padded", None)
+    monkeypatch.setattr(cfg.scheduler_config, "disable_hybrid_kv_cache_manager", not manager)
+    if any(isinstance(layer, MambaState) for layer in stack.layers):
+        _align_for_mamba(v, stack, monkeypatch)
+    specs = _specs(v, stack)
+    groups = v.groups(cfg, [dict(specs)])
+    (kv_config,) = v.configs(cfg, [dict(specs)], [budget], groups)
+    scheduler_bs, hash_bs = v.block_sizes(kv_config, cfg)
+    out_groups = []
+    group_size = max(len(g.layer_names) for g in kv_config.kv_cache_groups)
+    for g in kv_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        layers = tuple(int(re.search(r"\.(\d+)\.", n).group(1)) for n in g.layer_names)
+        window = getattr(spec, "sliding_window", None) or getattr(
+            spec, "attention_chunk_size", None
+        )
+        out_groups.append(
+            (
+                _KIND[type(spec).__name__],
+                layers,
+                group_size - len(layers),
+                spec.block_size,
+                spec.page_size_bytes,
+                len(layers) * spec.page_size_bytes,
+                window,
+            )
+        )
+    return {
+        "groups": out_groups,
+        "block_size": cc.block_size,
+        "mamba_block_size": cc.mamba_block_size,
+        "mamba_page_padded": cc.mamba_page_size_padded,
+        "mamba_cache_mode": cc.mamba_cache_mode,
+        "num_blocks": kv_config.num_blocks,
+        "page_bytes": kv_config.kv_cache_tensors[0].size // kv_config.num_blocks,
+        "scheduler_block_size": scheduler_bs,
+        "hash_block_size": hash_bs,
+    }
+
+
+def _kvfrag_plan(v, stack, budget, block_size, manager, mode, prefix) -> dict:
+    cfg = v.config
+    p = plan(
+        stack,
+        budget,
+        block_size,
+        manager,
+        mode,
+        max_model_len=MAX_MODEL_LEN,
+        prefix_caching=prefix,
+        max_num_batched_tokens=cfg.scheduler_config.max_num_batched_tokens,
+        concurrent_batches=cfg.max_concurrent_batches,
+    )
+    has_mamba = any(isinstance(layer, MambaState) for layer in stack.layers)
+    return {
+        "groups": [
+            (
+                g.kind,
+                g.layers,
+                g.padding,
+                g.block_size,
+                g.layer_page_bytes,
+                g.page_bytes,
+                g.window,
+            )
+            for g in p.groups
+        ],
+        "block_size": p.block_size,
+        # vLLM leaves mamba_block_size unset for models without Mamba layers.
+        "mamba_block_size": p.mamba_block_size if has_mamba else None,
+        "mamba_page_padded": p.mamba_page_padded,
+        "mamba_cache_mode": p.mamba_cache_mode,
+        "num_blocks": p.num_blocks,
+        "page_bytes": p.page_bytes,
+        "scheduler_block_size": p.scheduler_block_size,
+        "hash_block_size": p.hash_block_size,
+    }
+
+
+def _outcome(planner, *args) -> dict | str:
+    """The plan, or "refused" where the planner raises ValueError (vLLM's memory check)."""
+    try:
+        return planner(*args)
+    except ValueError:
+        return "refused"
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    ("name", "make", "manager", "mode", "prefix"), CASES, ids=[c[0] for c in CASES]
+)
+def test_plan_matches_vllm(vllm, monkeypatch, name, make, manager, mode, prefix, block_size):
+    stack = make()
+    for budget in BUDGETS:
+        with monkeypatch.context() as m:
+            want = _outcome(_vllm_plan, vllm, stack, budget, block_size, manager, mode, prefix, m)
+        got = _outcome(_kvfrag_plan, vllm, stack, budget, block_size, manager, mode, prefix)
+        assert got == want, (name, budget, block_size)
+
+
+def test_shared_doc_gemma_figures(vllm, monkeypatch):
+    """vllm-hybrid-kv.md: Gemma-3-27B in 4 GiB, 3,276 blocks of 1.25 MiB with the hybrid
+    manager, 528 of 7.75 MiB without."""
+    stack = shapes.gemma_3_27b()
+    for manager, blocks, mib in ((True, 3276, 1.25), (False, 528, 7.75)):
+        with monkeypatch.context() as m:
+            want = _vllm_plan(vllm, stack, 4 * GiB, 16, manager, "none", True, m)
+        assert (want["num_blocks"], want["page_bytes"] / 2**20) == (blocks, mib)
+
+
+def test_refusals_match_vllm(vllm, monkeypatch):
+    """What vLLM refuses, kvfrag refuses: a Mamba hybrid without the hybrid manager, and a
+    budget that cannot hold one max_model_len request after the null block."""
+    for stack, budget, manager in (
+        (shapes.qwen3_next(), 4 * GiB, False),
+        (shapes.gemma_3_27b(), 1 * GiB, False),
+    ):
+        with monkeypatch.context() as m, pytest.raises(ValueError):
+            _vllm_plan(vllm, stack, budget, 16, manager, "none", False, m)
+        with pytest.raises(ValueError):
+            _kvfrag_plan(vllm, stack, budget, 16, manager, "none", False)
