@@ -11,6 +11,7 @@ as `file:line: sweep.KEY: point N (KEY=VALUE): problem`.
 
 from __future__ import annotations
 
+import json
 import stat
 import types
 import typing
@@ -37,6 +38,9 @@ from kvfrag.sim.units import EXCERPT_CHARS, clip_quoted, excerpt
 #: Largest scenario file read: scenarios are a page of YAML, so anything bigger (a trace given
 #: by mistake, /dev/zero behind a link) is refused before it is read.
 MAX_FILE_BYTES = 1_000_000
+#: Largest Hugging Face config.json read (`model: {hf_config: PATH}`): published ones are a few
+#: KB; a multimodal one with label maps, tens of KB.
+MAX_HF_CONFIG_BYTES = 4_000_000
 #: Longest `--set KEY=VALUE` item, in characters.
 MAX_SET_CHARS = 64 * 1024
 
@@ -118,6 +122,7 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
                 "digits, '.', '_' and '-'); give the scenario a name: line"
             ) from None
     _resolve_profile(data, path.resolve().parent, origins)
+    _resolve_hf_configs(data, path.resolve().parent, origins, path, root)
     _resolve_set_paths(data, origins)
     try:
         scenario = Scenario.model_validate(data)
@@ -265,6 +270,82 @@ def _resolve_profile(data: dict, base_dir: Path, origins: dict[str, str]) -> Non
     step["profile"] = str((base / Path(step["profile"]).expanduser()).resolve())
 
 
+def _resolve_hf_configs(
+    data: dict, base_dir: Path, origins: dict[str, str], path: Path, root: yaml.Node | None
+) -> None:
+    """Read every config.json a model names (`model.hf_config`, and sweep values of `model`
+    and `model.hf_config`) and put `{path, config}` in its place: the path absolute (relative
+    to the scenario's folder, or to the current one when a --set gave it), the config cut to
+    the fields kvfrag reads. A file that cannot be read, or is not JSON, is one line naming
+    the scenario's line and the file."""
+
+    def read(value: Any, loc: list, dotted: str) -> Any:
+        if not isinstance(value, str):
+            return value  # (a resolved copy's {path, config}; or a wrong type, said later)
+        where = _where(loc, data, path, root, origins)
+        if not value.strip():
+            raise ScenarioError(f"{where}: {_field(loc)}: the path is empty; name a config.json")
+        base = Path.cwd() if _given_by_set(dotted, origins) else base_dir
+        file = (base / Path(value).expanduser()).resolve()
+        try:
+            config = _read_json(file)
+        except ValueError as exc:
+            raise ScenarioError(f"{where}: {_field(loc)}: {exc}") from None
+        from kvfrag.sim.hf_config import relevant
+
+        return {"path": str(file), "config": relevant(config)}
+
+    model = data.get("model")
+    if isinstance(model, dict) and "hf_config" in model:
+        model["hf_config"] = read(model["hf_config"], ["model", "hf_config"], "model.hf_config")
+    sweep = data.get("sweep")
+    if not isinstance(sweep, dict):
+        return
+    for key in ("model", "model.hf_config"):
+        values = sweep.get(key)
+        if not isinstance(values, list):
+            continue
+        for i, value in enumerate(values):
+            if key == "model.hf_config":
+                values[i] = read(value, ["sweep", key, i], f"sweep.{key}")
+            elif isinstance(value, dict) and "hf_config" in value:
+                value["hf_config"] = read(value["hf_config"], ["sweep", key, i], f"sweep.{key}")
+
+
+def _read_json(file: Path) -> Any:
+    """A config.json's data; what is not a small regular file of JSON is refused, before it is
+    read where its size or kind says so. Raises ValueError("FILE: problem")."""
+    try:
+        info = file.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{file}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{file}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{file}: not a regular file")
+    try:
+        with file.open("rb") as f:
+            raw = f.read(MAX_HF_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{file}: cannot read: {exc.strerror}") from None
+    if max(info.st_size, len(raw)) > MAX_HF_CONFIG_BYTES:
+        raise ValueError(f"{file}: {max(info.st_size, len(raw)) / 1e6:.1f} MB; a config.json is "
+                         f"at most {MAX_HF_CONFIG_BYTES / 1e6:.0f} MB")
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=constant)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file}: not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not JSON (line {exc.lineno}, column {exc.colno}: "
+                         f"{exc.msg})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{file}: not JSON ({str(exc)[:80] or 'nested too deep'})") from None
+
+
 def workload_paths(node: Any, loc: list) -> Iterator[tuple[list, str]]:
     """(location, value) of every file a workload's data names (`path`: a trace, an arrival
     replay, an empirical length table), `sample:NAME` included."""
@@ -342,7 +423,10 @@ def _first_error(exc: ValidationError, data: Any) -> tuple[list, str]:
     # A misspelt key also makes the real one "missing": report the misspelling. Otherwise the
     # error that reaches deepest into the data (a union's member the data was meant for).
     extra = [e for e in errors if e["type"] == "extra_forbidden"]
-    err = extra[0] if extra else max(errors, key=lambda e: _depth(_data_loc(e, data), data))
+    # (on a tie, a check's own message beats a union member's type mismatch: a config.json
+    # model's problem, not "should be a valid string")
+    err = extra[0] if extra else max(errors, key=lambda e: (
+        _depth(_data_loc(e, data), data), e["type"] == "value_error"))
     loc = _data_loc(err, data)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # a model-level check that names the field

@@ -3,6 +3,11 @@
 bytes_per_token = layers x kv_heads x head_dim x 2 (K and V) x dtype_bytes. Grouped-query
 models (llama-3, mistral, qwen2.5) store far fewer KV heads than attention heads, which is why
 llama-3-8b needs 128 KiB per token where llama-2-7b needs 512 KiB.
+
+A model whose layers are not alike (MLA's one latent per token, layers of different head
+counts or sizes: `sim.layers.LayerStack.geometry`) gives its bytes per token as `token_bytes`;
+its layers / kv_heads / head_dim then only describe it (the attention layers' count, the
+largest heads and head size), and a layout per K/V buffer (vAttention) cannot be made from them.
 """
 
 from __future__ import annotations
@@ -21,15 +26,29 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    #: Bytes per token when the layers are not alike (see the module's docstring); None: the
+    #: product of the figures above.
+    token_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model {self.name!r}: {field} must be a positive integer")
+        t = self.token_bytes
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise ValueError(f"model {self.name!r}: token_bytes must be a positive integer")
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer keeps one K and one V row of the same shape per token (what a
+        per-buffer layout needs)."""
+        return self.token_bytes is None
 
     @property
     def bytes_per_token(self) -> int:
+        if self.token_bytes is not None:
+            return self.token_bytes
         return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
 
     @property

@@ -11,7 +11,10 @@ bytes per token, describes its KV memory (`sim.geometry.KVGeometry`). Hybrid mod
 - `MLA(latent=R, rope=P)`: one compressed vector of R + P values per token per layer, no
   separate V (DeepSeek V2/V3, Kimi; vLLM's `MLAAttentionSpec`).
 - `MambaState(state_bytes=S)`: a fixed-size recurrent state per request, whatever its length
-  (Mamba 1/2, gated delta net; vLLM's `MambaSpec`).
+  (Mamba 1/2, gated delta net; vLLM's `MambaSpec`). `MambaState.mamba1/mamba2/
+  gated_delta_net` size it from a model's figures the way vLLM's `MambaStateShapeCalculator`
+  and `MambaStateDtypeCalculator` do (a conv state and a temporal state, in the model's dtype
+  unless the SSM state's dtype is given).
 
 Each layer's figures are per GPU of the model (KV heads as the model has them; tensor
 parallelism divides them elsewhere, as for `KVGeometry`). The byte arithmetic is vLLM's:
@@ -22,8 +25,9 @@ the latent).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from kvfrag.sim.geometry import KVGeometry
 
@@ -43,8 +47,8 @@ class FullAttention:
     kind = "full"
 
     def __post_init__(self) -> None:
-        for field in ("kv_heads", "head_dim", "dtype_bytes"):
-            _positive(f"{self.kind} layer", field, getattr(self, field))
+        for name in ("kv_heads", "head_dim", "dtype_bytes"):
+            _positive(f"{self.kind} layer", name, getattr(self, name))
 
     @property
     def bytes_per_token(self) -> int:
@@ -106,15 +110,96 @@ class MLA:
 class MambaState:
     state_bytes: int  # per layer per request
     mamba_kind: str = "mamba2"  # mamba1, mamba2, gated_delta_net, ...
+    #: The state tensors' shapes and element sizes (bytes), as vLLM's `MambaSpec` holds them;
+    #: empty when only the total is known. Not part of equality: two layers of the same
+    #: kind and size keep the same thing.
+    shapes: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
+    dtype_bytes: tuple[int, ...] = field(default=(), compare=False)
 
     kind = "mamba"
 
     def __post_init__(self) -> None:
         _positive("mamba layer", "state_bytes", self.state_bytes)
+        if len(self.shapes) != len(self.dtype_bytes):
+            raise ValueError("mamba layer: one dtype size per state shape")
+        if self.shapes and self.state_bytes != sum(
+            math.prod(s) * d for s, d in zip(self.shapes, self.dtype_bytes, strict=True)
+        ):
+            raise ValueError("mamba layer: state_bytes is not the sum of its shapes' bytes")
 
     @property
     def bytes_per_token(self) -> int:
         return 0  # (the state does not grow with tokens)
+
+    def shard(self, tp: int) -> MambaState:
+        """One GPU's share of the state for tensor parallelism `tp`: vLLM splits the conv
+        state's channels and the temporal state's leading dimension (heads, or Mamba 1's
+        inner width); here each is divided rounding up (Mamba 2's group replication is not
+        modelled). A state known only as a total is divided evenly, rounding up."""
+        if tp == 1:
+            return self
+        if not self.shapes:
+            return MambaState(-(-self.state_bytes // tp), self.mamba_kind)
+        conv, temporal = self.shapes[0], self.shapes[1:]
+        shapes = ((*conv[:-1], -(-conv[-1] // tp)),
+                  *((-(-t[0] // tp), *t[1:]) for t in temporal))
+        return MambaState._of(self.mamba_kind, shapes, self.dtype_bytes)
+
+    # --------------------------------------------------- from a model's figures (vLLM's way)
+    @classmethod
+    def _of(cls, kind: str, shapes: tuple[tuple[int, ...], ...],
+            dtypes: tuple[int, ...]) -> MambaState:
+        for shape in shapes:
+            for n in shape:
+                _positive(f"{kind} state", "dimension", n)
+        total = sum(math.prod(s) * d for s, d in zip(shapes, dtypes, strict=True))
+        return cls(total, kind, shapes, dtypes)
+
+    @classmethod
+    def mamba1(cls, intermediate: int, d_state: int, d_conv: int, dtype_bytes: int = 2,
+               ssm_dtype_bytes: int | None = None, tp: int = 1) -> MambaState:
+        """Mamba 1 (Jamba, Falcon-Mamba): a conv state of (d_conv - 1) x intermediate and a
+        temporal state of intermediate x d_state, intermediate split `tp` ways
+        (`MambaStateShapeCalculator.mamba1_state_shape`)."""
+        _positive("mamba1 state", "d_conv", d_conv)
+        inner = _divide("mamba1 state", intermediate, tp)
+        shapes = ((d_conv - 1, inner), (inner, d_state))
+        return cls._of("mamba1", shapes, (dtype_bytes, ssm_dtype_bytes or dtype_bytes))
+
+    @classmethod
+    def mamba2(cls, intermediate: int, n_groups: int, num_heads: int, head_dim: int,
+               d_state: int, d_conv: int, dtype_bytes: int = 2,
+               ssm_dtype_bytes: int | None = None, tp: int = 1) -> MambaState:
+        """Mamba 2 (Bamba, Nemotron-H, Granite 4): a conv state over the inner width and both
+        groups' B and C, and a temporal state of heads x head_dim x d_state
+        (`mamba2_state_shape`; groups replicated when tp does not divide them)."""
+        _positive("mamba2 state", "d_conv", d_conv)
+        groups = n_groups + (0 if n_groups % tp == 0 else tp - n_groups)
+        conv_dim = _divide("mamba2 state", intermediate + 2 * groups * d_state, tp)
+        shapes = ((d_conv - 1, conv_dim),
+                  (_divide("mamba2 state", num_heads, tp), head_dim, d_state))
+        return cls._of("mamba2", shapes, (dtype_bytes, ssm_dtype_bytes or dtype_bytes))
+
+    @classmethod
+    def gated_delta_net(cls, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                        head_v_dim: int, conv_kernel: int, dtype_bytes: int = 2,
+                        ssm_dtype_bytes: int | None = None, tp: int = 1) -> MambaState:
+        """Gated delta net (Qwen3-Next, Qwen3.5 linear attention): a conv state over Q, K and
+        V, and a recurrent state of v_heads x head_v_dim x head_k_dim
+        (`gated_delta_net_state_shape`)."""
+        _positive("gated_delta_net state", "conv_kernel", conv_kernel)
+        conv_dim = head_k_dim * num_k_heads * 2 + head_v_dim * num_v_heads
+        shapes = ((conv_kernel - 1, _divide("gated_delta_net state", conv_dim, tp)),
+                  (_divide("gated_delta_net state", num_v_heads, tp), head_v_dim, head_k_dim))
+        return cls._of("gated_delta_net", shapes,
+                       (dtype_bytes, ssm_dtype_bytes or dtype_bytes))
+
+
+def _divide(owner: str, n: int, tp: int) -> int:
+    """n / tp, which must be whole (vLLM's `divide`)."""
+    if n % tp:
+        raise ValueError(f"{owner}: {n} does not split {tp} ways")
+    return n // tp
 
 
 Layer = FullAttention | SlidingWindow | ChunkedLocal | MLA | MambaState
@@ -156,6 +241,58 @@ class LayerStack:
     def state_bytes_per_request(self) -> int:
         """Bytes of recurrent state per request (Mamba layers), whatever its length."""
         return sum(layer.state_bytes for layer in self.layers if isinstance(layer, MambaState))
+
+    @property
+    def growing_bytes_per_token(self) -> int:
+        """Bytes per token of the layers that keep every token even with a hybrid manager
+        (full attention and MLA): what still grows with a request's length when sliding
+        and chunked layers keep only their window."""
+        return sum(layer.bytes_per_token for layer in self.attention_layers
+                   if not isinstance(layer, SlidingWindow | ChunkedLocal))
+
+    @property
+    def mamba_layers(self) -> int:
+        return sum(isinstance(layer, MambaState) for layer in self.layers)
+
+    def shard(self, tp: int) -> LayerStack:
+        """What one GPU of `tp` keeps: KV heads split tp ways (replicated when fewer, as
+        vLLM does); an MLA latent is replicated whole; a Mamba state is split as
+        `MambaState.shard` says."""
+        _positive(f"model {self.name!r}", "tp", tp)
+        if tp == 1:
+            return self
+        out: list[Layer] = []
+        for layer in self.layers:
+            if isinstance(layer, FullAttention):
+                out.append(replace(layer, kv_heads=max(layer.kv_heads // tp, 1)))
+            elif isinstance(layer, MambaState):
+                out.append(layer.shard(tp))
+            else:
+                out.append(layer)
+        return LayerStack(self.name, tuple(out))
+
+    def geometry(self) -> KVGeometry:
+        """The stack as today's allocators lay it out: the all-full fallback (vLLM with its
+        hybrid manager off), one `KVGeometry` of `full_bytes_per_token`. Alike layers give
+        a plain geometry (the per-buffer layout vAttention needs is then exact); MLA or
+        layers of different shapes give one whose `token_bytes` is the stack's figure and
+        whose layers / kv_heads / head_dim describe the attention layers only roughly
+        (their count, the largest heads and head size). A stack with Mamba layers has none:
+        their state needs a hybrid manager (ValueError)."""
+        if self.mamba_layers:
+            raise ValueError(
+                f"model {self.name!r} has {self.mamba_layers} Mamba layer(s): their state needs "
+                "a hybrid KV-cache manager (vLLM refuses such a model without one), and "
+                "kvfrag has no hybrid allocator yet"
+            )
+        plain = self.full_geometry()
+        if plain is not None:
+            return plain
+        attn = self.attention_layers
+        kv = max(a.kv_heads if isinstance(a, FullAttention) else 1 for a in attn)
+        hd = max(a.head_dim if isinstance(a, FullAttention) else a.latent + a.rope for a in attn)
+        dt = max(a.dtype_bytes for a in attn)
+        return KVGeometry(self.name, len(attn), kv, hd, dt, token_bytes=self.full_bytes_per_token)
 
     def full_geometry(self) -> KVGeometry | None:
         """The stack as one full-attention `KVGeometry`, where its attention layers are alike

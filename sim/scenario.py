@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pandas as pd
-from kvfrag.sim.allocators import Allocator, make_allocator, options_of
+from kvfrag.sim.allocators import TAKES_GEOMETRY, Allocator, make_allocator, options_of
 from kvfrag.sim.allocators.paged import MAX_BLOCK_SIZE
 from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
 from kvfrag.sim.architecture import Architecture
@@ -32,7 +32,11 @@ from kvfrag.sim.engine import run as run_engine
 from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
 from kvfrag.sim.hardware import GPU, batch_defaults, gpu
 from kvfrag.sim.hardware import PRESETS as GPUS
+from kvfrag.sim.hybrid_presets import ARCHITECTURES as HYBRID_ARCHITECTURES
+from kvfrag.sim.hybrid_presets import STACKS
+from kvfrag.sim.layers import FullAttention, LayerStack
 from kvfrag.sim.memory import kv_budget
+from kvfrag.sim.model_forms import HfModelSpec, LayeredModelSpec
 from kvfrag.sim.presets import lookup, nearest
 from kvfrag.sim.timing import OVERHEAD_S, from_profile, read_profile, roofline
 from kvfrag.sim.units import (
@@ -186,6 +190,29 @@ class ModelSpec(_Frozen):
             return None
         return Architecture(self.name, self.hidden, self.intermediate, self.layers, self.heads,
                             self.kv_heads, self.head_dim, self.vocab, self.gated_mlp)
+
+
+#: Every model preset by name: the full-attention ones (`sim.geometry`) and the layered ones
+#: (`sim.hybrid_presets`).
+MODEL_PRESETS: dict[str, object] = {**PRESETS, **STACKS}
+
+
+def _model_form(value: Any) -> str:
+    """Which written-out model a mapping is, by its keys (so errors speak of that form)."""
+    if isinstance(value, dict):
+        if "hf_config" in value:
+            return "hf-model"
+        return "layered-model" if isinstance(value.get("layers"), list) else "custom-model"
+    return {HfModelSpec: "hf-model", LayeredModelSpec: "layered-model"}.get(
+        type(value), "custom-model")  # (anything else: the custom form's type error)
+
+
+ModelForm = Annotated[
+    Annotated[ModelSpec, Tag("custom-model")]
+    | Annotated[LayeredModelSpec, Tag("layered-model")]
+    | Annotated[HfModelSpec, Tag("hf-model")],
+    Discriminator(_model_form),
+]
 
 
 class HardwareSpec(_Frozen):
@@ -374,7 +401,7 @@ class Scenario(_Frozen):
     hardware: str | HardwareSpec | None = None
     tp: whole(1, MAX_TP) = 1  # tensor parallelism: KV heads and weights split across tp GPUs
     gpu_memory_utilization: number(0, 1, above=True) = 0.9  # for a derived kv_budget
-    model: str | ModelSpec
+    model: str | ModelForm
     kv_budget: int | str | GpuBudget | None = None  # per GPU; None: derived from hardware
     max_model_len: whole(1, MAX_TOKENS)
     workload: WorkloadSpec
@@ -398,9 +425,9 @@ class Scenario(_Frozen):
 
     @field_validator("model")
     @classmethod
-    def _preset(cls, value: str | ModelSpec) -> str | ModelSpec:
+    def _preset(cls, value: Any) -> Any:
         if isinstance(value, str):
-            lookup(PRESETS, value, "model", "layers, kv_heads, head_dim")
+            lookup(MODEL_PRESETS, value, "model")  # (the list of presets is the message)
         return value
 
     @field_validator("kv_budget", mode="before")
@@ -428,6 +455,18 @@ class Scenario(_Frozen):
         return value
 
     @model_validator(mode="after")
+    def _layout(self) -> Scenario:
+        """A model today's allocators can lay out: the all-full fallback of a layered one
+        (every attention layer keeps every token, as vLLM without its hybrid manager), which
+        has no place for a Mamba layer's state."""
+        stack = self.stack
+        if stack is not None and stack.mamba_layers:
+            raise FieldError(("model",), f"{stack.name} has {stack.mamba_layers} Mamba layer(s): "
+                             "their state needs a hybrid allocator (vLLM's hybrid KV-cache "
+                             "manager), which kvfrag does not have yet")
+        return self
+
+    @model_validator(mode="after")
     def _hardware_needs(self) -> Scenario:
         """What timing from the hardware, tp and a derived budget need, said once at load."""
         step = self.engine.step_time
@@ -437,10 +476,13 @@ class Scenario(_Frozen):
         if self.kv_budget is None and self.hardware is None:
             raise FieldError(("kv_budget",), "give a size (e.g. 12GiB), or name `hardware` "
                              "to derive it from the GPU's memory and the model's weights")
-        geo = self.full_geometry
-        if self.tp > 1 and geo.kv_heads % self.tp and self.tp % geo.kv_heads:
-            raise FieldError(("tp",), f"tp={self.tp} must divide the model's kv_heads "
-                             f"({geo.kv_heads}) or be a multiple of it")
+        stack = self.stack
+        kv_heads = sorted({a.kv_heads for a in stack.layers if isinstance(a, FullAttention)}
+                          ) if stack is not None else [self.full_geometry.kv_heads]
+        for kv in kv_heads:
+            if self.tp > 1 and kv % self.tp and self.tp % kv:
+                raise FieldError(("tp",), f"tp={self.tp} must divide the model's kv_heads "
+                                 f"({kv}) or be a multiple of it")
         if (self.hardware is not None and self._timed_by_hardware) or self.kv_budget is None:
             arch = self.architecture
             if arch is None:
@@ -456,6 +498,11 @@ class Scenario(_Frozen):
         """Build each allocator once, so option values are checked now, not later."""
         geo, capacity = self.geometry, self.budget_bytes
         for i, spec in enumerate(self.allocators):
+            if spec.kind in TAKES_GEOMETRY and not geo.uniform:
+                raise FieldError(("allocators", i), f"allocator {spec.label!r}: {spec.kind} lays "
+                                 "out one K and one V buffer per layer, all of one shape; "
+                                 f"the layers of {geo.name} are not alike (an MLA latent, or "
+                                 "layers of different heads)")
             try:
                 make_allocator(
                     spec.kind,
@@ -529,16 +576,35 @@ class Scenario(_Frozen):
 
     # ----------------------------------------------------------- derived
     @property
+    def stack(self) -> LayerStack | None:
+        """The model as typed layers, where it is given so (a layered preset, a layered model,
+        a config.json); None for a full-attention preset or `layers: N` model, whose
+        `KVGeometry` says it all."""
+        m = self.model
+        if isinstance(m, str):
+            return STACKS.get(m)
+        return None if isinstance(m, ModelSpec) else m.stack()
+
+    @property
     def full_geometry(self) -> KVGeometry:
-        """The model's KV shape over all its GPUs."""
+        """The model's KV shape over all its GPUs. A layered model's is its all-full fallback
+        (`LayerStack.geometry`: every attention layer keeps every token, MLA one latent)."""
+        stack = self.stack
+        if stack is not None:
+            return stack.geometry()
         if isinstance(self.model, str):
             return preset(self.model)
         m = self.model
+        assert isinstance(m, ModelSpec)
         return KVGeometry(m.name, m.layers, m.kv_heads, m.head_dim, m.dtype_bytes)
 
     @property
     def geometry(self) -> KVGeometry:
-        """The KV shape one GPU stores: KV heads split `tp` ways (replicated when fewer)."""
+        """The KV shape one GPU stores: KV heads split `tp` ways (replicated when fewer; an
+        MLA latent whole on every GPU)."""
+        stack = self.stack
+        if stack is not None:
+            return stack.shard(self.tp).geometry()
         geo = self.full_geometry
         if self.tp == 1:
             return geo
@@ -554,7 +620,9 @@ class Scenario(_Frozen):
     def architecture(self) -> Architecture | None:
         """The model's matrices (a preset's, or a custom model's when given)."""
         if isinstance(self.model, str):
-            return ARCHITECTURES.get(self.model)
+            return ARCHITECTURES.get(self.model) or HYBRID_ARCHITECTURES.get(self.model)
+        if isinstance(self.model, LayeredModelSpec):
+            return None  # (its matrices are not given: no timing from `hardware`)
         return self.model.architecture()
 
     @property

@@ -489,3 +489,156 @@ def test_good_names_and_the_file_stem_default(tmp_path):
     assert "give the scenario a name: line" in str(info.value)
     named = load_scenario(write(tmp_path, bare, "my scenario.yaml"), ["name=mine"])
     assert named.scenario.name == "mine"
+
+
+# ----------------------------------------------------------------- models with layer types
+HF_CONFIGS = ROOT / "tests" / "sim" / "hf_configs"
+
+
+def _run(capsys, scenario: Path, sets: list[str], out: Path) -> tuple[int, str]:
+    from kvfrag.cli import main
+
+    argv = ["run", str(scenario), "-o", str(out), "-q", "--no-plots", "-j", "1"]
+    for item in sets:
+        argv += ["--set", item]
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_layered_presets_lay_out_all_full(tmp_path):
+    path = write(tmp_path, GOOD)
+    gemma = load_scenario(path, ["model=gemma-3-27b"]).scenario
+    assert gemma.geometry.bytes_per_token == 496 * 1024  # every layer keeps every token
+    assert load_scenario(path, ["model=gemma-3-27b", "tp=2"]).scenario.geometry.kv_heads == 8
+    ds = load_scenario(path, ["model=deepseek-v3", "tp=8"]).scenario
+    assert ds.geometry.bytes_per_token == 61 * 576 * 2  # one latent, whole on every GPU
+    assert load_scenario(path, ["model=llama-3-8b"]).scenario.stack is None  # unchanged
+
+
+def test_a_config_json_is_read_relative_to_the_scenario(tmp_path):
+    folder = tmp_path / "models" / "scout"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text((HF_CONFIGS / "llama-4-scout.json").read_text())
+    text = GOOD.replace("model: opt-13b", "model: {hf_config: models/scout/config.json}")
+    loaded = load_scenario(write(tmp_path, text))
+    s = loaded.scenario
+    assert s.geometry.name == "scout" and s.geometry.bytes_per_token == 192 * 1024
+    assert s.stack is not None and s.stack.count() == {"chunked_local": 36, "full": 12}
+    resolved = loaded.resolved()["model"]["hf_config"]
+    assert resolved["path"] == str(folder / "config.json")
+    assert "intermediate_size_mlp" not in resolved["config"]["text_config"]  # (not read)
+    again = Scenario.model_validate(
+        {k: v for k, v in loaded.resolved().items() if k != "kvfrag_version"})
+    assert again.geometry == s.geometry
+
+
+def test_a_layered_model_in_yaml(tmp_path):
+    model = ("{name: g, kv_heads: 16, head_dim: 128, layers: [{type: sliding_window, count: 5, "
+             "window: 1024}, {type: full}], num_layers: 62}")
+    s = load_scenario(write(tmp_path, GOOD), [f"model={model}"]).scenario
+    from kvfrag.sim.hybrid_presets import STACKS
+
+    assert s.stack is not None and s.stack.layers == STACKS["gemma-3-27b"].layers
+    mla = "{layers: [{type: mla, latent: 512, rope: 64}], repeat: 61}"
+    assert load_scenario(write(tmp_path, GOOD), [f"model={mla}"]).scenario.geometry \
+        .bytes_per_token == 70272
+    old = "{layers: 32, kv_heads: 8, head_dim: 128}"  # the full-attention form, unchanged
+    assert load_scenario(write(tmp_path, GOOD), [f"model={old}"]).scenario.geometry \
+        .bytes_per_token == 128 * 1024
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ("{layers: [{type: windowed, window: 8}], kv_heads: 8, head_dim: 64}",
+     r"model\.layers\[0\]\.type: unknown layer type 'windowed' \(valid: full, sliding_window"),
+    ("{layers: [{type: sliding_window, window: 0}], kv_heads: 8, head_dim: 64}",
+     r"model\.layers\[0\]\.window: must be a whole number from 1 to 2,147,483,648, not 0"),
+    ("{layers: [{type: chunked_local, chunk: -4}], kv_heads: 8, head_dim: 64}",
+     r"model\.layers\[0\]\.chunk: must be a whole number from 1 to .*, not -4"),
+    ("{layers: [{type: sliding_window, window: true}], kv_heads: 8, head_dim: 64}",
+     r"window: must be a whole number .*not the boolean true"),
+    ("{layers: [{type: sliding_window}], kv_heads: 8, head_dim: 64}",
+     r"model\.layers\[0\]: a sliding_window layer needs window"),
+    ("{layers: [{type: full, window: 8}], kv_heads: 8, head_dim: 64}",
+     r"model\.layers\[0\]: a full layer has no window \(it takes: count, kv_heads, head_dim\)"),
+    ("{layers: [{type: full, count: 6}], kv_heads: 8, head_dim: 64, repeat: 10, num_layers: 62}",
+     r"model: num_layers \(62\) does not match the pattern: 6 layer\(s\) x repeat 10 = 60"),
+    ("{layers: [{type: full}, {type: mamba, state_bytes: 0}], kv_heads: 8, head_dim: 64}",
+     r"model\.layers\[1\]\.state_bytes: state_bytes must be a size from 1 B .*not 0"),
+    ("{layers: [{type: full}, {type: mamba, state_bytes: 1MiB}], kv_heads: 8, head_dim: 64}",
+     r"model: custom has 1 Mamba layer\(s\): their state needs a hybrid allocator .*which "
+     r"kvfrag does not have yet"),
+    ("jamba-1.5-mini", r"model: jamba-1\.5-mini has 28 Mamba layer\(s\): .*hybrid allocator"),
+])
+def test_bad_layered_models_are_one_line_exit_2_nothing_written(capsys, tmp_path, model,
+                                                                 expected):
+    import re
+
+    out = tmp_path / "out"
+    code, err = _run(capsys, write(tmp_path, GOOD), [f"model={model}"], out)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("kvfrag: error: --set 'model="), lines[0]
+    assert re.search(expected, lines[0]), lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (b'{"num_hidden_layers": 4,', r"config\.json: not JSON \(line 1, column 25: Expecting"),
+    (b"", r"config\.json: not JSON \(line 1, column 1"),
+    (b'{"num_hidden_layers": NaN}', r"config\.json: not JSON \(NaN is not a JSON number\)"),
+    (b"\xff\xfe", r"config\.json: not UTF-8 text"),
+    (b"[1, 2]", r"config\.json: a config\.json is a JSON object of fields .*not a list"),
+    (b'{"model_type": "llama"}', r"config\.json: num_hidden_layers: missing"),
+    (b'{"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 64, '
+     b'"layer_types": ["full_attention"]}',
+     r"config\.json: layer_types: names 1 layers but num_hidden_layers is 2"),
+    (b'{"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 64, '
+     b'"layer_types": ["full_attention", "cross_attention"]}',
+     r"config\.json: layer_types\[1\]: unknown layer type 'cross_attention'"),
+    (b'{"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 64, '
+     b'"sliding_window": 0}', r"config\.json: sliding_window: must be a whole number from 1"),
+    (b'{"num_hidden_layers": 2, "kv_lora_rank": 512, "qk_rope_head_dim": -1}',
+     r"config\.json: qk_rope_head_dim: must be a whole number from 0"),
+])
+def test_a_bad_config_json_is_one_line_naming_file_and_field(capsys, tmp_path, content,
+                                                             expected):
+    import re
+
+    (tmp_path / "config.json").write_bytes(content)
+    text = GOOD.replace("model: opt-13b", "model: {hf_config: config.json}")
+    out = tmp_path / "out"
+    code, err = _run(capsys, write(tmp_path, text), [], out)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("kvfrag: error: "), lines[0]
+    assert "s.yaml:2: model.hf_config: " in lines[0], lines[0]
+    assert re.search(expected, lines[0]), lines[0]
+    assert not out.exists()
+
+
+def test_a_config_json_that_is_missing_huge_or_not_a_file(tmp_path):
+    text = GOOD.replace("model: opt-13b", "model: {hf_config: nope/config.json}")
+    with pytest.raises(ScenarioError, match=r"s\.yaml:2: model\.hf_config: .*nope/config\.json: "
+                       r"no such file"):
+        load_scenario(write(tmp_path, text))
+    (tmp_path / "big.json").write_bytes(b" " * 4_000_001)
+    with pytest.raises(ScenarioError, match=r"big\.json: 4\.0 MB; a config\.json is at most 4 MB"):
+        load_scenario(write(tmp_path, GOOD), [f"model={{hf_config: {tmp_path}/big.json}}"])
+    with pytest.raises(ScenarioError, match=r"model\.hf_config: .*: not a regular file"):
+        load_scenario(write(tmp_path, GOOD), [f"model={{hf_config: {tmp_path}}}"])
+
+
+def test_vattention_is_refused_for_layers_that_are_not_alike(tmp_path):
+    text = GOOD.replace("kind: buddy, reserve: max_model_len}", "kind: vattention}")
+    with pytest.raises(ScenarioError, match=r"allocators\[0\]: allocator 'orca-max': vattention "
+                       r"lays out one K and one V buffer per layer.*deepseek-v3"):
+        load_scenario(write(tmp_path, text), ["model=deepseek-v3"])
+    assert load_scenario(write(tmp_path, text), ["model=gemma-3-27b"])  # alike: exact
+
+
+def test_moe_and_sliding_presets_have_no_timing_on_hardware(tmp_path):
+    text = GOOD.replace("kv_budget: 12GiB\n", "hardware: h100-80gb\n")
+    with pytest.raises(ScenarioError, match=r"model: timing on `hardware` and a derived "
+                       r"kv_budget need the model's hidden"):
+        load_scenario(write(tmp_path, text), ["model=gpt-oss-20b"])
+    assert load_scenario(write(tmp_path, text), ["model=mistral-small-3"]).scenario.architecture

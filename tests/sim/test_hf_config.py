@@ -1,0 +1,106 @@
+"""Reading a Hugging Face config.json as typed layers (`sim.hf_config`): each model family's
+way of saying which layers are which, and one plain message for what cannot be read."""
+
+from __future__ import annotations
+
+import pytest
+from kvfrag.sim import hf_config
+from kvfrag.sim.hf_config import HfConfigError, parse
+from kvfrag.sim.layers import MLA, FullAttention, SlidingWindow
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "hidden_size": 4096, "intermediate_size": 14336,
+         "vocab_size": 128256, "torch_dtype": "bfloat16"}
+
+
+def test_a_dense_model_is_full_attention_with_its_matrices():
+    s = parse(LLAMA, "l")
+    assert s.layers == (FullAttention(8, 128),) * 4 and not s.hybrid
+    arch = hf_config.architecture(LLAMA, "l")
+    assert arch is not None and (arch.hidden, arch.heads, arch.head_dim) == (4096, 32, 128)
+    assert hf_config.architecture(LLAMA | {"num_local_experts": 8}, "l") is None
+    assert hf_config.architecture(LLAMA | {"sliding_window": 16}, "l") is None
+
+
+@pytest.mark.parametrize(("extra", "kinds"), [
+    ({"sliding_window": 64}, ["sliding_window"] * 4),  # Mistral 7B v0.1: every layer
+    ({"sliding_window": 64, "use_sliding_window": False}, ["full"] * 4),  # Qwen 2
+    ({"sliding_window": 64, "sliding_window_pattern": 2}, ["sliding_window", "full"] * 2),
+    ({"sliding_window": 64, "model_type": "gemma2"}, ["sliding_window", "full"] * 2),
+    ({"attention_chunk_size": 32}, ["chunked_local"] * 3 + ["full"]),  # Llama 4 default
+    ({"attention_chunk_size": 32, "no_rope_layers": [1, 0, 1, 0]},
+     ["chunked_local", "full"] * 2),
+    ({"no_rope_layers": [1, 0, 1, 0]}, ["full"] * 4),  # no chunk size: nothing chunked
+    ({"layer_types": ["full_attention", "sliding_attention", "chunked_attention",
+                      "full_attention"], "sliding_window": 8, "attention_chunk_size": 16},
+     ["full", "sliding_window", "chunked_local", "full"]),
+])
+def test_which_layers_are_which(extra, kinds):
+    assert [a.kind for a in parse(LLAMA | extra).layers] == kinds
+
+
+def test_mla_text_config_dtype_and_head_dim():
+    ds = parse({"num_hidden_layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                "dtype": "float32"})
+    assert ds.layers == (MLA(512, 64, 4),) * 3
+    nested = {"torch_dtype": "float16", "text_config": {
+        "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}}
+    assert parse(nested, "n").layers == (FullAttention(4, 64, 2),) * 2
+    assert parse(LLAMA | {"torch_dtype": None}).layers[0].dtype_bytes == 2
+
+
+def test_gated_delta_net_and_mamba_layers():
+    qwen = {"num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+            "mamba_ssm_dtype": "float32"}
+    s = parse(qwen)
+    assert [a.kind for a in s.layers] == ["mamba", "full"] * 2
+    assert s.state_bytes_per_request == 2 * (2 * 3 * 8192 + 4 * 32 * 128 * 128)
+    jamba = {"model_type": "jamba", "num_hidden_layers": 8, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "hidden_size": 4096}
+    assert [a.kind for a in parse(jamba).layers].index("full") == 4
+
+
+@pytest.mark.parametrize(("config", "field", "problem"), [
+    ([1, 2], "", "a config.json is a JSON object"),
+    ({"model_type": "llama"}, "num_hidden_layers", "missing"),
+    (LLAMA | {"num_hidden_layers": 0}, "num_hidden_layers", "from 1 to 1,024, not 0"),
+    (LLAMA | {"num_hidden_layers": True}, "num_hidden_layers", "not the boolean true"),
+    (LLAMA | {"num_hidden_layers": 1e30}, "num_hidden_layers", "from 1 to 1,024"),
+    (LLAMA | {"layer_types": ["full_attention"] * 3}, "layer_types",
+     "names 3 layers but num_hidden_layers is 4"),
+    (LLAMA | {"layer_types": ["full_attention"] * 3 + ["mystery"]}, "layer_types[3]",
+     "unknown layer type 'mystery'"),
+    (LLAMA | {"layer_types": "full"}, "layer_types", "must be a list"),
+    (LLAMA | {"sliding_window": 0}, "sliding_window", "from 1 to"),
+    (LLAMA | {"sliding_window": -5, "sliding_window_pattern": 2}, "sliding_window", "not -5"),
+    (LLAMA | {"attention_chunk_size": 0}, "attention_chunk_size", "from 1 to"),
+    (LLAMA | {"no_rope_layers": [1, 1]}, "no_rope_layers", "one 0 or 1 per layer (4)"),
+    (LLAMA | {"torch_dtype": "int3"}, "torch_dtype", "unknown dtype 'int3'"),
+    (LLAMA | {"num_attention_heads": 30}, "head_dim", "not a multiple"),
+    (LLAMA | {"text_config": 5}, "text_config", "must be an object"),
+    ({"text_config": {"num_hidden_layers": 2}}, "text_config.num_attention_heads", "missing"),
+    (LLAMA | {"attn_layer_period": 4, "attn_layer_offset": 4}, "attn_layer_offset",
+     "must be below attn_layer_period (4)"),
+    (LLAMA | {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 0},
+     "mamba_d_state", "from 1 to"),
+    (LLAMA | {"full_attention_interval": 2}, "linear_num_key_heads", "missing"),
+])
+def test_what_cannot_be_read_is_one_line_naming_the_field(config, field, problem):
+    with pytest.raises(HfConfigError) as info:
+        parse(config)
+    assert info.value.field == field
+    assert problem in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_relevant_keeps_only_what_is_read():
+    config = LLAMA | {"rope_scaling": {"factor": 8.0}, "id2label": {"0": "a"},
+                      "text_config": {"num_hidden_layers": 2, "vision": 1}}
+    kept = hf_config.relevant(config)
+    assert "rope_scaling" not in kept and "id2label" not in kept
+    assert kept["text_config"] == {"num_hidden_layers": 2}
+    assert hf_config.relevant([1]) == [1]
+    assert parse(LLAMA | {"sliding_window": 16}).layers[0] == SlidingWindow(8, 128, window=16)
