@@ -264,8 +264,11 @@ def _run(
 
         def plot(folder: Path) -> None:  # (the tables are written by now)
             step.start(f"drawing the figures in {out}/plots/")
-            paths = draw(folder, meta)
+            left_out: list[str] = []  # (said after the step's line ends, not on it)
+            paths = draw(folder, meta, say=left_out.append)
             step.end(f"{len({p.with_suffix('') for p in paths})} figure(s)")
+            for line in left_out:
+                print(f"kvfrag: note: {line}", file=sys.stderr)
             if not args.no_report:
                 from kvfrag.report import REPORT, write_report
 

@@ -286,25 +286,26 @@ def test_stale_temporaries_of_a_killed_run_are_removed(tmp_path):
 def test_sigterm_while_writing_leaves_no_temporary(tmp_path, monkeypatch, capsys):
     out = tmp_path / "r"
 
-    def terminated(folder, meta):
+    def terminated(folder, meta, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises before this ends
 
     monkeypatch.setattr("kvfrag.plots.plot_results", terminated)
     args = ["run", str(QUICK), "-o", str(out), "-q", "-j", "1",
             "--set", "workload.transforms.first_n=30"]
+    handler = signal.getsignal(signal.SIGTERM)  # (SIG_DFL, or a library's, e.g. Ray's)
     assert main(args) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "--resume" in err and "Traceback" not in err
     assert _siblings(out) == [".r.points"]  # the staged points only: no temporary, no lock
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    assert signal.getsignal(signal.SIGTERM) == handler  # handler restored
     assert main([*args, "--resume", "--no-plots"]) == 0
 
 
 def test_ctrl_c_while_plots_are_drawn(tmp_path, monkeypatch, capsys):
     out = tmp_path / "r"
 
-    def interrupted(folder, meta):
+    def interrupted(folder, meta, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("kvfrag.plots.plot_results", interrupted)

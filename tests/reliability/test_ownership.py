@@ -339,7 +339,10 @@ def test_a_signal_stops_the_other_writers_and_frees_their_folders(
     out = _results(tmp_path)
     sig = {"report": signal.SIGTERM, "compare": signal.SIGHUP, "validate": signal.SIGTERM}[command]
 
+    sent: list[float] = []
+
     def signalled(*args, **kwargs):
+        sent.append(time.monotonic())
         os.kill(os.getpid(), sig)
         time.sleep(5)  # the handler raises before this ends
 
@@ -352,10 +355,10 @@ def test_a_signal_stops_the_other_writers_and_frees_their_folders(
         "validate": ["validate", str(TINY), "-o", str(out / "validate"), *VALIDATE],
     }[command]
     before = _tree(out)
-    started = time.monotonic()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     assert main(args) == 128 + sig
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - sent[0] < 4  # (clean-up included; the sleep alone is 5 s)
     assert _leftovers(tmp_path) == []
     assert _tree(out) == before and not (tmp_path / "cmp").exists()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    # the handlers restored (not SIG_DFL: a library loaded earlier, Ray, may have set its own)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == handlers
