@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from kvfrag.sim import model_forms
 from kvfrag.sim import scenario as sc
 from kvfrag.sim.units import parse_size
 from kvfrag.workloads import spec, synthetic, transforms
@@ -141,7 +142,38 @@ CASES: list[tuple[str, list[str], type[BaseModel] | str, str]] = [
      "allocator option", "roundup_power2_divisions"),
 ]
 #: Numeric fields reached another way (a profile step time needs a profile file).
-ELSEWHERE = {(sc.ProfileSpec, "overhead_s")}
+#: A layered model's fields (list elements without labels: `--set model=...` whole, below).
+LAYERED = {
+    "sliding": "{name: m, layers: [{type: sliding_window, count: 5, window: 1024, kv_heads: 8, "
+               "head_dim: 128}, {type: full, count: 1, kv_heads: 8, head_dim: 128}], repeat: 2}",
+    "chunked": "{name: m, kv_heads: 8, head_dim: 128, layers: [{type: chunked_local, count: 3, "
+               "chunk: 8192}, {type: full}], num_layers: 8}",
+    "mla": "{name: m, layers: [{type: mla, latent: 512, rope: 64}], repeat: 4}",
+    "mamba": "{name: m, kv_heads: 8, head_dim: 128, layers: [{type: mamba, count: 3, "
+             "state_bytes: 1MiB}, {type: full}]}",
+}
+#: (form, a piece of it, that piece with the hostile value {v} in, the model and field reached).
+LAYERED_CASES: list[tuple[str, str, str, type[BaseModel], str]] = [
+    ("sliding", "count: 5", "count: {v}", model_forms.LayerGroup, "count"),
+    ("sliding", "window: 1024, kv_heads: 8", "window: 1024, kv_heads: {v}",
+     model_forms.LayerGroup, "kv_heads"),
+    ("sliding", "kv_heads: 8, head_dim: 128}], repeat", "kv_heads: 8, head_dim: {v}}], repeat",
+     model_forms.LayerGroup, "head_dim"),
+    ("sliding", "window: 1024", "window: {v}", model_forms.LayerGroup, "window"),
+    ("chunked", "chunk: 8192", "chunk: {v}", model_forms.LayerGroup, "chunk"),
+    ("mla", "latent: 512", "latent: {v}", model_forms.LayerGroup, "latent"),
+    ("mla", "rope: 64", "rope: {v}", model_forms.LayerGroup, "rope"),
+    ("mamba", "state_bytes: 1MiB", "state_bytes: {v}", model_forms.LayerGroup, "state_bytes"),
+    ("sliding", "repeat: 2", "repeat: {v}", model_forms.LayeredModelSpec, "repeat"),
+    ("chunked", "num_layers: 8", "num_layers: {v}", model_forms.LayeredModelSpec, "num_layers"),
+    ("chunked", "{name: m, kv_heads: 8", "{name: m, kv_heads: {v}",
+     model_forms.LayeredModelSpec, "kv_heads"),
+    ("chunked", "head_dim: 128, layers", "head_dim: {v}, layers",
+     model_forms.LayeredModelSpec, "head_dim"),
+    ("mla", "name: m,", "name: m, dtype_bytes: {v},", model_forms.LayeredModelSpec,
+     "dtype_bytes"),
+]
+ELSEWHERE = {(sc.ProfileSpec, "overhead_s")} | {(w, f) for *_, w, f in LAYERED_CASES}
 #: What every numeric field refuses: 1e30 (YAML reads it as a string), 2**63, -1 (correlation:
 #: -1.5, as -1 is in its range) and a boolean.
 HOSTILE = ["1e30", str(2**63), "-1", "true"]
@@ -192,6 +224,29 @@ def test_every_numeric_field_refuses_absurd_values_in_one_line(
         assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("form", "piece", "hostile", "where", "field"), LAYERED_CASES,
+    ids=[f"{w.__name__}.{f}" for *_, w, f in LAYERED_CASES],
+)
+def test_a_layered_models_numbers_are_bounded_too(capsys, tmp_path, base, form, piece, hostile,
+                                                   where, field):
+    out = tmp_path / "out"
+    assert LAYERED[form].count(piece) == 1
+    given = ["hardware=null", *LINEAR]  # (timing from hardware needs a model's matrices)
+    if form != "mamba":  # (Mamba layers need the hybrid allocator: refused as they are)
+        load_scenario(base, [*given, f"model={LAYERED[form]}"])
+    for value in HOSTILE:
+        model = LAYERED[form].replace(piece, hostile.replace("{v}", value))
+        code, err, took = _run(capsys, base, out, [*given, f"model={model}"])
+        lines = err.splitlines()
+        assert code == 2 and len(lines) == 1, (value, err)
+        assert field in lines[0] and "model" in lines[0], lines[0]
+        assert any(word in lines[0] for word in ("must be", "at most", "a size")), lines[0]
+        for leak in ("Error", "Traceback", "np.", "int64", "C long", "object expected"):
+            assert leak not in lines[0], lines[0]
+        assert took < 5 and not out.exists()
+
+
 @pytest.mark.parametrize(("key", "expected"), [
     ("model.kv_heads", "from 1 to 1,024, not 1e+30"),
     ("engine.max_time_s", "at most 1,000,000,000 (seconds), not 1e+30"),
@@ -215,9 +270,10 @@ def _numeric(annotation: typing.Any) -> bool:
 
 
 def _models() -> list[type[BaseModel]]:
-    found = [m for module in (sc, spec) for m in vars(module).values()
-             if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ in (
-                 sc.__name__, spec.__name__)]
+    modules = (sc, spec, model_forms)
+    found = [m for module in modules for m in vars(module).values()
+             if isinstance(m, type) and issubclass(m, BaseModel)
+             and m.__module__ in {module.__name__ for module in modules}]
     assert len(found) > 20
     return found
 
