@@ -18,6 +18,7 @@ from kvfrag.sim.allocators.base import (
 )
 from kvfrag.sim.allocators.buddy import BuddyAllocator
 from kvfrag.sim.allocators.contiguous import ContiguousAllocator, Placement
+from kvfrag.sim.allocators.hybrid import HybridAllocator
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.allocators.prefix_caching import PrefixCachingAllocator
 from kvfrag.sim.allocators.slab import Reserve
@@ -34,6 +35,7 @@ REGISTRY: dict[str, type[Allocator]] = {
         PrefixCachingAllocator,
         TorchCachingAllocator,
         VAttentionAllocator,
+        HybridAllocator,
     )
 }
 
@@ -50,9 +52,13 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "reserve", "expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
     ),
     "vattention": ("page_size",),
+    "hybrid": (
+        "block_size", "hybrid_kv_cache_manager", "stack", "max_num_batched_tokens",
+        "concurrent_batches", "prefix_caching",
+    ),
 }
 #: Kinds whose constructor also takes the model's KV shape (`geometry=`).
-TAKES_GEOMETRY = frozenset({"vattention"})
+TAKES_GEOMETRY = frozenset({"vattention", "hybrid"})
 
 
 def options_of(kind: str) -> list[str]:
@@ -110,6 +116,7 @@ __all__ = [
     "BuddyAllocator",
     "ContiguousAllocator",
     "Grant",
+    "HybridAllocator",
     "PagedAllocator",
     "Placement",
     "PrefixCachingAllocator",

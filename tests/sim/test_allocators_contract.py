@@ -598,3 +598,47 @@ def test_a_request_freed_and_admitted_again_is_the_new_one(kind, opts):
     a.admit(Request(4, 20, 5), tokens=12, decoding=False)
     assert (a.tokens(4), a.final_tokens(4), a.is_decoding(4)) == (12, 25, False)
     assert a.tokens(6) == 8 and a.tokens(4) == 12
+
+
+# ------------------------------------------------ the hybrid allocator on hybrid stacks
+def _hybrid_stacks():
+    from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+
+    sw, full = SlidingWindow(1, 4, 2, window=32), FullAttention(1, 4, 2)
+    return {
+        "gemma-like": LayerStack("gemma-like", (sw,) * 5 + (full,) + (sw,) * 5 + (full,)),
+        "gpt-oss-like": LayerStack("gpt-oss-like", (SlidingWindow(1, 4, 2, window=8), full) * 3),
+        "llama4-like": LayerStack("llama4-like", ((ChunkedLocal(1, 4, 2, chunk=24),) * 3
+                                                  + (full,)) * 2),
+        "mla": LayerStack("mla", (MLA(6, 2, 2),) * 4),
+    }
+
+
+HYBRID_STACKS = _hybrid_stacks()
+
+
+@pytest.mark.parametrize("name", list(HYBRID_STACKS))
+def test_hybrid_lifecycle_identity_refusals_and_no_leak(name):
+    stack = HYBRID_STACKS[name]
+    b, mml = stack.full_bytes_per_token, 64
+    a = make_allocator("hybrid", capacity=40_000, bytes_per_token=b, max_model_len=mml,
+                       stack=stack)
+    checked(a)
+    fresh = copy.deepcopy(a)
+    rids, refusal = fill(a, lambda rid: Request(rid, 20 + rid % 7, 30), Request(99, 5, 5))
+    assert rids and refusal.reason is Reason.OUT_OF_MEMORY
+    before = snapshot(a)
+    assert not a.admit(Request(len(rids), 20, 30)) and snapshot(a) == before
+    while (full := a.steps_until_full()) is not None and a.steps_until_done():
+        assert a.step(min(full, a.steps_until_done()))
+        checked(a, Request(99, 5, 5))
+        if full < a.steps_until_done():
+            before = snapshot(a)
+            assert not a.step(full + 1) and snapshot(a) == before
+            a.free(a.rids()[0])
+        while a.steps_until_done() == 0:
+            a.free(a.first_done())
+    for rid in a.rids():
+        a.free(rid)
+        checked(a)
+    assert a.account() == fresh.account()

@@ -633,3 +633,61 @@ def test_integrate_zero_steps_is_zero():
     assert a.integrate(0, None, 3.0, 1.0) == dict.fromkeys((*PARTS, "saved"), 0)
     five = a.integrate(5, None, 1.0, 0.0)
     assert math.isclose(sum(five[part] for part in PARTS), 5 * 1000)
+
+
+# ------------------------------------------------ the hybrid allocator on hybrid stacks
+def _hybrid_stack(pattern: str):
+    from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+
+    kinds = {"s": SlidingWindow(1, 4, 2, window=20), "f": FullAttention(1, 4, 2),
+             "c": ChunkedLocal(1, 4, 2, chunk=24), "m": MLA(6, 2, 2)}
+    return LayerStack(pattern, tuple(kinds[ch] for ch in pattern))
+
+
+HYBRID = ["sssssfsssssf", "sfsfsf", "cccfcccf", "mmmm"]
+
+
+@pytest.mark.parametrize("pattern", HYBRID)
+@settings(max_examples=60, deadline=None)
+@given(
+    phases=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 80), st.booleans()), min_size=1, max_size=6
+    ),
+    clock=st.integers(0, 40),
+    extra_blocks=st.integers(0, 200),
+    w0=st.floats(0, 5),
+    w1=st.floats(-2, 2),
+    data=st.data(),
+)
+def test_hybrid_integrate_and_full(pattern, phases, clock, extra_blocks, w0, w1, data):
+    """Hybrid pools with decoders at mixed phases: integrate is the brute-force sum, and
+    steps_until_full the last step before a refusal."""
+    stack = _hybrid_stack(pattern)
+    b, mml = stack.full_bytes_per_token, 200
+    probe_alloc = make_allocator("hybrid", capacity=10**9, bytes_per_token=b, max_model_len=mml,
+                                 stack=stack)
+    page = probe_alloc.page
+    need = sum(probe_alloc.bytes_for(Request(0, p, 1), p) for p, _, _ in phases) // page
+    blocks = max(need, probe_alloc.plan.max_request_blocks) + extra_blocks + 1
+    a = make_allocator("hybrid", capacity=blocks * page + 7, bytes_per_token=b,
+                       max_model_len=mml, stack=stack)
+    if clock:
+        assert a.admit(Request(-5, 1, clock + 1))
+        assert a.step(clock)
+        a.free(-5)
+    for rid, (prompt, output, decoding) in enumerate(phases):
+        assert a.admit(Request(rid, prompt, output), decoding=decoding)
+    a.account().check()
+    full, done = a.steps_until_full(), a.steps_until_done()
+    if done is not None:
+        c = copy.deepcopy(a)
+        assert c.step(min(full, done))
+        if full < done:
+            assert not c.step(1)
+    limits = [x for x in (done, full) if x is not None]
+    n = data.draw(st.integers(0, min([60, *limits])))
+    got = a.integrate(n, None, w0, w1)
+    want = brute_integrate(a, n, None, w0, w1)
+    scale = a.capacity * n * (w0 + abs(w1) * n + 1)
+    for part in PARTS:
+        assert got[part] == pytest.approx(want[part], rel=1e-9, abs=1e-12 * scale), part

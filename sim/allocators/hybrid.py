@@ -1,0 +1,591 @@
+"""vLLM 0.33's hybrid KV-cache manager for attention layer kinds (full, MLA, sliding window,
+chunked local), without prefix caching and without Mamba.
+
+The plan (`kvfrag.sim.hybrid.planner.plan`) cuts the budget into `num_blocks` block ids of one
+page size; block 0 is the pool's null block, the other `usable_blocks` are shared by every
+KV-cache group. A block id belongs to one group of one request at a time. Per request and per
+group there is a block table, kept by one single-type manager per kind of group
+(vLLM's `single_type_kv_cache_manager.py`):
+
+- full attention and MLA: ceil(L / bs) blocks for L stored tokens;
+- sliding window W: the blocks wholly before token P - W + 1 are skipped (replaced by the null
+  block and freed), P being the tokens *processed* when the request last asked for slots
+  (`get_num_skipped_tokens` / `remove_skipped_blocks`; freeing runs inside `allocate_slots`,
+  before new blocks are counted);
+- chunked local C: every block of the chunks before floor(P / C) x C is freed.
+
+P is what vLLM's `allocate_slots` frees by: the tokens computed before this allocation. An
+admission of T tokens holds every block of them (P = 0) until the request's next allocation;
+`grow(old -> new)` frees by P = old then takes blocks up to `new`; a decode step from L to L + 1
+frees by P = L. So a decoder of L tokens holds ceil(L / bs) - floor(max(0, L - W) / bs) blocks
+per sliding group, except right after it joins the cohort, when its prefill's blocks are still
+held (vLLM frees them at the first decode step: issue #30166). No async scheduling is modelled:
+no tokens are in flight when blocks are freed.
+
+The coordinator (vLLM's `kv_cache_coordinator.py` / `kv_cache_manager.py`) sums over groups:
+an allocation is granted when the blocks it takes, less the blocks it frees first, fit in the
+free pool. A decode step of the whole cohort is checked in total (blocks freed by one decoder
+may serve another in the same step; vLLM checks one request after the other, which differs
+only at the one step where the pool runs out). The admission gate (`admission_bytes`) is
+vLLM's `scheduler_reserve_full_isl` check (on by default): the whole prompt must fit, sliding
+and chunked groups capped at their `max_admission_blocks_per_request`.
+
+Accounting (exact integers; `page` the bytes of one block id, tb the bytes per token of a
+group's real layers, bs its block size, F the request's final length):
+- token_states: per full/MLA layer every stored token, per sliding layer the last min(W, L)
+  tokens, per chunked layer the tokens of the chunk of its last token;
+- reserved: per group, the slots in held blocks the request will still write
+  (min(F, ceil(L / bs) x bs) - L tokens, x tb);
+- internal: everything else held: out-of-window tokens still in held blocks, padding (a
+  block's page less bs x tb: padding layers, pages padded to the one page size), slots past F;
+- external: the budget beyond the usable pool (the null block and the remainder of
+  budget // page), as paged.py counts its budget's tail;
+- usable_free: free block ids x page.
+`waste_breakdown()` splits internal into those three at the present instant; time averages
+of the split are not integrated (the engine integrates the five parts only).
+
+Cost: the per-request block counts are recomputed from (L, P) over the live requests, memoised
+per clock and change; `integrate` and `steps_until_full` walk each decoder's block boundaries
+in the stretch (O(decoders x stretch / block size), not O(tokens)).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from kvfrag.sim.allocators.base import (
+    Allocator,
+    Grant,
+    Live,
+    Reason,
+    Refusal,
+    Request,
+    positive_int,
+)
+from kvfrag.sim.allocators.paged import FreeIds
+from kvfrag.sim.geometry import KVGeometry
+from kvfrag.sim.hybrid.planner import Plan, plan
+from kvfrag.sim.layers import FullAttention, LayerStack
+
+FULL_KINDS = ("full", "mla")
+
+
+@dataclass(frozen=True)
+class Manager:
+    """One kind of KV-cache group (its single-type manager) and the groups of that kind that
+    behave alike: `groups` block tables per request, each of the same length."""
+
+    kind: str  # "full" (also MLA and promoted layers), "sliding_window" or "chunked_local"
+    block_size: int
+    window: int  # W or C; 0 for full
+    groups: int  # groups of this kind, block size and window
+    token_bytes: int  # sum over those groups of their real layers' bytes per token
+    cap: int | None  # max_admission_blocks_per_request (per group), None for full
+
+    def skipped_blocks(self, processed: int) -> int:
+        """Leading blocks freed once `processed` tokens are computed (per group)."""
+        if self.kind == "sliding_window":
+            return max(0, processed - self.window + 1) // self.block_size
+        if self.kind == "chunked_local":
+            return processed // self.window * self.window // self.block_size
+        return 0
+
+    def held(self, tokens: int, processed: int) -> int:
+        """Blocks one group holds for `tokens` slots after freeing by `processed`."""
+        return -(-tokens // self.block_size) - self.skipped_blocks(processed)
+
+    def needed(self, tokens: int) -> int:
+        """Tokens each layer of these groups still reads (its window of the stored ones)."""
+        if self.kind == "sliding_window":
+            return min(self.window, tokens)
+        if self.kind == "chunked_local":
+            return tokens - (tokens - 1) // self.window * self.window
+        return tokens
+
+    def starts(self, lo: int, hi: int) -> list[int]:
+        """Lengths in [lo, hi] at which these groups' counts or needed tokens may stop being
+        linear in the length: block boundaries, window edges, chunk starts."""
+        bs = self.block_size
+        progressions = [(1, bs)]
+        if self.kind == "sliding_window":
+            progressions.append((self.window % bs, bs))
+        elif self.kind == "chunked_local":
+            progressions.append((1, self.window))
+        out = []
+        for r, mod in progressions:
+            out.extend(range(lo + (r - lo) % mod, hi + 1, mod))
+        return out
+
+
+class HybridAllocator(Allocator):
+    """vLLM's hybrid KV-cache manager: one shared pool of block ids, one table per group."""
+
+    kind = "hybrid"
+
+    def __init__(
+        self,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
+        block_size: object = 16,
+        hybrid_kv_cache_manager: object = True,
+        stack: object = None,
+        max_num_batched_tokens: object = 8192,
+        concurrent_batches: object = 2,
+        prefix_caching: object = False,
+        geometry: KVGeometry | None = None,
+    ) -> None:
+        super().__init__(capacity, bytes_per_token, max_model_len)
+        if stack is None and geometry is not None and geometry.token_bytes is None:
+            # A plain full-attention model: its stack is `layers` alike layers.
+            layer = FullAttention(geometry.kv_heads, geometry.head_dim, geometry.dtype_bytes)
+            stack = LayerStack(geometry.name, (layer,) * geometry.layers)
+        if not isinstance(stack, LayerStack):
+            raise ValueError("the hybrid allocator needs the model's layers (a LayerStack)")
+        if not isinstance(hybrid_kv_cache_manager, bool):
+            raise ValueError(
+                f"hybrid_kv_cache_manager must be true or false, not {hybrid_kv_cache_manager!r}"
+            )
+        if prefix_caching is not False:
+            raise ValueError("the hybrid allocator does not model prefix caching yet")
+        if stack.mamba_layers:
+            raise ValueError(
+                f"model {stack.name!r} has {stack.mamba_layers} Mamba layer(s): the hybrid "
+                "allocator does not model Mamba state yet"
+            )
+        if self.bytes_per_token != stack.full_bytes_per_token:
+            raise ValueError(
+                f"bytes_per_token is {self.bytes_per_token}, but model {stack.name!r} keeps "
+                f"{stack.full_bytes_per_token} bytes per token with every layer full"
+            )
+        bs = positive_int("block_size", block_size)
+        in_flight = positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        in_flight *= positive_int("concurrent_batches", concurrent_batches)
+        self.stack = stack
+        self.plan: Plan = plan(
+            stack, self.capacity, bs, hybrid_kv_cache_manager, max_model_len=self.max_model_len,
+            prefix_caching=False, max_num_batched_tokens=positive_int(
+                "max_num_batched_tokens", max_num_batched_tokens),
+            concurrent_batches=positive_int("concurrent_batches", concurrent_batches),
+        )
+        self.block_size = bs
+        self.block_bytes = self.page = self.plan.page_bytes
+        self.num_blocks = self.plan.usable_blocks  # block ids requests can hold
+        self.managers = self._managers(in_flight)
+        # Group index -> (manager index, group within it), in the plan's group order.
+        self._stack_ids = FreeIds(self.plan.num_blocks)
+        self._stack_ids.pop()  # block 0: the null block
+        self._proc: dict[int, int] = {}  # rid -> tokens processed at its last allocation
+        self._joined: dict[int, int] = {}  # decoder rid -> clock when it joined the cohort
+        # rid -> per manager, per group: (skipped blocks named so far, ids of held blocks)
+        self._tables: dict[int, list[list[list[int]]]] = {}
+        self._named_start: dict[int, list[int]] = {}
+        self._deferred = False
+        self._version = 0
+        self._memo: tuple[int, int, tuple[int, ...]] | None = None
+        self._full_memo: tuple[int, int, int | None] | None = None
+
+    def _managers(self, in_flight: int) -> tuple[Manager, ...]:
+        by_key: dict[tuple[str, int, int], list[int]] = {}
+        for g in self.plan.groups:
+            kind = "full" if g.kind in FULL_KINDS else g.kind
+            window = 0 if kind == "full" else (g.window or 0)
+            tb = sum(self.stack.layers[i].bytes_per_token for i in g.layers)
+            entry = by_key.setdefault((kind, g.block_size, window), [0, 0])
+            entry[0] += 1
+            entry[1] += tb
+        out = []
+        mml = self.max_model_len
+        for (kind, bs, window), (groups, tb) in by_key.items():
+            cap = None
+            if kind == "sliding_window":
+                cap = -(-min(window - 1 + in_flight, mml) // bs) + 1
+            elif kind == "chunked_local":
+                cap = -(-min(window + in_flight, mml) // bs)
+            out.append(Manager(kind, bs, window, groups, tb, cap))
+        return tuple(out)
+
+    # ------------------------------------------------------------- per request
+    def _state(self, live: Live) -> tuple[int, int]:
+        """(tokens, processed) of a request now."""
+        rid = live.req.rid
+        tokens = self._tokens_of(live)
+        if live.decoding and self._joined[rid] != self._clock:
+            return tokens, tokens - 1
+        return tokens, self._proc[rid]
+
+    def _blocks(self, tokens: int, processed: int) -> int:
+        return sum(m.groups * m.held(tokens, processed) for m in self.managers)
+
+    def _parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, int, int, int]:
+        """(blocks, token_states, reserved, internal) of one request."""
+        blocks = token_states = reserved = 0
+        for m in self.managers:
+            bs = m.block_size
+            held = m.held(tokens, processed)
+            blocks += m.groups * held
+            token_states += m.needed(tokens) * m.token_bytes
+            end = -(-tokens // bs) * bs
+            reserved += max(0, min(final, end) - tokens) * m.token_bytes
+        internal = blocks * self.page - token_states - reserved
+        return blocks, token_states, reserved, internal
+
+    def waste_breakdown(self) -> dict[str, int]:
+        """Internal bytes now, split: padding (a block's page beyond its groups' real slots),
+        out_of_window (written tokens in held blocks that no layer reads any more), and
+        rounding (slots no token will fill). Instantaneous, not time-averaged."""
+        padding = out = 0
+        for live in self._live.values():
+            tokens, processed = self._state(live)
+            for m in self.managers:
+                held = m.held(tokens, processed)
+                padding += held * (m.groups * self.page - m.block_size * m.token_bytes)
+                written = tokens - m.skipped_blocks(processed) * m.block_size
+                out += (written - m.needed(tokens)) * m.token_bytes
+        internal = self._totals()[3]
+        return {"padding": padding, "out_of_window": out,
+                "rounding": internal - padding - out}
+
+    def _totals(self) -> tuple[int, ...]:
+        """(blocks, token_states, reserved, internal) over live requests, memoised."""
+        memo = self._memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
+        total = [0, 0, 0, 0]
+        for live in self._live.values():
+            tokens, processed = self._state(live)
+            for i, v in enumerate(self._parts_of(tokens, processed, live.final)):
+                total[i] += v
+        out = tuple(total)
+        self._memo = (self._clock, self._version, out)
+        return out
+
+    # ----------------------------------------------------------------- queries
+    def free_blocks(self) -> int:
+        return self.num_blocks - self._totals()[0]
+
+    def blocks_of(self, rid: int) -> int:
+        return self._blocks(*self._state(self._get(rid)))
+
+    def allocated_bytes(self, rid: int) -> int:
+        return self.blocks_of(rid) * self.page
+
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        return self._blocks(tokens, 0) * self.page
+
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """vLLM's full-sequence gate (`scheduler_reserve_full_isl`): every group's blocks for
+        the whole prompt, sliding and chunked groups capped at their admission cap."""
+        blocks = 0
+        for m in self.managers:
+            need = -(-tokens // m.block_size)
+            blocks += m.groups * (need if m.cap is None else min(need, m.cap))
+        return blocks * self.page
+
+    def watermark_bytes(self, fraction: float) -> int:
+        return int(fraction * self.num_blocks) * self.page
+
+    def too_large(self, req: Request) -> bool:
+        """Whether the request, decoding one token at a time to its final length, ever needs
+        more blocks than exist (its most, over the last block-size periods)."""
+        final = min(req.final, self.max_model_len)
+        lo = max(1, final - 2 * max(m.block_size for m in self.managers))
+        # Full groups only grow; sliding/chunked counts repeat with the block size, and are
+        # largest by the end unless the request ends inside its first window.
+        peak = max(self._blocks(t, t - 1) for t in range(lo, final + 1))
+        return peak > self.num_blocks
+
+    def summary_stats(self) -> dict[str, float | int]:
+        p = self.plan
+        return {
+            "hybrid_groups": len(p.groups),
+            "hybrid_padding_layers": p.padding_layers,
+            "hybrid_page_bytes": p.page_bytes,
+            "hybrid_num_blocks": p.num_blocks,
+            "hybrid_scheduler_block_size": p.scheduler_block_size,
+        }
+
+    def defer_block_ids(self) -> None:
+        self._deferred = True
+
+    # ------------------------------------------------------------------ block ids
+    def group_tables(self, rid: int) -> list[tuple[int, ...]]:
+        """vLLM's `req_to_blocks` per group, in the plan's group order: 0 (the null block) for
+        each skipped block, then the held ids."""
+        live = self._get(rid)
+        self._name(live)
+        tables = self._tables[rid]
+        starts = self._named_start[rid]
+        out: list[tuple[int, ...]] = []
+        for mi in range(len(self.managers)):
+            for ids in tables[mi]:
+                out.append((0,) * starts[mi] + tuple(ids))
+        return out
+
+    def block_table(self, rid: int) -> tuple[int, ...]:
+        """Every block id the request holds, group after group (nulls left out)."""
+        live = self._get(rid)
+        self._name(live)
+        return tuple(b for groups in self._tables[rid] for ids in groups for b in ids)
+
+    def block_tables(self, rid: int) -> list[tuple[int, ...]]:
+        return [self.block_table(rid)]
+
+    def _name(self, live: Live, state: tuple[int, int] | None = None) -> tuple[int, ...]:
+        """Bring the request's named ids to its counts (`state`: its (tokens, processed),
+        default now): skipped ones given back, new ones taken."""
+        rid = live.req.rid
+        tokens, processed = self._state(live) if state is None else state
+        tables = self._tables.setdefault(rid, [[[] for _ in range(m.groups)]
+                                              for m in self.managers])
+        self._named_start.setdefault(rid, [0] * len(self.managers))
+        self._trim(rid, tokens, processed)
+        need = 0
+        for mi, m in enumerate(self.managers):
+            need += m.groups * (m.held(tokens, processed) - len(tables[mi][0]))
+        if need > len(self._stack_ids):
+            for other in list(self._tables):
+                if other != rid:
+                    self._trim(other, *self._state(self._live[other]))
+        new: list[int] = []
+        for mi, m in enumerate(self.managers):
+            for ids in tables[mi]:
+                take = m.held(tokens, processed) - len(ids)
+                if take > 0:
+                    got = self._stack_ids.take(take)
+                    ids.extend(got)
+                    new.extend(got)
+        return tuple(new)
+
+    def _trim(self, rid: int, tokens: int, processed: int) -> None:
+        tables, starts = self._tables[rid], self._named_start[rid]
+        for mi, m in enumerate(self.managers):
+            skip = m.skipped_blocks(processed)
+            drop = skip - starts[mi]
+            if drop > 0:
+                for ids in tables[mi]:
+                    gone = ids[:drop]
+                    del ids[:drop]
+                    self._stack_ids.give(gone)
+                starts[mi] = skip
+
+    def _name_new(self, live: Live, tokens: int, processed: int) -> tuple[int, ...]:
+        if self._deferred:
+            return ()
+        return self._name(live, (tokens, processed))
+
+    # -------------------------------------------------------------------- hooks
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
+        rid = live.req.rid
+        if live.req.n > 1:
+            raise ValueError(
+                f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
+            )
+        need = self._blocks(tokens, 0)
+        if need > self.num_blocks:
+            return Refusal(rid, Reason.TOO_LARGE, need * self.page, self.free_bytes(),
+                           "needs more blocks than exist")
+        if need > self.free_blocks():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
+        self._proc[rid] = 0
+        ids = self._name_new(live, tokens, 0)
+        self._changed()
+        return Grant(rid, need * self.page, live.cap, blocks=ids)
+
+    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
+        rid = live.req.rid
+        have = self._blocks(old, self._proc[rid])
+        want = self._blocks(new, old)
+        if want - have > self.free_blocks():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, (want - have) * self.page,
+                           self.free_bytes())
+        taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
+                    for m in self.managers)
+        ids = self._name_new(live, new, old)
+        self._proc[rid] = old
+        self._changed()
+        return Grant(rid, taken * self.page, live.cap, blocks=ids)
+
+    def _release(self, live: Live) -> None:
+        rid = live.req.rid
+        for groups in self._tables.pop(rid, []):
+            for ids in groups:
+                self._stack_ids.give(ids)
+        self._named_start.pop(rid, None)
+        self._proc.pop(rid, None)
+        self._joined.pop(rid, None)
+        self._changed()
+
+    def _cohort_changed(self, live: Live, decoding: bool) -> None:
+        rid = live.req.rid
+        if decoding:
+            self._joined[rid] = self._clock
+        else:
+            joined = self._joined.pop(rid)
+            if joined != self._clock:  # stepped since joining: processed all but the last
+                self._proc[rid] = live.base - 1
+        self._changed()
+
+    def _changed(self) -> None:
+        self._version += 1
+
+    def _allocated_total(self) -> int:
+        return self._totals()[0] * self.page
+
+    def _internal_total(self) -> int:
+        return self._totals()[3]
+
+    def _usable_free(self, probe: Request | None) -> int:
+        return self.free_blocks() * self.page
+
+    def _largest_hole(self) -> int:
+        return self._usable_free(None)
+
+    def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
+        blocks, token_states, reserved, internal = self._totals()
+        usable = (self.num_blocks - blocks) * self.page
+        return (token_states, reserved, internal,
+                self.capacity - self.num_blocks * self.page, usable)
+
+    # ------------------------------------------------------------ the cohort
+    def _decoders(self) -> list[tuple[Live, int, int]]:
+        """(live, tokens now, processed now) of each decoder."""
+        out = []
+        for rid in self._joined:
+            live = self._live[rid]
+            out.append((live, *self._state(live)))
+        return out
+
+    def _starts(self, lo: int, hi: int) -> list[int]:
+        points = {lo}
+        for m in self.managers:
+            points.update(m.starts(lo, hi))
+        return sorted(p for p in points if lo <= p <= hi)
+
+    def steps_until_full(self) -> int | None:
+        memo = self._full_memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
+        result = self._steps_until_full()
+        self._full_memo = (self._clock, self._version, result)
+        return result
+
+    def _steps_until_full(self) -> int | None:
+        done = self.steps_until_done()
+        if done is None:
+            return None
+        decoders = self._decoders()
+        total = self._totals()[0]
+        # A bound first: the most each decoder could hold by its end.
+        bound = total
+        for _, tokens, processed in decoders:
+            end = tokens + done
+            most = 0
+            for m in self.managers:
+                blocks = -(-end // m.block_size)
+                if m.kind == "sliding_window":
+                    blocks = min(blocks, (m.window + 2 * m.block_size - 2) // m.block_size)
+                elif m.kind == "chunked_local":
+                    blocks = min(blocks, m.window // m.block_size + 2)
+                most += m.groups * blocks
+            bound += max(0, most - self._blocks(tokens, processed))
+        if bound <= self.num_blocks:
+            return done
+        # Walk the block boundaries in step order: held counts change only there.
+        heap: list[tuple[int, int]] = []
+        held = []
+        for i, (_, tokens, processed) in enumerate(decoders):
+            held.append(self._blocks(tokens, processed))
+            heap.append((1, i))
+        heapq.heapify(heap)
+        points = {i: self._starts(tokens + 1, tokens + done) for i, (_, tokens, _) in
+                  enumerate(decoders)}
+        cursor = dict.fromkeys(points, 0)
+        while heap:
+            t = heap[0][0]
+            if t > done:
+                break
+            while heap and heap[0][0] == t:
+                _, i = heapq.heappop(heap)
+                tokens = decoders[i][1] + t
+                now = self._blocks(tokens, tokens - 1)
+                total += now - held[i]
+                held[i] = now
+                cursor[i] += 1
+                pts = points[i]
+                if cursor[i] < len(pts):
+                    heapq.heappush(heap, (pts[cursor[i]] - decoders[i][1], i))
+            if total > self.num_blocks:
+                return t - 1
+        return done
+
+    def steps_until_shrink(self) -> int | None:
+        """Steps until a decode step frees a block of a sliding or chunked group: a decoder's
+        first step after joining (its prefill's out-of-window blocks), or a window crossing a
+        block boundary."""
+        windowed = [m for m in self.managers if m.kind != "full"]
+        if not windowed:
+            return None
+        best: int | None = None
+        for live, tokens, processed in self._decoders():
+            if tokens >= live.final:
+                continue
+            if any(m.skipped_blocks(tokens) > m.skipped_blocks(processed) for m in windowed):
+                return 1
+            for m in windowed:
+                t = self._next_free(m, tokens, live.final)
+                if t is not None and (best is None or t < best):
+                    best = t
+        return best
+
+    @staticmethod
+    def _next_free(m: Manager, tokens: int, final: int) -> int | None:
+        """Steps from `tokens` (processed: tokens - 1) until a step frees a block of `m`: the
+        step to length L frees by L - 1 processed tokens."""
+        bs, base = m.block_size, m.skipped_blocks(tokens - 1)
+        if m.kind == "sliding_window":
+            # skipped(L - 1) = (L - W) // bs for L >= W: up by one at L = W + k bs, k >= 1
+            length = max(m.window + bs, tokens + 1 + (m.window - tokens - 1) % bs)
+            return length - tokens if length <= final else None
+        c = m.window
+        length = tokens + 1 + (1 - tokens - 1) % c  # the next chunk start: L - 1 = k C
+        while length <= final:
+            if m.skipped_blocks(length - 1) > base:
+                return length - tokens
+            length += c
+        return None
+
+    def integrals(
+        self, n: int, probe: Request | None, w0: float, w1: float
+    ) -> tuple[float, float, float, float, float, float]:
+        weight = n * w0 + w1 * n * (n - 1) / 2
+        blocks, token_states, reserved, internal = self._totals()
+        sums = [0.0, 0.0, 0.0, 0.0]
+        fixed = [blocks, token_states, reserved, internal]
+        for live, tokens, processed in self._decoders():
+            now = self._parts_of(tokens, processed, live.final)
+            for k in range(4):
+                fixed[k] -= now[k]
+            if n == 0:
+                continue
+            starts = self._starts(tokens + 1, tokens + n)
+            for si, a in enumerate(starts):
+                b = starts[si + 1] - 1 if si + 1 < len(starts) else tokens + n
+                fa = self._parts_of(a, a - 1, live.final)
+                m_count = b - a + 1
+                slope = ([y - x for x, y in zip(fa, self._parts_of(a + 1, a, live.final),
+                                                 strict=True)]
+                         if m_count > 1 else [0, 0, 0, 0])
+                alpha = w0 + w1 * (a - tokens - 1)
+                s1 = m_count * (m_count - 1) / 2
+                s2 = (m_count - 1) * m_count * (2 * m_count - 1) / 6
+                for k in range(4):
+                    sums[k] += (alpha * fa[k] * m_count + (alpha * slope[k] + w1 * fa[k]) * s1
+                                + w1 * slope[k] * s2)
+        for k in range(4):
+            sums[k] += fixed[k] * weight
+        allocated = sums[0] * self.page
+        external = (self.capacity - self.num_blocks * self.page) * weight
+        usable = self.num_blocks * self.page * weight - allocated
+        return (sums[1], sums[2], sums[3], external, usable, 0.0)
