@@ -441,6 +441,7 @@ def replace_dir(new: Path, target: Path) -> None:
     `target` is checked again first: files may have appeared in it since the run began. An
     empty `target` is replaced by the rename itself, which fails if anything appeared since.
     """
+    check_interrupted()  # (results of a command the user stopped are not put in place)
     check_target(target)
     target = Path(target)
     name = real_path(target).name
@@ -658,24 +659,53 @@ def _signals_deferred() -> Iterator[None]:
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `Terminated` in the main thread while this is active. Enter
-    it before `locked`, so that a signal never lands between taking the lock and its release
-    being set up."""
+    """Ctrl-C raises `KeyboardInterrupt`, SIGTERM and SIGHUP `Terminated`, in the main thread
+    while this is active. Enter it before `locked`, so that a signal never lands between
+    taking the lock and its release being set up.
+
+    A signal the process ignores on entry (SIGHUP under `nohup`, SIGINT in a background job)
+    stays ignored. A signal is also remembered until the command ends: its exception, raised
+    by the handler wherever the main thread is, is swallowed when that is a weakref callback
+    or a `__del__` (matplotlib's caches are weak dictionaries; Python prints "Exception
+    ignored" and goes on), and the command would then finish as if nothing had happened.
+    `check_interrupted` raises it again at the next safe point: before results are put in
+    place (`replace_dir`), and at the latest when this context ends.
+    """
 
     def handler(signum: int, frame: object) -> None:
-        raise Terminated(signum)
+        _pending[:] = [signum]
+        raise _interruption(signum)
 
     previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         try:
-            previous[sig] = signal.signal(sig, handler)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, handler)
         except ValueError:  # not the main thread: leave signals as they are
             break
+    _pending.clear()
     try:
         yield
+        check_interrupted()  # (a signal whose exception was swallowed on the way)
     finally:
+        _pending.clear()
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+#: The signal `terminate_as_interrupt`'s handler last took, until the command ends.
+_pending: list[int] = []
+
+
+def _interruption(signum: int) -> KeyboardInterrupt:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+def check_interrupted() -> None:
+    """Raise the interruption a signal asked for, if its own exception was swallowed (see
+    `terminate_as_interrupt`); nothing when no signal came."""
+    if _pending:
+        raise _interruption(_pending[0])
 
 
 def interrupt_status(exc: KeyboardInterrupt) -> int:
