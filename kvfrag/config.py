@@ -143,35 +143,46 @@ def load_scenario(path: str | Path, sets: list[str] | tuple[str, ...] = ()) -> L
 
 
 def _read(path: Path) -> str:
-    """The file's text; what is not a small regular file is refused before it is read."""
+    """The scenario file's text; what is not a small regular file is refused before it is
+    read."""
     try:
-        info = path.stat()
+        return read_small_text(path, MAX_FILE_BYTES, "scenario file")
     except FileNotFoundError:
         hint = ""
         if not path.suffix and len(path.parts) == 1:
             names = ", ".join(shipped_scenarios())
             hint = f" and no shipped scenario of that name (kvfrag scenarios lists them: {names})"
         raise ScenarioError(f"{path}: no such scenario file{hint}") from None
+    except ValueError as exc:
+        raise ScenarioError(str(exc)) from None
+
+
+def read_small_text(path: Path, limit: int, what: str) -> str:
+    """The UTF-8 text of `path`, a regular file of at most `limit` bytes (`what` it is, for
+    the message); anything else is refused from its stat, before it is opened (a FIFO or a
+    device would never end). Raises FileNotFoundError, or ValueError("PATH: problem")."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
-        reason = getattr(exc, "strerror", None) or exc
-        raise ScenarioError(f"{path}: cannot read: {reason}") from None
+        raise ValueError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     if not stat.S_ISREG(info.st_mode):
-        raise ScenarioError(f"{path}: not a regular file")
+        raise ValueError(f"{path}: not a regular file")
     try:
         with path.open("rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
-        raise ScenarioError(f"{path}: cannot read: {exc.strerror}") from None
+        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
     size = max(info.st_size, len(raw))
-    if size > MAX_FILE_BYTES:
-        raise ScenarioError(
-            f"{path}: scenario file is {size / 1e6:.1f} MB; scenario files are at most "
-            f"{MAX_FILE_BYTES / 1e6:.0f} MB"
+    if size > limit:
+        raise ValueError(
+            f"{path}: {size / 1e6:.1f} MB; a {what} is at most {limit / 1e6:.0f} MB"
         )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ScenarioError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
 def _parse(text: str, path: Path) -> tuple[yaml.Node | None, Any]:
@@ -316,29 +327,15 @@ def _read_json(file: Path) -> Any:
     """A config.json's data; what is not a small regular file of JSON is refused, before it is
     read where its size or kind says so. Raises ValueError("FILE: problem")."""
     try:
-        info = file.stat()
+        text = read_small_text(file, MAX_HF_CONFIG_BYTES, "config.json")
     except FileNotFoundError:
         raise ValueError(f"{file}: no such file") from None
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{file}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{file}: not a regular file")
-    try:
-        with file.open("rb") as f:
-            raw = f.read(MAX_HF_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"{file}: cannot read: {exc.strerror}") from None
-    if max(info.st_size, len(raw)) > MAX_HF_CONFIG_BYTES:
-        raise ValueError(f"{file}: {max(info.st_size, len(raw)) / 1e6:.1f} MB; a config.json is "
-                         f"at most {MAX_HF_CONFIG_BYTES / 1e6:.0f} MB")
 
     def constant(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
 
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=constant)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{file}: not UTF-8 text (byte {exc.start})") from None
+        return json.loads(text, parse_constant=constant)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file}: not JSON (line {exc.lineno}, column {exc.colno}: "
                          f"{exc.msg})") from None

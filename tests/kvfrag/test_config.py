@@ -77,7 +77,7 @@ def test_budget_units_and_gpu_budget(tmp_path):
          r"s.yaml:12: allocators\[1\]: .*no option 'blok_size'; did you mean 'block_size'"),
         (GOOD.replace("kind: paged,", "kind: pagd,"),
          r"s.yaml:12: allocators\[1\]\.kind: unknown allocator kind 'pagd' \(valid: buddy, "
-         r"contiguous, paged"),
+         r"contiguous, hybrid, paged"),
         (GOOD.replace("reserve: max_model_len", "reserve: max"),
          r"s.yaml:11: allocators\[0\]: allocator 'orca-max': unknown reservation policy 'max'"),
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: 12 GiBs"), r"kv_budget: .*unknown unit"),
@@ -415,7 +415,7 @@ def test_huge_scenario_file_is_refused_unread(tmp_path):
         f.truncate(100 * 10**6)
     with pytest.raises(ScenarioError) as info:
         load_scenario(path)
-    assert str(info.value) == f"{path}: scenario file is 100.0 MB; scenario files are at most 1 MB"
+    assert str(info.value) == f"{path}: 100.0 MB; a scenario file is at most 1 MB"
 
 
 def test_what_is_not_a_regular_file_is_refused(tmp_path):
