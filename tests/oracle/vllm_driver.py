@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,7 @@ def run_vllm(
     long_prefill_token_threshold: int = 0,
     reserve_full_isl: bool = True,
     record_slots: bool = True,
+    make: Callable[[], tuple[Any, Any]] | None = None,
 ) -> OracleRun:
     """Replay ``requests`` through vLLM's real scheduler; one record per ``schedule()`` call.
 
@@ -251,7 +252,11 @@ def run_vllm(
       finished           requests that finished in this step
       tokens             {rid: num_computed_tokens} of each running request after the step
       blocks             {rid: blocks in its block table} of each running request
-    (``tokens``/``blocks`` only with ``record_slots``.)
+    (``tokens``/``blocks`` only with ``record_slots``; ``blocks`` only for one KV-cache group.)
+
+    ``make``: builds (scheduler, block_hasher) instead of ``make_scheduler`` (the hybrid
+    driver's several KV-cache groups, tests/oracle/hybrid_driver.py); the settings above must
+    then describe that scheduler, ``num_blocks`` its usable blocks.
 
     Per request (``OracleRun.requests[rid]``): ``first_token_step`` (step whose output gave
     its first token), ``finished_step``, ``preemptions``, ``admitted_step`` (first step it
@@ -267,7 +272,7 @@ def run_vllm(
         if len(r.prompt) + r.output_tokens > max_model_len:
             raise ValueError(f"request {r.rid}: prompt + output exceeds max_model_len")
 
-    scheduler, block_hasher = make_scheduler(
+    scheduler, block_hasher = make() if make is not None else make_scheduler(
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
@@ -281,8 +286,8 @@ def run_vllm(
     )
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
-    (manager,) = kvm.coordinator.single_type_managers
-    req_to_blocks = manager.req_to_blocks
+    managers = kvm.coordinator.single_type_managers
+    req_to_blocks = managers[0].req_to_blocks if len(managers) == 1 else None
 
     # Count evictions: BlockPool.get_new_blocks() calls _maybe_evict_cached_block() on every
     # block it hands out; it returns True when the block still held a cached hash.
@@ -394,6 +399,7 @@ def run_vllm(
         }
         if record_slots:
             rec["tokens"] = {int(vr.request_id): vr.num_computed_tokens for vr in scheduler.running}
+        if record_slots and req_to_blocks is not None:
             rec["blocks"] = {
                 int(vr.request_id): len(req_to_blocks.get(vr.request_id, ()))
                 for vr in scheduler.running

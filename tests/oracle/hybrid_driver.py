@@ -1,0 +1,358 @@
+"""Drive vLLM 0.33's real ``Scheduler`` with a hybrid model's KV cache on CPU (a test oracle).
+
+The full-attention driver (tests/oracle/vllm_driver.py) gives vLLM one KV-cache group of one
+layer. Here every layer of a model shape gets the spec its attention would report on a GPU,
+built with vLLM's own classes (``FullAttentionSpec``, ``SlidingWindowSpec``,
+``ChunkedLocalAttentionSpec``, ``MLAAttentionSpec``), and the KV cache is planned the way
+``EngineCore._initialize_kv_caches`` plans it: ``get_global_kv_cache_groups``,
+``get_kv_cache_configs``, ``generate_scheduler_kv_cache_config``,
+``resolve_kv_cache_block_sizes``. The hybrid KV-cache manager is switched on after
+``VllmConfig`` is built (the CPU platform switches it off; the manager itself is
+platform-independent), or left off to get vLLM's fallback (every layer promoted to full
+attention, one group). The scheduler then runs through ``vllm_driver.run_vllm``'s loop and
+fake model output unchanged, so both drivers follow the same step conventions.
+
+Extra per step (besides ``vllm_driver.STEP_FIELDS``; after ``update_from_output()`` unless
+said otherwise):
+  group_blocks        per KV-cache group: non-null blocks in its single-type manager's
+                      ``req_to_blocks``, summed over requests
+  group_blocks_sched  the same right after ``schedule()`` (the step's peak)
+  held                sum of ``group_blocks`` (no prefix caching: each block id has one
+                      owner, so held + free_blocks == num_blocks - 1, the null block)
+  scheduled           {rid: tokens scheduled this step}
+  req_tokens_sched    {rid: num_computed_tokens} right after ``schedule()`` (this step's
+                      tokens included)
+  req_blocks_sched    {rid: per group, non-null blocks} right after ``schedule()``
+
+Needs vLLM 0.33.0 installed without its GPU dependencies (``.ci/install-oracle.sh``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+
+from .vllm_driver import TINY_MODEL_DIR, OracleRequest, _vllm, run_vllm
+
+GROUP_FIELDS = (
+    "group_blocks",
+    "group_blocks_sched",
+    "held",
+    "scheduled",
+    "req_tokens_sched",
+    "req_blocks_sched",
+)
+
+_KIND = {
+    "FullAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding_window",
+    "ChunkedLocalAttentionSpec": "chunked_local",
+    "MLAAttentionSpec": "mla",
+}
+
+
+@dataclass
+class HybridRun:
+    """``steps, per_request = run_vllm_hybrid(...)`` unpacks; ``plan`` says what vLLM built."""
+
+    steps: list[dict]
+    requests: dict[int, dict]
+    plan: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.steps, self.requests))
+
+
+@functools.cache
+def _hybrid_vllm() -> dict[str, Any]:
+    """vLLM's planner, spec classes and scheduler pieces (imported once)."""
+    v = dict(_vllm())
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    v.update(
+        get_global_kv_cache_groups=get_global_kv_cache_groups,
+        get_kv_cache_configs=get_kv_cache_configs,
+        generate_scheduler_kv_cache_config=generate_scheduler_kv_cache_config,
+        resolve_kv_cache_block_sizes=resolve_kv_cache_block_sizes,
+        SlidingWindowSpec=SlidingWindowSpec,
+        ChunkedLocalAttentionSpec=ChunkedLocalAttentionSpec,
+        MLAAttentionSpec=MLAAttentionSpec,
+    )
+    return v
+
+
+def vllm_specs(stack: LayerStack, block_size: int) -> dict[str, Any]:
+    """Every layer's vLLM spec (bf16), as the model's attention layers would report them."""
+    v = _hybrid_vllm()
+    bf16 = v["torch"].bfloat16
+    specs: dict[str, Any] = {}
+    for i, layer in enumerate(stack.layers):
+        if isinstance(layer, MLA):
+            spec = v["MLAAttentionSpec"](
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=layer.latent + layer.rope,
+                dtype=bf16,
+                cache_dtype_str="auto",
+            )
+        elif isinstance(layer, SlidingWindow):
+            spec = v["SlidingWindowSpec"](
+                block_size=block_size,
+                num_kv_heads=layer.kv_heads,
+                head_size=layer.head_dim,
+                dtype=bf16,
+                sliding_window=layer.window,
+            )
+        elif isinstance(layer, ChunkedLocal):
+            spec = v["ChunkedLocalAttentionSpec"](
+                block_size=block_size,
+                num_kv_heads=layer.kv_heads,
+                head_size=layer.head_dim,
+                dtype=bf16,
+                attention_chunk_size=layer.chunk,
+            )
+        elif isinstance(layer, FullAttention):
+            spec = v["FullAttentionSpec"](
+                block_size=block_size,
+                num_kv_heads=layer.kv_heads,
+                head_size=layer.head_dim,
+                dtype=bf16,
+            )
+        else:  # Mamba state layers need the platform's block-size alignment first
+            raise NotImplementedError(f"layer {i}: {type(layer).__name__}")
+        specs[f"model.layers.{i}.attn"] = spec
+    return specs
+
+
+def make_hybrid_scheduler(
+    stack_or_specs: LayerStack | Mapping[str, Any],
+    *,
+    budget_bytes: int | None = None,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    chunked: bool,
+    max_model_len: int,
+    hybrid_manager: bool = True,
+    prefix_caching: bool = False,
+) -> tuple[Any, Any, dict[str, Any]]:
+    """vLLM's scheduler over the KV cache its own planner lays out, as EngineCore builds it.
+
+    Returns (scheduler, block_hasher or None, plan). Either ``budget_bytes`` (the memory the
+    planner divides into block ids) or ``num_blocks`` (vLLM's ``num_gpu_blocks_override``: the
+    block ids including the null block) sizes the pool. vLLM's own memory check applies: a pool
+    that cannot hold one ``max_model_len`` request raises ValueError.
+    """
+    if (budget_bytes is None) == (num_blocks is None):
+        raise ValueError("give exactly one of budget_bytes and num_blocks")
+    v = _hybrid_vllm()
+    config = v["VllmConfig"](
+        model_config=v["ModelConfig"](
+            model=str(TINY_MODEL_DIR),
+            skip_tokenizer_init=True,
+            max_model_len=max_model_len,
+            dtype="bfloat16",
+        ),
+        cache_config=v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching),
+        scheduler_config=v["SchedulerConfig"](
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=chunked,
+            async_scheduling=False,
+            policy="fcfs",
+        ),
+        device_config=v["DeviceConfig"](device="cpu"),
+    )
+    sc = config.scheduler_config
+    kept = {
+        "max_num_batched_tokens": (sc.max_num_batched_tokens, max_num_batched_tokens),
+        "max_num_seqs": (sc.max_num_seqs, max_num_seqs),
+        "enable_chunked_prefill": (sc.enable_chunked_prefill, chunked),
+        "async_scheduling": (bool(sc.async_scheduling), False),
+        "enable_prefix_caching": (config.cache_config.enable_prefix_caching, prefix_caching),
+        "max_model_len": (config.model_config.max_model_len, max_model_len),
+    }
+    changed = {k: got for k, (got, want) in kept.items() if got != want}
+    if changed:
+        raise RuntimeError(f"VllmConfig changed the oracle's settings: {changed}")
+    # The CPU platform turned the hybrid manager off; a GPU platform would leave it on.
+    sc.disable_hybrid_kv_cache_manager = not hybrid_manager
+    # A GPU engine core resolves the layout from its backends (FlashAttention: vLLM's default).
+    config.cache_config.kv_cache_layout = "LBNHC"
+    if num_blocks is not None:
+        config.cache_config.num_gpu_blocks_override = num_blocks
+
+    specs = (
+        vllm_specs(stack_or_specs, block_size)
+        if isinstance(stack_or_specs, LayerStack)
+        else dict(stack_or_specs)
+    )
+    groups = v["get_global_kv_cache_groups"](config, [dict(specs)])
+    memory = budget_bytes if budget_bytes is not None else 0
+    (worker,) = v["get_kv_cache_configs"](config, [dict(specs)], [memory], groups)
+    kv_cache_config = v["generate_scheduler_kv_cache_config"]([worker])
+    config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    config.cache_config.block_size = min(
+        g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+    )
+    sched_bs, hash_bs = v["resolve_kv_cache_block_sizes"](kv_cache_config, config)
+    scheduler = v["Scheduler"](
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=v["StructuredOutputManager"](config),
+        block_size=sched_bs,
+        hash_block_size=hash_bs,
+        log_stats=False,
+    )
+    block_hasher = None
+    if prefix_caching:
+        hash_fn = v["get_hash_fn_by_name"](config.cache_config.prefix_caching_hash_algo)
+        v["init_none_hash"](hash_fn)
+        block_hasher = v["get_request_block_hasher"](
+            hash_bs, hash_fn, config.num_hash_lookahead_tokens
+        )
+    plan = {
+        "num_blocks": kv_cache_config.num_blocks,
+        "page_bytes": (
+            worker.kv_cache_tensors[0].size // worker.num_blocks if worker.kv_cache_tensors else 0
+        ),
+        "groups": [
+            {
+                "kind": _KIND[type(g.kv_cache_spec).__name__],
+                "layers": len(g.layer_names),
+                "block_size": g.kv_cache_spec.block_size,
+                "window": _window(g.kv_cache_spec),
+            }
+            for g in kv_cache_config.kv_cache_groups
+        ],
+        "scheduler_block_size": sched_bs,
+        "hash_block_size": hash_bs,
+        "hybrid_manager": hybrid_manager,
+        "max_model_len": max_model_len,
+    }
+    return scheduler, block_hasher, plan
+
+
+def _window(spec: Any) -> int | None:
+    """The sliding window or local chunk of a spec; None for full attention (the fallback's
+    promoted specs keep their original fields, so the kind decides)."""
+    kind = _KIND[type(spec).__name__]
+    if kind == "sliding_window":
+        return spec.sliding_window
+    return spec.attention_chunk_size if kind == "chunked_local" else None
+
+
+def _count(blocks: Iterable[Any]) -> int:
+    return sum(1 for b in blocks if not b.is_null)
+
+
+def run_vllm_hybrid(
+    requests: Iterable[OracleRequest],
+    stack_or_specs: LayerStack | Mapping[str, Any],
+    *,
+    budget_bytes: int | None = None,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    chunked: bool,
+    hybrid_manager: bool = True,
+    max_model_len: int | None = None,
+    prefix_caching: bool = False,
+) -> HybridRun:
+    """Replay ``requests`` through vLLM's scheduler over a hybrid model's KV cache.
+
+    ``stack_or_specs``: a kvfrag ``LayerStack`` (attention, sliding, chunked local and MLA
+    layers; its specs are built with vLLM's classes, bf16) or vLLM specs by layer name.
+    The pool: ``budget_bytes`` of KV memory, or ``num_blocks`` block ids (vLLM's count, the
+    null block included). ``max_model_len`` defaults to the longest prompt + output rounded up
+    to 16 tokens (it sizes vLLM's memory check and its sliding-window admission reserve).
+    ``chunked``: vLLM's chunked prefill with ``max_num_batched_tokens`` per step; without it
+    ``max_num_batched_tokens`` must cover ``max_model_len``.
+
+    Returns ``HybridRun``; ``steps, per_request = run_vllm_hybrid(...)``. ``steps``: one
+    record per ``schedule()`` call with ``vllm_driver.STEP_FIELDS`` (``blocks_used`` and
+    ``free_blocks`` over the usable ``num_blocks - 1``) plus the fields named in this
+    module's docstring; ``per_request``: rid -> first_token_step, finished_step, preemptions,
+    admitted_step, prefix_hit_tokens (as ``vllm_driver.run_vllm``). ``plan``: num_blocks,
+    page bytes, groups (kind, layers, block size, window), scheduler and hash block sizes.
+    Nothing is written to disk.
+    """
+    reqs = list(requests)
+    if max_model_len is None:
+        longest = max(len(r.prompt) + r.output_tokens for r in reqs)
+        max_model_len = -(-longest // 16) * 16
+    scheduler, block_hasher, plan = make_hybrid_scheduler(
+        stack_or_specs,
+        budget_bytes=budget_bytes,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        chunked=chunked,
+        max_model_len=max_model_len,
+        hybrid_manager=hybrid_manager,
+        prefix_caching=prefix_caching,
+    )
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    extra: list[dict] = []
+    pending: dict[str, Any] = {}
+    real_schedule, real_update = scheduler.schedule, scheduler.update_from_output
+    by_id = scheduler.requests
+
+    def schedule():
+        out = real_schedule()
+        pending.clear()
+        pending["scheduled"] = {int(r): n for r, n in out.num_scheduled_tokens.items()}
+        pending["group_blocks_sched"] = tuple(
+            sum(_count(b) for b in m.req_to_blocks.values()) for m in managers
+        )
+        pending["req_tokens_sched"] = {
+            int(r): by_id[r].num_computed_tokens for r in out.num_scheduled_tokens
+        }
+        pending["req_blocks_sched"] = {
+            int(r): tuple(_count(m.req_to_blocks.get(r, ())) for m in managers)
+            for r in out.num_scheduled_tokens
+        }
+        return out
+
+    def update_from_output(out, runner_out):
+        result = real_update(out, runner_out)
+        group = tuple(sum(_count(b) for b in m.req_to_blocks.values()) for m in managers)
+        extra.append({**pending, "group_blocks": group, "held": sum(group)})
+        return result
+
+    scheduler.schedule = schedule
+    scheduler.update_from_output = update_from_output
+    run = run_vllm(
+        reqs,
+        block_size=plan["scheduler_block_size"],
+        num_blocks=plan["num_blocks"] - 1,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        chunked_prefill=chunked,
+        prefix_caching=prefix_caching,
+        max_model_len=max_model_len,
+        record_slots=True,
+        make=lambda: (scheduler, block_hasher),
+    )
+    assert len(extra) == len(run.steps)
+    steps = [{**s, **e} for s, e in zip(run.steps, extra, strict=True)]
+    return HybridRun(steps=steps, requests=run.requests, plan=plan, wall_s=run.wall_s)
