@@ -356,6 +356,9 @@ class AllocatorSpec(BaseModel):
                     + f" (valid: {', '.join(valid) or 'none'})"
                 )
         for name, value in self.options.items():
+            if name in FROM_SCENARIO:
+                raise ValueError(f"allocator {self.label!r} ({self.kind}): {name} is not an "
+                                 f"option here: the scenario's {FROM_SCENARIO[name]} sets it")
             try:
                 _check_option(name, value)
             except ValueError as exc:
@@ -363,11 +366,18 @@ class AllocatorSpec(BaseModel):
         return self
 
 
-#: Allocator options that are whole numbers, and their ranges.
+#: Allocator options that are whole numbers, and their ranges (concurrent batches in flight:
+#: pipeline stages at most, so no more than GPUs).
 _WHOLE_OPTIONS = {
     "block_size": (1, MAX_BLOCK_SIZE),
     "roundup_power2_divisions": (1, MAX_ROUNDUP_DIVISIONS),
+    "concurrent_batches": (1, MAX_TP),
 }
+#: Allocator options that are true or false (1, "yes" or null is refused, not read as one).
+_BOOL_OPTIONS = frozenset({"hybrid_kv_cache_manager", "prefix_caching"})
+#: Constructor options a scenario fills in from its own fields (the hybrid allocator's model
+#: and token budget), so that they cannot disagree with the model and engine that run.
+FROM_SCENARIO = {"stack": "`model`", "max_num_batched_tokens": "engine.max_num_batched_tokens"}
 
 
 def _check_option(name: str, value: Any) -> None:
@@ -376,6 +386,8 @@ def _check_option(name: str, value: Any) -> None:
     that `true`, 1e30 or 2.5 is one clear line. Raises ValueError("must be ...")."""
     if name in _WHOLE_OPTIONS:
         check_number(value, *_WHOLE_OPTIONS[name], whole=True)
+    elif name in _BOOL_OPTIONS and not isinstance(value, bool):
+        raise ValueError(f"must be true or false, not {show(value)}")
     elif name == "bandwidth":
         rate = parse_rate(value) if isinstance(value, str) else value
         check_number(rate, MIN_BANDWIDTH, MAX_BANDWIDTH, unit="bytes per second")
@@ -496,22 +508,15 @@ class Scenario(_Frozen):
     @model_validator(mode="after")
     def _allocators(self) -> Scenario:
         """Build each allocator once, so option values are checked now, not later."""
-        geo, capacity = self.geometry, self.budget_bytes
+        geo = self.geometry
         for i, spec in enumerate(self.allocators):
-            if spec.kind in TAKES_GEOMETRY and not geo.uniform:
+            if spec.kind in TAKES_GEOMETRY and not _takes_stack(spec.kind) and not geo.uniform:
                 raise FieldError(("allocators", i), f"allocator {spec.label!r}: {spec.kind} lays "
                                  "out one K and one V buffer per layer, all of one shape; "
                                  f"the layers of {geo.name} are not alike (an MLA latent, or "
                                  "layers of different heads)")
             try:
-                make_allocator(
-                    spec.kind,
-                    capacity=capacity,
-                    bytes_per_token=geo.bytes_per_token,
-                    max_model_len=self.max_model_len,
-                    geometry=geo,
-                    **spec.options,
-                )
+                build_allocator(self, spec)
             except (TypeError, ValueError, ArithmeticError) as exc:
                 raise FieldError(
                     ("allocators", i), f"allocator {spec.label!r}: {clip_quoted(str(exc))}"
@@ -862,6 +867,26 @@ def run(
     return ScenarioResult(scenario, workloads, runs)
 
 
+def _takes_stack(kind: str) -> bool:
+    """Whether `kind` lays out the model's typed layers itself (the hybrid allocator), so
+    that layers that are not alike need no uniform geometry."""
+    return "stack" in options_of(kind)
+
+
+def allocator_options(point: Scenario, spec: AllocatorSpec) -> dict[str, Any]:
+    """`spec`'s options, with what the scenario sets for a kind that takes a stack: the
+    model's layers as one GPU of `tp` keeps them (a full-attention model as alike layers), and
+    the engine's max_num_batched_tokens (the tokens in flight of the planner and of the
+    admission cap)."""
+    options = spec.options
+    if _takes_stack(spec.kind):
+        stack = point.stack
+        # (None: a full-attention model, whose sharded geometry the allocator reads as such)
+        options["stack"] = None if stack is None else stack.shard(point.tp)
+        options["max_num_batched_tokens"] = point._batch_limits()[1]
+    return options
+
+
 def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
     """A fresh allocator of `spec` for one sweep point (its budget, model and max_model_len)."""
     geo = point.geometry
@@ -871,7 +896,7 @@ def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
         bytes_per_token=geo.bytes_per_token,
         max_model_len=point.max_model_len,
         geometry=geo,
-        **spec.options,
+        **allocator_options(point, spec),
     )
 
 

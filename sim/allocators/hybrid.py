@@ -523,12 +523,21 @@ class HybridAllocator(Allocator):
     def steps_until_shrink(self) -> int | None:
         """Steps until a decode step frees a block of a sliding or chunked group: a decoder's
         first step after joining (its prefill's out-of-window blocks), or a window crossing a
-        block boundary."""
+        block boundary. 1 too when the step just taken freed one and no later step frees
+        sooner: the engine asks after a step whether memory may have come back since a
+        refusal (a decoder at its final length, whose last step freed, is freed only at the
+        iteration's end, after the admissions that its blocks may let in)."""
         windowed = [m for m in self.managers if m.kind != "full"]
         if not windowed:
             return None
         best: int | None = None
+        clock = self._clock
         for live, tokens, processed in self._decoders():
+            joined = self._joined[live.req.rid]
+            if joined != clock and best is None:  # stepped since joining: did that step free?
+                before = self._proc[live.req.rid] if joined == clock - 1 else tokens - 2
+                if any(m.skipped_blocks(processed) > m.skipped_blocks(before) for m in windowed):
+                    best = 1
             if tokens >= live.final:
                 continue
             if any(m.skipped_blocks(tokens) > m.skipped_blocks(processed) for m in windowed):

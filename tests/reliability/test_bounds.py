@@ -140,6 +140,10 @@ CASES: list[tuple[str, list[str], type[BaseModel] | str, str]] = [
      "allocator option", "max_split_size_mb"),
     ("allocators.a.roundup_power2_divisions", _alloc("{label: a, kind: torch-caching}"),
      "allocator option", "roundup_power2_divisions"),
+    ("allocators.a.block_size", _alloc("{label: a, kind: hybrid, block_size: 16}"),
+     "allocator option", "block_size"),
+    ("allocators.a.concurrent_batches", _alloc("{label: a, kind: hybrid}"),
+     "allocator option", "concurrent_batches"),
 ]
 #: Numeric fields reached another way (a profile step time needs a profile file).
 #: A layered model's fields (list elements without labels: `--set model=...` whole, below).
@@ -326,6 +330,27 @@ def test_booleans_are_not_numbers_in_sweeps_or_sizes(base):
         with pytest.raises(ValueError, match="boolean"):
             parse_size(bad)
     assert parse_size(4096.0) == 4096 and parse_size("1e9") == 10**9
+
+
+@pytest.mark.parametrize("option", ["hybrid_kv_cache_manager", "prefix_caching"])
+@pytest.mark.parametrize("value", ["1", "0", "'yes'", "null", "1e30"])
+def test_a_hybrid_allocators_switches_are_booleans(capsys, tmp_path, base, option, value):
+    """1, "yes" or null is not read as true or false: one line naming the option."""
+    out = tmp_path / "out"
+    form = f"{{label: a, kind: hybrid, {option}: {value}}}"
+    code, err, _ = _run(capsys, base, out, _alloc(form))
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert f"{option} must be true or false, not" in lines[0], lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("option", "field"), [("stack", "`model`"), (
+    "max_num_batched_tokens", "engine.max_num_batched_tokens")])
+def test_what_the_scenario_sets_is_not_a_hybrid_option(base, option, field):
+    with pytest.raises(ScenarioError, match=rf"{option} is not an option here: the scenario's "
+                       rf"{field} sets it"):
+        load_scenario(base, _alloc(f"{{label: a, kind: hybrid, {option}: 16}}"))
 
 
 def test_numbers_written_as_strings_are_still_numbers(base):
