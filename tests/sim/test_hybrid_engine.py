@@ -137,3 +137,53 @@ def test_fast_engine_matches_per_iteration_reference_for_hybrid(
         got = fast.summary[f"{p}_frac"]
         assert got == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
     assert sum(fast.summary[f"{p}_frac"] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
+
+
+def _scenario(model: str, tp: int = 1, **engine: int):
+    from kvfrag.sim.scenario import Scenario
+
+    return Scenario.model_validate({
+        "model": model, "tp": tp, "kv_budget": "40GiB", "max_model_len": 8192,
+        "workload": {"synthetic": {"count": 6, "prompt": {"kind": "uniform", "low": 1000,
+                                                          "high": 3000},
+                                   "output": {"kind": "fixed", "value": 40}}},
+        "engine": {"step_time": {"base_s": 0.02}, **engine},
+        "allocators": [{"label": "hybrid", "kind": "hybrid", "block_size": 16},
+                       {"label": "fallback", "kind": "hybrid",
+                        "hybrid_kv_cache_manager": False}],
+    })
+
+
+def test_a_scenario_gives_the_hybrid_allocator_its_sharded_layers_and_token_budget():
+    """The layers one GPU of tp keeps (not the all-full geometry, which for Gemma-3 is
+    uniform and would read as all-full layers), and the engine's token budget (the sliding
+    groups' admission cap counts the tokens in flight)."""
+    from kvfrag.sim.hybrid_presets import STACKS as PRESETS
+    from kvfrag.sim.scenario import build_allocator
+
+    s = _scenario("gemma-3-27b", tp=2, max_num_batched_tokens=2048)
+    on, off = (build_allocator(s, spec) for spec in s.allocators)
+    assert on.stack == off.stack == PRESETS["gemma-3-27b"].shard(2)
+    assert on.capacity == s.budget_bytes and on.bytes_per_token == s.geometry.bytes_per_token
+    caps = {m.kind: m.cap for m in on.managers}
+    assert caps == {"sliding_window": -(-(1023 + 2 * 2048) // 16) + 1, "full": None}
+    assert [m.kind for m in off.managers] == ["full"]
+    plain = build_allocator(_scenario("llama-3-8b", tp=2), _scenario("llama-3-8b").allocators[0])
+    assert plain.stack.layers == (FullAttention(4, 128, 2),) * 32
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "gemma-3-27b", "gpt-oss-20b"])
+def test_hybrid_models_run_in_a_scenario_with_the_manager_on_and_off(model):
+    """MLA and sliding-window models run (the uniform-geometry refusal is for vAttention's
+    per-layer buffers, not for an allocator that lays out the typed layers); the manager on
+    plans a group per kind of layer, off one group of every layer full."""
+    from kvfrag.sim.scenario import run_point
+    from kvfrag.workloads import build_workload
+
+    s = _scenario(model)
+    requests = build_workload(s.workload, None, None, s.max_model_len).requests
+    on, off = (run_point(s, spec, requests) for spec in s.allocators)
+    for result in (on, off):
+        assert (result.requests["status"] == "completed").all()
+    assert off.summary["hybrid_groups"] == 1
+    assert (on.summary["hybrid_groups"] > 1) == (model != "deepseek-v3")
