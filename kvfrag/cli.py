@@ -47,12 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     output path kvfrag will not write to); 3 the output could not be written (read-only,
     disk full, ...); 4 another kvfrag process is writing the same results folder;
     130/143 interrupted by Ctrl-C/SIGTERM."""
-    from kvfrag.outdir import Busy, OutputError, interrupt_status
+    from kvfrag.outdir import Busy, OutputError, interrupt_status, terminate_as_interrupt
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        # (from the start: a SIGTERM while a command still reads its inputs is 143 and the
+        # one-line "interrupted" too, not a death by signal)
+        with terminate_as_interrupt():
+            return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvfrag: error: {exc}", file=sys.stderr)
         return BAD_INPUT

@@ -83,3 +83,19 @@ def test_a_signal_ignored_at_the_start_stays_ignored(tmp_path, monkeypatch):
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert (tmp_path / "r" / "summary.csv").is_file()
+
+
+@pytest.mark.parametrize("command", [["run", str(QUICK)], ["compare", "a", "b"]])
+def test_a_signal_while_the_inputs_are_read_is_an_interruption(monkeypatch, capsys, command):
+    """Before a command takes its lock: still one line and 143, not a death by signal."""
+
+    def reading(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises before this ends)
+
+    where = {"run": "kvfrag.config.load_scenario", "compare": "kvfrag.compare_cmd.read_folder"}
+    monkeypatch.setattr(where[command[0]], reading, raising=True)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert main(command) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) == handler
