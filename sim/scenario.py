@@ -475,7 +475,7 @@ class Scenario(_Frozen):
         if stack is not None and stack.mamba_layers:
             raise FieldError(("model",), f"{stack.name} has {stack.mamba_layers} Mamba layer(s): "
                              "their state needs a hybrid allocator (vLLM's hybrid KV-cache "
-                             "manager), which kvfrag does not have yet")
+                             "manager), and kvfrag's `hybrid` does not model Mamba state yet")
         return self
 
     @model_validator(mode="after")
