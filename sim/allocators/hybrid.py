@@ -24,11 +24,16 @@ no tokens are in flight when blocks are freed.
 
 The coordinator (vLLM's `kv_cache_coordinator.py` / `kv_cache_manager.py`) sums over groups:
 an allocation is granted when the blocks it takes, less the blocks it frees first, fit in the
-free pool. A decode step of the whole cohort is checked in total (blocks freed by one decoder
-may serve another in the same step; vLLM checks one request after the other, which differs
-only at the one step where the pool runs out). The admission gate (`admission_bytes`) is
-vLLM's `scheduler_reserve_full_isl` check (on by default): the whole prompt must fit, sliding
-and chunked groups capped at their `max_admission_blocks_per_request`.
+free pool. A decode step of the cohort is checked as vLLM's scheduler walks its running queue:
+request after request in admission order (`_live`'s order, the engine's running order), each
+freeing its skipped blocks and then taking its new ones, so the step is refused
+(`steps_until_full` 0, and the engine preempts the last admitted) when an earlier decoder
+finds too few free even though a later one's frees would cover it. Where the decoders' most
+possible blocks fit, the closed-form bound answers without walking. The admission gate
+(`admission_bytes`) is vLLM's `scheduler_reserve_full_isl` check (on by default): the whole
+sequence (a resumed request's generated tokens too) must fit in the free block ids, sliding
+and chunked groups capped at their `max_admission_blocks_per_request`; `bytes_for` is that
+capped count, the most a chunked prefill ever holds.
 
 Accounting (exact integers; `page` the bytes of one block id, tb the bytes per token of a
 group's real layers, bs its block size, F the request's final length):
@@ -65,7 +70,7 @@ from kvfrag.sim.allocators.base import (
 )
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.geometry import KVGeometry
-from kvfrag.sim.hybrid.planner import Plan, plan
+from kvfrag.sim.hybrid.planner import Group, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
 
 FULL_KINDS = ("full", "mla")
@@ -172,6 +177,7 @@ class HybridAllocator(Allocator):
         self.block_size = bs
         self.block_bytes = self.page = self.plan.page_bytes
         self.num_blocks = self.plan.usable_blocks  # block ids requests can hold
+        self._manager_of: list[int] = []  # plan group -> its manager
         self.managers = self._managers(in_flight)
         # Group index -> (manager index, group within it), in the plan's group order.
         self._stack_ids = FreeIds(self.plan.num_blocks)
@@ -186,15 +192,20 @@ class HybridAllocator(Allocator):
         self._memo: tuple[int, int, tuple[int, ...]] | None = None
         self._full_memo: tuple[int, int, int | None] | None = None
 
+    @staticmethod
+    def _key(g: Group) -> tuple[str, int, int]:
+        """(kind, block size, window) of a planned group: groups alike share a manager."""
+        kind = "full" if g.kind in FULL_KINDS else g.kind
+        return kind, g.block_size, 0 if kind == "full" else (g.window or 0)
+
     def _managers(self, in_flight: int) -> tuple[Manager, ...]:
         by_key: dict[tuple[str, int, int], list[int]] = {}
         for g in self.plan.groups:
-            kind = "full" if g.kind in FULL_KINDS else g.kind
-            window = 0 if kind == "full" else (g.window or 0)
             tb = sum(self.stack.layers[i].bytes_per_token for i in g.layers)
-            entry = by_key.setdefault((kind, g.block_size, window), [0, 0])
+            entry = by_key.setdefault(self._key(g), [0, 0])
             entry[0] += 1
             entry[1] += tb
+        self._manager_of = [list(by_key).index(self._key(g)) for g in self.plan.groups]
         out = []
         mml = self.max_model_len
         for (kind, bs, window), (groups, tb) in by_key.items():
@@ -265,6 +276,16 @@ class HybridAllocator(Allocator):
     def free_blocks(self) -> int:
         return self.num_blocks - self._totals()[0]
 
+    def group_blocks(self) -> tuple[int, ...]:
+        """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
+        managers' tables, nulls left out), summed over live requests."""
+        per_manager = [0] * len(self.managers)
+        for live in self._live.values():
+            tokens, processed = self._state(live)
+            for mi, m in enumerate(self.managers):
+                per_manager[mi] += m.held(tokens, processed)
+        return tuple(per_manager[self._manager_of[g]] for g in range(len(self.plan.groups)))
+
     def blocks_of(self, rid: int) -> int:
         return self._blocks(*self._state(self._get(rid)))
 
@@ -272,16 +293,27 @@ class HybridAllocator(Allocator):
         return self.blocks_of(rid) * self.page
 
     def bytes_for(self, req: Request, tokens: int) -> int:
-        return self._blocks(tokens, 0) * self.page
-
-    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
-        """vLLM's full-sequence gate (`scheduler_reserve_full_isl`): every group's blocks for
-        the whole prompt, sliding and chunked groups capped at their admission cap."""
+        """The most the request holds while its first `tokens` are prefilled: every group's
+        blocks for them, sliding and chunked groups capped at their admission cap (vLLM's
+        `max_admission_blocks_per_request`: chunks of at most the in-flight tokens free the
+        blocks behind the window as they go). What `admit(req, tokens)` takes whenever
+        `tokens` fit in one step's token budget, as every admission the engine makes does;
+        the engine's gate asks it whether a prompt can ever be prefilled in this pool."""
         blocks = 0
         for m in self.managers:
             need = -(-tokens // m.block_size)
             blocks += m.groups * (need if m.cap is None else min(need, m.cap))
         return blocks * self.page
+
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """vLLM's full-sequence gate (`scheduler_reserve_full_isl`): every group's blocks for
+        the whole sequence (a resumed request's generated tokens too), sliding and chunked
+        groups capped at their admission cap. Plus the whole pages of the pool's unusable
+        tail (the null block, the remainder of budget // page), which `free_bytes()` counts
+        but no request can take: the engine's `need + keep > free_bytes()` then compares
+        block counts, as vLLM compares with its free block queue."""
+        tail = (self.capacity - self.num_blocks * self.page) // self.page
+        return self.bytes_for(req, tokens) + tail * self.page
 
     def watermark_bytes(self, fraction: float) -> int:
         return int(fraction * self.num_blocks) * self.page
@@ -492,7 +524,13 @@ class HybridAllocator(Allocator):
             bound += max(0, most - self._blocks(tokens, processed))
         if bound <= self.num_blocks:
             return done
-        # Walk the block boundaries in step order: held counts change only there.
+        # Walk the block boundaries in step order: held counts change only there. vLLM
+        # allocates the running requests one after the other (each frees its skipped blocks,
+        # then takes its new ones), so a step fails when some prefix of the running order
+        # (the admission order: `_live`'s) takes more than was free, even if a later
+        # decoder's frees would cover it.
+        rank = {rid: k for k, rid in enumerate(self._live)}
+        order = [rank[live.req.rid] for live, _, _ in decoders]
         heap: list[tuple[int, int]] = []
         held = []
         for i, (_, tokens, processed) in enumerate(decoders):
@@ -506,18 +544,23 @@ class HybridAllocator(Allocator):
             t = heap[0][0]
             if t > done:
                 break
+            changes: list[tuple[int, int]] = []  # (rank in the running order, blocks taken)
             while heap and heap[0][0] == t:
                 _, i = heapq.heappop(heap)
                 tokens = decoders[i][1] + t
                 now = self._blocks(tokens, tokens - 1)
-                total += now - held[i]
+                if now != held[i]:
+                    changes.append((order[i], now - held[i]))
                 held[i] = now
                 cursor[i] += 1
                 pts = points[i]
                 if cursor[i] < len(pts):
                     heapq.heappush(heap, (pts[cursor[i]] - decoders[i][1], i))
-            if total > self.num_blocks:
-                return t - 1
+            changes.sort()
+            for _, delta in changes:
+                total += delta
+                if total > self.num_blocks:
+                    return t - 1
         return done
 
     def steps_until_shrink(self) -> int | None:

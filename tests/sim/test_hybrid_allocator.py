@@ -322,8 +322,44 @@ def test_hybrid_fits_more_than_the_fallback():
 def test_admission_gate_caps_windowed_groups():
     a = build("sliding-odd", 10**6, 256, max_num_batched_tokens=8, concurrent_batches=1)
     # sliding cap: ceil(min(21 - 1 + 8, 256) / 16) + 1 = 3 blocks; full: ceil(200 / 16) = 13
-    assert a.admission_bytes(Request(0, 200, 5), 200, 0) == (2 * 3 + 13) * a.page
-    assert a.bytes_for(Request(0, 200, 5), 200) == 3 * 13 * a.page
+    assert a.bytes_for(Request(0, 200, 5), 200) == (2 * 3 + 13) * a.page
+    # The gate's need counts the pool's unusable whole pages too (the null block, the
+    # remainder), which free_bytes() counts: need > free_bytes() compares free block ids.
+    tail = (a.capacity - a.num_blocks * a.page) // a.page
+    assert tail >= 1
+    assert a.admission_bytes(Request(0, 200, 5), 200, 0) == (2 * 3 + 13 + tail) * a.page
+    # Within one step's budget (8 tokens) the cap does not bind: what admit takes.
+    assert a.bytes_for(Request(0, 8, 5), 8) == 3 * a.page
+    assert a.admit(Request(0, 8, 5)).nbytes == 3 * a.page
+
+
+def test_gate_counts_free_block_ids():
+    """A request whose blocks are exactly the free block ids passes the gate; one more
+    block does not, though free_bytes() (with the null block) would hold it."""
+    a = build("mla", 10 * 2**10)
+    free = a.free_blocks()
+    tokens = free * a.block_size
+    assert a.admission_bytes(Request(0, tokens, 1), tokens, 0) <= a.free_bytes()
+    more = tokens + 1
+    assert a.admission_bytes(Request(0, more, 1), more, 0) > a.free_bytes()
+    assert a.bytes_for(Request(0, more, 1), more) <= a.free_bytes()
+
+
+def test_decode_step_is_checked_request_by_request():
+    """vLLM allocates the running requests one after the other: a step whose total fits
+    (the later decoder frees 2 blocks, the earlier takes 3, 2 free) is refused when the
+    earlier one, in admission order, finds too few free; freeing the later one makes room."""
+    a = build("sliding-odd", 18 * 256)
+    assert a.page == 256 and a.num_blocks == 17
+    assert a.admit(Request(0, 31, 10), decoding=True)
+    assert a.step(1)  # 32 tokens: its next step takes a block in each of the 3 groups
+    assert a.admit(Request(1, 40, 10), decoding=True)  # its first step frees 2 sliding blocks
+    assert (a.free_blocks(), a.blocks_of(0), a.blocks_of(1)) == (2, 6, 9)
+    assert a.steps_until_full() == 0
+    assert not a.step(1)
+    a.free(1)  # the engine preempts the last admitted
+    assert a.steps_until_full() == 9
+    assert a.step(1) and a.blocks_of(0) == 9
 
 
 def test_refuses_what_it_does_not_model():
