@@ -151,7 +151,9 @@ def brute_integrate(a, n: int, w0: float, w1: float) -> dict[str, float]:
     return sums
 
 
-def check_cohort(a, w0: float, w1: float) -> None:
+def check_cohort(a, w0: float, w1: float, just_freed: bool = False) -> None:
+    """`just_freed`: the last step freed a block of a request still decoding since (the engine
+    asks after a step whether memory came back: `steps_until_shrink` answers 1 then)."""
     done, full, shrink = a.steps_until_done(), a.steps_until_full(), a.steps_until_shrink()
     if done is None:
         assert full is None and shrink is None
@@ -177,7 +179,9 @@ def check_cohort(a, w0: float, w1: float) -> None:
             first = t
             break
         del before
-    if first is not None:
+    if just_freed:
+        assert shrink == 1
+    elif first is not None:
         assert shrink == first
     else:
         assert shrink is None or shrink > limit
@@ -213,6 +217,7 @@ def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, d
     m = Shadow()
     rid = 0
     check(a, m)
+    freed: set[int] = set()  # decoders the last step freed a block of
     for op, x, y, z, w0, w1 in ops:
         live = sorted(m.tokens)
         if op == "admit":
@@ -259,11 +264,17 @@ def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, d
             if done is None:
                 continue
             n = x % (done + 1)
+            if 1 <= n <= full:  # (which decoders the last of these n steps frees a block of)
+                c = copy.deepcopy(a)
+                c.step(n - 1)
+                before = {r: _skipped(c, r) for r in live if m.decoding[r]}
             result = a.step(n)
             if n > full:
                 assert not result
                 continue
             assert result
+            if n:
+                freed = {r for r, k in before.items() if _skipped(a, r) > k}
             for r in live:
                 if m.decoding[r]:
                     m.tokens[r] += n
@@ -276,6 +287,7 @@ def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, d
                 if not flag:
                     m.proc[r] = m.processed(r)
                 m.stale[r] = True
+                freed.discard(r)
             a.set_decoding(r, flag)
             m.decoding[r] = flag
         elif op == "free" and live:
@@ -284,8 +296,9 @@ def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, d
             assert a.free(r) == nbytes
             for d in (m.tokens, m.proc, m.final, m.decoding, m.stale):
                 del d[r]
+            freed.discard(r)
         elif op == "cohort":
-            check_cohort(a, w0, w1)
+            check_cohort(a, w0, w1, just_freed=bool(freed))
         check(a, m)
     for r in sorted(m.tokens):
         a.free(r)
