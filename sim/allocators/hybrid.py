@@ -108,17 +108,22 @@ class Manager:
             return tokens - (tokens - 1) // self.window * self.window
         return tokens
 
-    def starts(self, lo: int, hi: int) -> list[int]:
-        """Lengths in [lo, hi] at which these groups' counts or needed tokens may stop being
-        linear in the length: block boundaries, window edges, chunk starts."""
+    def progressions(self) -> list[tuple[int, int]]:
+        """(r, mod): the lengths r mod `mod` where these groups' counts or needed tokens may
+        stop being linear in the length: block boundaries, window edges, chunk starts."""
         bs = self.block_size
         progressions = [(1, bs)]
         if self.kind == "sliding_window":
             progressions.append((self.window % bs, bs))
         elif self.kind == "chunked_local":
             progressions.append((1, self.window))
+        return progressions
+
+    def starts(self, lo: int, hi: int) -> list[int]:
+        """Lengths in [lo, hi] at which these groups' counts or needed tokens may stop being
+        linear in the length (`progressions`)."""
         out = []
-        for r, mod in progressions:
+        for r, mod in self.progressions():
             out.extend(range(lo + (r - lo) % mod, hi + 1, mod))
         return out
 
@@ -189,7 +194,19 @@ class HybridAllocator(Allocator):
         self._named_start: dict[int, list[int]] = {}
         self._deferred = False
         self._version = 0
-        self._memo: tuple[int, int, tuple[int, ...]] | None = None
+        # Running totals of (blocks, token_states, reserved, internal): `_fixed` over the
+        # requests outside the decode cohort (each at its (tokens, processed)); each decoder's
+        # parts are linear in the clock K between its breakpoints (block boundaries, window
+        # edges, chunk starts), so it holds a segment: valid for K <= hi, parts =
+        # const + slope x K; `_dec_const` and `_dec_slope` sum those over the cohort, and
+        # `_seg_heap` holds (hi + 1, rid) so that `_stepped` renews the segments the clock
+        # has passed (lazily: an entry counts while `_seg[rid][0]` is still its hi).
+        self._fixed = [0, 0, 0, 0]
+        self._dec_const = [0, 0, 0, 0]
+        self._dec_slope = [0, 0, 0, 0]
+        self._seg: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+        self._seg_heap: list[tuple[int, int]] = []
+        self._groups_total = sum(m.groups for m in self.managers)
         self._full_memo: tuple[int, int, int | None] | None = None
 
     @staticmethod
@@ -259,18 +276,85 @@ class HybridAllocator(Allocator):
                 "rounding": internal - padding - out}
 
     def _totals(self) -> tuple[int, ...]:
-        """(blocks, token_states, reserved, internal) over live requests, memoised."""
-        memo = self._memo
-        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2]
-        total = [0, 0, 0, 0]
-        for live in self._live.values():
-            tokens, processed = self._state(live)
-            for i, v in enumerate(self._parts_of(tokens, processed, live.final)):
-                total[i] += v
-        out = tuple(total)
-        self._memo = (self._clock, self._version, out)
-        return out
+        """(blocks, token_states, reserved, internal) over live requests: the running totals."""
+        k = self._clock
+        f, c, sl = self._fixed, self._dec_const, self._dec_slope
+        return (f[0] + c[0] + sl[0] * k, f[1] + c[1] + sl[1] * k,
+                f[2] + c[2] + sl[2] * k, f[3] + c[3] + sl[3] * k)
+
+    def _add_fixed(self, parts: tuple[int, int, int, int], sign: int) -> None:
+        f = self._fixed
+        for i in range(4):
+            f[i] += sign * parts[i]
+
+    def _next_start(self, tokens: int) -> int:
+        """The first length past `tokens` where some group's parts may stop being linear."""
+        best = tokens + 1 + max(m.block_size for m in self.managers)
+        for m in self.managers:
+            for r, mod in m.progressions():
+                x = tokens + 1 + (r - tokens - 1) % mod
+                if x < best:
+                    best = x
+        return best
+
+    def _segment(self, live: Live) -> None:
+        """Give a decoder its segment from the clock now, and add it to the cohort's sums."""
+        rid, k, final = live.req.rid, self._clock, live.final
+        tokens = live.base + k
+        if self._joined[rid] == k:  # its prefill's state, for this clock only
+            base = self._parts_of(tokens, self._proc[rid], final)
+            slope: tuple[int, ...] = (0, 0, 0, 0)
+            hi = k
+        else:
+            base = self._parts_of(tokens, tokens - 1, final)
+            end = self._next_start(tokens) - 1
+            if end > tokens:
+                after = self._parts_of(tokens + 1, tokens, final)
+                slope = (after[0] - base[0], after[1] - base[1], after[2] - base[2],
+                         after[3] - base[3])
+            else:
+                slope = (0, 0, 0, 0)
+            hi = k + end - tokens
+        const = (base[0] - slope[0] * k, base[1] - slope[1] * k, base[2] - slope[2] * k,
+                 base[3] - slope[3] * k)
+        self._seg[rid] = (hi, const, slope)
+        dc, ds = self._dec_const, self._dec_slope
+        for i in range(4):
+            dc[i] += const[i]
+            ds[i] += slope[i]
+        heapq.heappush(self._seg_heap, (hi + 1, rid))
+
+    def _unsegment(self, rid: int) -> None:
+        """Take a decoder's segment out of the cohort's sums."""
+        _, const, slope = self._seg.pop(rid)
+        dc, ds = self._dec_const, self._dec_slope
+        for i in range(4):
+            dc[i] -= const[i]
+            ds[i] -= slope[i]
+
+    def _stepped(self) -> None:
+        heap, segs, k = self._seg_heap, self._seg, self._clock
+        while heap and heap[0][0] <= k:
+            key, rid = heapq.heappop(heap)
+            seg = segs.get(rid)
+            if seg is not None and seg[0] + 1 == key:
+                self._unsegment(rid)
+                self._segment(self._live[rid])
+
+    def _ending_by(self, k: int) -> list[int]:
+        """Decoders whose segment ends before clock `k` (their heap entries, pruned walk)."""
+        heap, segs, out = self._seg_heap, self._seg, {}
+        todo = [0] if heap and heap[0][0] <= k else []
+        while todo:
+            i = todo.pop()
+            key, rid = heap[i]
+            seg = segs.get(rid)
+            if seg is not None and seg[0] + 1 == key:
+                out[rid] = None
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(heap) and heap[c][0] <= k:
+                    todo.append(c)
+        return list(out)
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
@@ -422,6 +506,7 @@ class HybridAllocator(Allocator):
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
         self._proc[rid] = 0
         ids = self._name_new(live, tokens, 0)
+        self._add_fixed(self._parts_of(tokens, 0, live.final), 1)
         self._changed()
         return Grant(rid, need * self.page, live.cap, blocks=ids)
 
@@ -435,12 +520,15 @@ class HybridAllocator(Allocator):
         taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
                     for m in self.managers)
         ids = self._name_new(live, new, old)
+        self._add_fixed(self._parts_of(old, self._proc[rid], live.final), -1)
+        self._add_fixed(self._parts_of(new, old, live.final), 1)
         self._proc[rid] = old
         self._changed()
         return Grant(rid, taken * self.page, live.cap, blocks=ids)
 
     def _release(self, live: Live) -> None:
         rid = live.req.rid
+        self._add_fixed(self._parts_of(live.base, self._proc[rid], live.final), -1)
         for groups in self._tables.pop(rid, []):
             for ids in groups:
                 self._stack_ids.give(ids)
@@ -452,11 +540,16 @@ class HybridAllocator(Allocator):
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         rid = live.req.rid
         if decoding:
+            self._add_fixed(self._parts_of(live.base + self._clock, self._proc[rid], live.final),
+                            -1)
             self._joined[rid] = self._clock
+            self._segment(live)
         else:
+            self._unsegment(rid)
             joined = self._joined.pop(rid)
             if joined != self._clock:  # stepped since joining: processed all but the last
                 self._proc[rid] = live.base - 1
+            self._add_fixed(self._parts_of(live.base, self._proc[rid], live.final), 1)
         self._changed()
 
     def _changed(self) -> None:
@@ -507,9 +600,14 @@ class HybridAllocator(Allocator):
         done = self.steps_until_done()
         if done is None:
             return None
-        decoders = self._decoders()
         total = self._totals()[0]
-        # A bound first: the most each decoder could hold by its end.
+        # A quick bound first: in `done` steps a decoder takes at most ceil(done / bs) new
+        # blocks per group (frees only lower the count, whatever the order).
+        takes = sum(m.groups * -(-done // m.block_size) for m in self.managers)
+        if total + len(self._joined) * takes <= self.num_blocks:
+            return done
+        decoders = self._decoders()
+        # Then a finer one: the most each decoder could hold by its end.
         bound = total
         for _, tokens, processed in decoders:
             end = tokens + done
@@ -612,31 +710,36 @@ class HybridAllocator(Allocator):
         self, n: int, probe: Request | None, w0: float, w1: float
     ) -> tuple[float, float, float, float, float, float]:
         weight = n * w0 + w1 * n * (n - 1) / 2
-        blocks, token_states, reserved, internal = self._totals()
+        jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
+        k0 = self._clock
         sums = [0.0, 0.0, 0.0, 0.0]
-        fixed = [blocks, token_states, reserved, internal]
-        for live, tokens, processed in self._decoders():
-            now = self._parts_of(tokens, processed, live.final)
+        # Decoders whose segment covers the stretch are in the cohort's linear sums; the
+        # others (a block boundary, window edge or chunk start within it) walk theirs.
+        fixed = list(self._fixed)
+        const, slope = list(self._dec_const), list(self._dec_slope)
+        for rid in (self._ending_by(k0 + n) if n else ()):
+            _, c, sl = self._seg[rid]
             for k in range(4):
-                fixed[k] -= now[k]
-            if n == 0:
-                continue
+                const[k] -= c[k]
+                slope[k] -= sl[k]
+            live = self._live[rid]
+            tokens = live.base + k0
             starts = self._starts(tokens + 1, tokens + n)
             for si, a in enumerate(starts):
                 b = starts[si + 1] - 1 if si + 1 < len(starts) else tokens + n
                 fa = self._parts_of(a, a - 1, live.final)
                 m_count = b - a + 1
-                slope = ([y - x for x, y in zip(fa, self._parts_of(a + 1, a, live.final),
-                                                 strict=True)]
-                         if m_count > 1 else [0, 0, 0, 0])
+                step = ([y - x for x, y in zip(fa, self._parts_of(a + 1, a, live.final),
+                                                strict=True)]
+                        if m_count > 1 else [0, 0, 0, 0])
                 alpha = w0 + w1 * (a - tokens - 1)
                 s1 = m_count * (m_count - 1) / 2
                 s2 = (m_count - 1) * m_count * (2 * m_count - 1) / 6
                 for k in range(4):
-                    sums[k] += (alpha * fa[k] * m_count + (alpha * slope[k] + w1 * fa[k]) * s1
-                                + w1 * slope[k] * s2)
+                    sums[k] += (alpha * fa[k] * m_count + (alpha * step[k] + w1 * fa[k]) * s1
+                                + w1 * step[k] * s2)
         for k in range(4):
-            sums[k] += fixed[k] * weight
+            sums[k] += (fixed[k] + const[k] + slope[k] * k0) * weight + slope[k] * jw
         allocated = sums[0] * self.page
         external = (self.capacity - self.num_blocks * self.page) * weight
         usable = self.num_blocks * self.page * weight - allocated
