@@ -36,7 +36,7 @@ from typing import Any
 
 from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
 
-from .vllm_driver import TINY_MODEL_DIR, OracleRequest, _vllm, run_vllm
+from .vllm_driver import TINY_MODEL_DIR, OracleRequest, _vllm, run_vllm, scheduler_for
 
 GROUP_FIELDS = (
     "group_blocks",
@@ -213,21 +213,8 @@ def make_hybrid_scheduler(
         g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
     )
     sched_bs, hash_bs = v["resolve_kv_cache_block_sizes"](kv_cache_config, config)
-    scheduler = v["Scheduler"](
-        vllm_config=config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=v["StructuredOutputManager"](config),
-        block_size=sched_bs,
-        hash_block_size=hash_bs,
-        log_stats=False,
-    )
-    block_hasher = None
-    if prefix_caching:
-        hash_fn = v["get_hash_fn_by_name"](config.cache_config.prefix_caching_hash_algo)
-        v["init_none_hash"](hash_fn)
-        block_hasher = v["get_request_block_hasher"](
-            hash_bs, hash_fn, config.num_hash_lookahead_tokens
-        )
+    scheduler, block_hasher = scheduler_for(config, kv_cache_config, sched_bs, hash_bs,
+                                            prefix_caching)
     plan = {
         "num_blocks": kv_cache_config.num_blocks,
         "page_bytes": (

@@ -186,21 +186,31 @@ def make_scheduler(
         ],
     )
     vllm_config.cache_config.num_gpu_blocks = total_blocks
+    # (hash_block_size == block_size for one group, as EngineCore.__init__ has it)
+    return scheduler_for(vllm_config, kv_cache_config, block_size, block_size, prefix_caching)
+
+
+def scheduler_for(
+    vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int,
+    prefix_caching: bool,
+) -> tuple[Any, Any]:
+    """vLLM's `Scheduler` over `kv_cache_config`, and the request block hasher that
+    EngineCore.__init__ makes for prefix caching (None without it)."""
+    v = _vllm()
     scheduler = v["Scheduler"](
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=v["StructuredOutputManager"](vllm_config),
         block_size=block_size,
-        hash_block_size=block_size,
+        hash_block_size=hash_block_size,
         log_stats=False,
     )
     block_hasher = None
     if prefix_caching:
-        # As EngineCore.__init__ does (hash_block_size == block_size for one group).
         hash_fn = v["get_hash_fn_by_name"](vllm_config.cache_config.prefix_caching_hash_algo)
         v["init_none_hash"](hash_fn)
         block_hasher = v["get_request_block_hasher"](
-            block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
+            hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens
         )
     return scheduler, block_hasher
 
