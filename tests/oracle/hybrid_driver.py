@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, Layer, LayerStack, SlidingWindow
 
 from .vllm_driver import TINY_MODEL_DIR, OracleRequest, _vllm, run_vllm, scheduler_for
 
@@ -95,44 +95,32 @@ def _hybrid_vllm() -> dict[str, Any]:
     return v
 
 
-def vllm_specs(stack: LayerStack, block_size: int) -> dict[str, Any]:
-    """Every layer's vLLM spec (bf16), as the model's attention layers would report them."""
+def attention_spec(layer: Layer, block_size: int) -> Any:
+    """An attention layer's vLLM spec (bf16), as the model's layer would report it; None for
+    a Mamba state layer, whose spec needs the platform's block-size alignment first."""
     v = _hybrid_vllm()
     bf16 = v["torch"].bfloat16
+    if isinstance(layer, MLA):
+        return v["MLAAttentionSpec"](block_size=block_size, num_kv_heads=1,
+                                     head_size=layer.latent + layer.rope, dtype=bf16,
+                                     cache_dtype_str="auto")
+    if not isinstance(layer, FullAttention):
+        return None
+    heads = {"block_size": block_size, "num_kv_heads": layer.kv_heads,
+             "head_size": layer.head_dim, "dtype": bf16}
+    if isinstance(layer, SlidingWindow):
+        return v["SlidingWindowSpec"](**heads, sliding_window=layer.window)
+    if isinstance(layer, ChunkedLocal):
+        return v["ChunkedLocalAttentionSpec"](**heads, attention_chunk_size=layer.chunk)
+    return v["FullAttentionSpec"](**heads)
+
+
+def vllm_specs(stack: LayerStack, block_size: int) -> dict[str, Any]:
+    """Every layer's vLLM spec (bf16), as the model's attention layers would report them."""
     specs: dict[str, Any] = {}
     for i, layer in enumerate(stack.layers):
-        if isinstance(layer, MLA):
-            spec = v["MLAAttentionSpec"](
-                block_size=block_size,
-                num_kv_heads=1,
-                head_size=layer.latent + layer.rope,
-                dtype=bf16,
-                cache_dtype_str="auto",
-            )
-        elif isinstance(layer, SlidingWindow):
-            spec = v["SlidingWindowSpec"](
-                block_size=block_size,
-                num_kv_heads=layer.kv_heads,
-                head_size=layer.head_dim,
-                dtype=bf16,
-                sliding_window=layer.window,
-            )
-        elif isinstance(layer, ChunkedLocal):
-            spec = v["ChunkedLocalAttentionSpec"](
-                block_size=block_size,
-                num_kv_heads=layer.kv_heads,
-                head_size=layer.head_dim,
-                dtype=bf16,
-                attention_chunk_size=layer.chunk,
-            )
-        elif isinstance(layer, FullAttention):
-            spec = v["FullAttentionSpec"](
-                block_size=block_size,
-                num_kv_heads=layer.kv_heads,
-                head_size=layer.head_dim,
-                dtype=bf16,
-            )
-        else:  # Mamba state layers need the platform's block-size alignment first
+        spec = attention_spec(layer, block_size)
+        if spec is None:
             raise NotImplementedError(f"layer {i}: {type(layer).__name__}")
         specs[f"model.layers.{i}.attn"] = spec
     return specs

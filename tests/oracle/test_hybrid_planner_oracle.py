@@ -27,7 +27,6 @@ pytest.importorskip("vllm.v1.core.kv_cache_planning")
 from kvfrag.sim.hybrid import plan  # noqa: E402
 from kvfrag.sim.layers import (  # noqa: E402
     MLA,
-    ChunkedLocal,
     FullAttention,
     LayerStack,
     MambaState,
@@ -35,6 +34,7 @@ from kvfrag.sim.layers import (  # noqa: E402
 )
 
 from . import hybrid_shapes as shapes  # noqa: E402
+from .hybrid_driver import attention_spec  # noqa: E402
 from .vllm_driver import TINY_MODEL_DIR, _vllm  # noqa: E402
 
 GiB = shapes.GiB
@@ -88,13 +88,7 @@ def vllm():
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        MambaSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     config = v["VllmConfig"](
         model_config=v["ModelConfig"](
@@ -122,10 +116,6 @@ def vllm():
         groups=get_global_kv_cache_groups,
         configs=get_kv_cache_configs,
         block_sizes=resolve_kv_cache_block_sizes,
-        full=FullAttentionSpec,
-        sliding=SlidingWindowSpec,
-        chunked=ChunkedLocalAttentionSpec,
-        mla=MLAAttentionSpec,
         mamba=MambaSpec,
     )
 
@@ -209,7 +199,6 @@ def _align_for_mamba(v, stack: LayerStack, monkeypatch) -> None:
 def _specs(v, stack: LayerStack) -> dict:
     """Every layer's vLLM spec, as the model's layers would report them."""
     cc = v.config.cache_config
-    bf16 = v.torch.bfloat16
     specs = {}
     for i, layer in enumerate(stack.layers):
         bs = cc.block_size
@@ -223,35 +212,8 @@ def _specs(v, stack: LayerStack) -> dict:
                 mamba_type=backend,
                 mamba_cache_mode=cc.mamba_cache_mode,
             )
-        elif isinstance(layer, MLA):
-            spec = v.mla(
-                block_size=bs,
-                num_kv_heads=1,
-                head_size=layer.latent + layer.rope,
-                dtype=bf16,
-                cache_dtype_str="auto",
-            )
-        elif isinstance(layer, SlidingWindow):
-            spec = v.sliding(
-                block_size=bs,
-                num_kv_heads=layer.kv_heads,
-                head_size=layer.head_dim,
-                dtype=bf16,
-                sliding_window=layer.window,
-            )
-        elif isinstance(layer, ChunkedLocal):
-            spec = v.chunked(
-                block_size=bs,
-                num_kv_heads=layer.kv_heads,
-                head_size=layer.head_dim,
-                dtype=bf16,
-                attention_chunk_size=layer.chunk,
-            )
         else:
-            assert isinstance(layer, FullAttention)
-            spec = v.full(
-                block_size=bs, num_kv_heads=layer.kv_heads, head_size=layer.head_dim, dtype=bf16
-            )
+            spec = attention_spec(layer, bs)
         specs[f"model.layers.{i}.attn"] = spec
     return specs
 
