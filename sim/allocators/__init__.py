@@ -54,7 +54,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "vattention": ("page_size",),
     "hybrid": (
         "block_size", "hybrid_kv_cache_manager", "stack", "max_num_batched_tokens",
-        "concurrent_batches", "prefix_caching",
+        "concurrent_batches", "prefix_caching", "mamba_cache_mode",
     ),
 }
 #: Kinds whose constructor also takes the model's KV shape (`geometry=`).

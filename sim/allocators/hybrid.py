@@ -1,5 +1,5 @@
-"""vLLM 0.33's hybrid KV-cache manager for attention layer kinds (full, MLA, sliding window,
-chunked local), without prefix caching and without Mamba.
+"""vLLM 0.33's hybrid KV-cache manager for full, MLA, sliding-window and chunked-local
+attention and Mamba state (`mamba_cache_mode` "none"), without prefix caching.
 
 The plan (`kvfrag.sim.hybrid.planner.plan`) cuts the budget into `num_blocks` block ids of one
 page size; block 0 is the pool's null block, the other `usable_blocks` are shared by every
@@ -12,7 +12,16 @@ group there is a block table, kept by one single-type manager per kind of group
   block and freed), P being the tokens *processed* when the request last asked for slots
   (`get_num_skipped_tokens` / `remove_skipped_blocks`; freeing runs inside `allocate_slots`,
   before new blocks are counted);
-- chunked local C: every block of the chunks before floor(P / C) x C is freed.
+- chunked local C: every block of the chunks before floor(P / C) x C is freed;
+- Mamba state, mode "none": one block per request per group for its whole life (vLLM's Mamba
+  block size is max_model_len; the state of the last token is all a layer reads).
+
+The managers are `kvfrag.sim.hybrid.managers`' classes, one per kind of group; this class is
+their coordinator. Mamba's "align" mode (the current state block, the previous one until the
+next step, checkpoint blocks, chunks scheduled on block boundaries) is refused: vLLM 0.33
+reaches it only with prefix caching (`MambaModelConfig.verify_and_update_config` turns
+"align" into "none" without it, and a Mamba block size other than max_model_len needs
+`--enable-prefix-caching`), which this allocator does not model yet.
 
 P is what vLLM's `allocate_slots` frees by: the tokens computed before this allocation. An
 admission of T tokens holds every block of them (P = 0) until the request's next allocation;
@@ -38,11 +47,13 @@ capped count, the most a chunked prefill ever holds.
 Accounting (exact integers; `page` the bytes of one block id, tb the bytes per token of a
 group's real layers, bs its block size, F the request's final length):
 - token_states: per full/MLA layer every stored token, per sliding layer the last min(W, L)
-  tokens, per chunked layer the tokens of the chunk of its last token;
+  tokens, per chunked layer the tokens of the chunk of its last token, per Mamba layer its
+  state (unpadded);
 - reserved: per group, the slots in held blocks the request will still write
   (min(F, ceil(L / bs) x bs) - L tokens, x tb);
 - internal: everything else held: out-of-window tokens still in held blocks, padding (a
-  block's page less bs x tb: padding layers, pages padded to the one page size), slots past F;
+  block's page less bs x tb, or less the Mamba state: padding layers, pages padded to the one
+  page size), slots past F;
 - external: the budget beyond the usable pool (the null block and the remainder of
   budget // page), as paged.py counts its budget's tail;
 - usable_free: free block ids x page.
@@ -57,7 +68,6 @@ in the stretch (O(decoders x stretch / block size), not O(tokens)).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 from kvfrag.sim.allocators.base import (
     Allocator,
@@ -70,62 +80,9 @@ from kvfrag.sim.allocators.base import (
 )
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.geometry import KVGeometry
-from kvfrag.sim.hybrid.planner import Group, Plan, plan
+from kvfrag.sim.hybrid.managers import managers_for
+from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
-
-FULL_KINDS = ("full", "mla")
-
-
-@dataclass(frozen=True)
-class Manager:
-    """One kind of KV-cache group (its single-type manager) and the groups of that kind that
-    behave alike: `groups` block tables per request, each of the same length."""
-
-    kind: str  # "full" (also MLA and promoted layers), "sliding_window" or "chunked_local"
-    block_size: int
-    window: int  # W or C; 0 for full
-    groups: int  # groups of this kind, block size and window
-    token_bytes: int  # sum over those groups of their real layers' bytes per token
-    cap: int | None  # max_admission_blocks_per_request (per group), None for full
-
-    def skipped_blocks(self, processed: int) -> int:
-        """Leading blocks freed once `processed` tokens are computed (per group)."""
-        if self.kind == "sliding_window":
-            return max(0, processed - self.window + 1) // self.block_size
-        if self.kind == "chunked_local":
-            return processed // self.window * self.window // self.block_size
-        return 0
-
-    def held(self, tokens: int, processed: int) -> int:
-        """Blocks one group holds for `tokens` slots after freeing by `processed`."""
-        return -(-tokens // self.block_size) - self.skipped_blocks(processed)
-
-    def needed(self, tokens: int) -> int:
-        """Tokens each layer of these groups still reads (its window of the stored ones)."""
-        if self.kind == "sliding_window":
-            return min(self.window, tokens)
-        if self.kind == "chunked_local":
-            return tokens - (tokens - 1) // self.window * self.window
-        return tokens
-
-    def progressions(self) -> list[tuple[int, int]]:
-        """(r, mod): the lengths r mod `mod` where these groups' counts or needed tokens may
-        stop being linear in the length: block boundaries, window edges, chunk starts."""
-        bs = self.block_size
-        progressions = [(1, bs)]
-        if self.kind == "sliding_window":
-            progressions.append((self.window % bs, bs))
-        elif self.kind == "chunked_local":
-            progressions.append((1, self.window))
-        return progressions
-
-    def starts(self, lo: int, hi: int) -> list[int]:
-        """Lengths in [lo, hi] at which these groups' counts or needed tokens may stop being
-        linear in the length (`progressions`)."""
-        out = []
-        for r, mod in self.progressions():
-            out.extend(range(lo + (r - lo) % mod, hi + 1, mod))
-        return out
 
 
 class HybridAllocator(Allocator):
@@ -144,6 +101,7 @@ class HybridAllocator(Allocator):
         max_num_batched_tokens: object = 8192,
         concurrent_batches: object = 2,
         prefix_caching: object = False,
+        mamba_cache_mode: object = "none",
         geometry: KVGeometry | None = None,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len)
@@ -159,10 +117,15 @@ class HybridAllocator(Allocator):
             )
         if prefix_caching is not False:
             raise ValueError("the hybrid allocator does not model prefix caching yet")
-        if stack.mamba_layers:
+        if mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(
-                f"model {stack.name!r} has {stack.mamba_layers} Mamba layer(s): the hybrid "
-                "allocator does not model Mamba state yet"
+                f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, not "
+                f"{mamba_cache_mode!r}"
+            )
+        if mamba_cache_mode == "align":
+            raise ValueError(
+                "mamba_cache_mode 'align' needs prefix caching (vLLM 0.33 turns it into "
+                "'none' without it), which the hybrid allocator does not model yet"
             )
         if self.bytes_per_token != stack.full_bytes_per_token:
             raise ValueError(
@@ -175,15 +138,16 @@ class HybridAllocator(Allocator):
         self.stack = stack
         self.plan: Plan = plan(
             stack, self.capacity, bs, hybrid_kv_cache_manager, max_model_len=self.max_model_len,
-            prefix_caching=False, max_num_batched_tokens=positive_int(
+            mamba_cache_mode="none", prefix_caching=False, max_num_batched_tokens=positive_int(
                 "max_num_batched_tokens", max_num_batched_tokens),
             concurrent_batches=positive_int("concurrent_batches", concurrent_batches),
         )
         self.block_size = bs
         self.block_bytes = self.page = self.plan.page_bytes
         self.num_blocks = self.plan.usable_blocks  # block ids requests can hold
-        self._manager_of: list[int] = []  # plan group -> its manager
-        self.managers = self._managers(in_flight)
+        # One manager per kind of group; plan group -> its manager's index.
+        self.managers, self._manager_of = managers_for(self.plan, stack, in_flight,
+                                                       self.max_model_len)
         # Group index -> (manager index, group within it), in the plan's group order.
         self._stack_ids = FreeIds(self.plan.num_blocks)
         self._stack_ids.pop()  # block 0: the null block
@@ -209,31 +173,6 @@ class HybridAllocator(Allocator):
         self._groups_total = sum(m.groups for m in self.managers)
         self._full_memo: tuple[int, int, int | None] | None = None
 
-    @staticmethod
-    def _key(g: Group) -> tuple[str, int, int]:
-        """(kind, block size, window) of a planned group: groups alike share a manager."""
-        kind = "full" if g.kind in FULL_KINDS else g.kind
-        return kind, g.block_size, 0 if kind == "full" else (g.window or 0)
-
-    def _managers(self, in_flight: int) -> tuple[Manager, ...]:
-        by_key: dict[tuple[str, int, int], list[int]] = {}
-        for g in self.plan.groups:
-            tb = sum(self.stack.layers[i].bytes_per_token for i in g.layers)
-            entry = by_key.setdefault(self._key(g), [0, 0])
-            entry[0] += 1
-            entry[1] += tb
-        self._manager_of = [list(by_key).index(self._key(g)) for g in self.plan.groups]
-        out = []
-        mml = self.max_model_len
-        for (kind, bs, window), (groups, tb) in by_key.items():
-            cap = None
-            if kind == "sliding_window":
-                cap = -(-min(window - 1 + in_flight, mml) // bs) + 1
-            elif kind == "chunked_local":
-                cap = -(-min(window + in_flight, mml) // bs)
-            out.append(Manager(kind, bs, window, groups, tb, cap))
-        return tuple(out)
-
     # ------------------------------------------------------------- per request
     def _state(self, live: Live) -> tuple[int, int]:
         """(tokens, processed) of a request now."""
@@ -253,7 +192,7 @@ class HybridAllocator(Allocator):
             bs = m.block_size
             held = m.held(tokens, processed)
             blocks += m.groups * held
-            token_states += m.needed(tokens) * m.token_bytes
+            token_states += m.needed(tokens) * m.token_bytes + m.state_bytes
             end = -(-tokens // bs) * bs
             reserved += max(0, min(final, end) - tokens) * m.token_bytes
         internal = blocks * self.page - token_states - reserved
@@ -268,7 +207,8 @@ class HybridAllocator(Allocator):
             tokens, processed = self._state(live)
             for m in self.managers:
                 held = m.held(tokens, processed)
-                padding += held * (m.groups * self.page - m.block_size * m.token_bytes)
+                padding += (held * (m.groups * self.page - m.block_size * m.token_bytes)
+                            - m.state_bytes)
                 written = tokens - m.skipped_blocks(processed) * m.block_size
                 out += (written - m.needed(tokens)) * m.token_bytes
         internal = self._totals()[3]
@@ -613,12 +553,7 @@ class HybridAllocator(Allocator):
             end = tokens + done
             most = 0
             for m in self.managers:
-                blocks = -(-end // m.block_size)
-                if m.kind == "sliding_window":
-                    blocks = min(blocks, (m.window + 2 * m.block_size - 2) // m.block_size)
-                elif m.kind == "chunked_local":
-                    blocks = min(blocks, m.window // m.block_size + 2)
-                most += m.groups * blocks
+                most += m.groups * m.most_blocks(end)
             bound += max(0, most - self._blocks(tokens, processed))
         if bound <= self.num_blocks:
             return done
@@ -668,7 +603,7 @@ class HybridAllocator(Allocator):
         sooner: the engine asks after a step whether memory may have come back since a
         refusal (a decoder at its final length, whose last step freed, is freed only at the
         iteration's end, after the admissions that its blocks may let in)."""
-        windowed = [m for m in self.managers if m.kind != "full"]
+        windowed = [m for m in self.managers if m.frees]
         if not windowed:
             return None
         best: int | None = None
@@ -684,27 +619,10 @@ class HybridAllocator(Allocator):
             if any(m.skipped_blocks(tokens) > m.skipped_blocks(processed) for m in windowed):
                 return 1
             for m in windowed:
-                t = self._next_free(m, tokens, live.final)
+                t = m.next_free(tokens, live.final)
                 if t is not None and (best is None or t < best):
                     best = t
         return best
-
-    @staticmethod
-    def _next_free(m: Manager, tokens: int, final: int) -> int | None:
-        """Steps from `tokens` (processed: tokens - 1) until a step frees a block of `m`: the
-        step to length L frees by L - 1 processed tokens."""
-        bs, base = m.block_size, m.skipped_blocks(tokens - 1)
-        if m.kind == "sliding_window":
-            # skipped(L - 1) = (L - W) // bs for L >= W: up by one at L = W + k bs, k >= 1
-            length = max(m.window + bs, tokens + 1 + (m.window - tokens - 1) % bs)
-            return length - tokens if length <= final else None
-        c = m.window
-        length = tokens + 1 + (1 - tokens - 1) % c  # the next chunk start: L - 1 = k C
-        while length <= final:
-            if m.skipped_blocks(length - 1) > base:
-                return length - tokens
-            length += c
-        return None
 
     def integrals(
         self, n: int, probe: Request | None, w0: float, w1: float

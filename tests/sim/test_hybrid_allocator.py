@@ -1,6 +1,7 @@
-"""The hybrid allocator (vLLM's hybrid KV-cache manager, attention kinds): block counts per
-group against an independent model of vLLM's managers, the accounting identity, exact
-`integrate`, `steps_until_full` and `steps_until_shrink`, block ids, refusals."""
+"""The hybrid allocator (vLLM's hybrid KV-cache manager: attention kinds and Mamba state in
+mode "none"): block counts per group against an independent model of vLLM's managers, the
+accounting identity, exact `integrate`, `steps_until_full` and `steps_until_shrink`, block
+ids, refusals."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ warnings.filterwarnings("ignore", message=".*pure-Python.*")
 
 
 def _stack(name: str, pattern: str, **kw: int) -> LayerStack:
-    """s: sliding (window 32), f: full, c: chunked (chunk 24), m: MLA; tiny heads."""
+    """s: sliding (window 32), f: full, c: chunked (chunk 24), m: MLA, g: Mamba state (`state`
+    bytes, 200 by default); tiny heads."""
     layers = []
     for ch in pattern:
         if ch == "s":
@@ -33,6 +35,8 @@ def _stack(name: str, pattern: str, **kw: int) -> LayerStack:
             layers.append(FullAttention(1, 4, 2))
         elif ch == "c":
             layers.append(ChunkedLocal(1, 4, 2, chunk=kw.get("chunk", 24)))
+        elif ch == "g":
+            layers.append(MambaState(kw.get("state", 200), "gated_delta_net"))
         else:
             layers.append(MLA(6, 2, 2))
     return LayerStack(name, tuple(layers))
@@ -44,6 +48,10 @@ STACKS = {
     "llama4-like": _stack("llama4-like", "cccfcccf"),
     "mla": _stack("mla", "mmmm"),
     "sliding-odd": _stack("sliding-odd", "ssf", window=21),
+    # Mamba hybrids: attention blocks aligned up to hold a state (600 B: blocks of 48), the
+    # state pages padded; one state block per request per Mamba group.
+    "qwen3-next-like": _stack("qwen3-next-like", "gggfgggf", state=600),
+    "jamba-like": _stack("jamba-like", "ggggfggg"),
 }
 
 
@@ -63,7 +71,9 @@ def min_capacity(name: str, mml: int, **opts) -> int:
 def held(kind: str, bs: int, window: int, tokens: int, processed: int) -> int:
     """vLLM: ceil(tokens / bs) blocks in the table, the skipped ones null."""
     blocks = -(-tokens // bs)
-    if kind == "sliding_window":
+    if kind == "mamba":  # get_num_skipped_tokens: n - 1 (bs is max_model_len in mode none)
+        skipped = max(0, processed - 1)
+    elif kind == "sliding_window":
         skipped = max(0, processed - window + 1)
     elif kind == "chunked_local":
         skipped = processed // window * window
@@ -93,7 +103,7 @@ def model_parts(a, tokens: int, processed: int, final: int) -> tuple[int, int, i
                 need = tokens - (tokens - 1) // g.window * g.window
             else:
                 need = tokens
-            token_states += need * b
+            token_states += need * b + getattr(layer, "state_bytes", 0)  # (Mamba: its state)
             end = -(-tokens // g.block_size) * g.block_size
             reserved += max(0, min(final, end) - tokens) * b
     allocated = model_blocks(a, tokens, processed) * a.page
@@ -210,6 +220,11 @@ OP = st.tuples(st.sampled_from(["admit", "admit", "admit", "grow", "step", "step
 @given(mml=st.integers(20, 90), extra=st.integers(0, 40), ops=st.lists(OP, max_size=40),
        defer=st.booleans())
 def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, defer):
+    if not manager and STACKS[name].mamba_layers:
+        # vLLM cannot promote Mamba state to full attention (unify_hybrid_kv_cache_specs).
+        with pytest.raises(ValueError, match="promote"):
+            build(name, 10**9, mml, hybrid_kv_cache_manager=False)
+        return
     base = min_capacity(name, mml, hybrid_kv_cache_manager=manager)
     a = build(name, base + extra * 37, mml, hybrid_kv_cache_manager=manager)
     if defer:
@@ -376,10 +391,10 @@ def test_decode_step_is_checked_request_by_request():
 
 
 def test_refuses_what_it_does_not_model():
-    mamba = LayerStack("m", (FullAttention(1, 4, 2), MambaState(1000)))
-    with pytest.raises(ValueError, match="Mamba"):
-        make_allocator("hybrid", capacity=10**6, bytes_per_token=16, max_model_len=64,
-                       stack=mamba)
+    with pytest.raises(ValueError, match="'align' needs prefix caching"):
+        build("jamba-like", 10**6, mamba_cache_mode="align")
+    with pytest.raises(ValueError, match="mamba_cache_mode must be one of none, align, not 'x'"):
+        build("jamba-like", 10**6, mamba_cache_mode="x")
     with pytest.raises(ValueError, match="prefix caching"):
         build("gemma-like", 10**6, prefix_caching=True)
     with pytest.raises(ValueError, match="LayerStack"):
