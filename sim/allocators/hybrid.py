@@ -48,7 +48,8 @@ Accounting (exact integers; `page` the bytes of one block id, tb the bytes per t
 group's real layers, bs its block size, F the request's final length):
 - token_states: per full/MLA layer every stored token, per sliding layer the last min(W, L)
   tokens, per chunked layer the tokens of the chunk of its last token, per Mamba layer its
-  state (unpadded);
+  state (unpadded); by each layer's real kind, also where the manager is off and its group
+  is promoted to full attention (the tokens it keeps past its window are out of window);
 - reserved: per group, the slots in held blocks the request will still write
   (min(F, ceil(L / bs) x bs) - L tokens, x tb);
 - internal: everything else held: out-of-window tokens still in held blocks, padding (a
@@ -57,8 +58,10 @@ group's real layers, bs its block size, F the request's final length):
 - external: the budget beyond the usable pool (the null block and the remainder of
   budget // page), as paged.py counts its budget's tail;
 - usable_free: free block ids x page.
-`waste_breakdown()` splits internal into those three at the present instant; time averages
-of the split are not integrated (the engine integrates the five parts only).
+The running totals carry padding and out_of_window too, so `waste_parts()` and
+`waste_integrals()` give the split exactly, as `parts()` and `integrals()` the five parts
+(rounding, the slots past F, is the rest); `waste_breakdown()` walks the live requests afresh
+for checks.
 
 Cost: the per-request block counts are recomputed from (L, P) over the live requests, memoised
 per clock and change; `integrate` and `steps_until_full` walk each decoder's block boundaries
@@ -83,6 +86,7 @@ from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.managers import managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
+from kvfrag.sim.model_view import ModelView
 
 
 class HybridAllocator(Allocator):
@@ -158,16 +162,24 @@ class HybridAllocator(Allocator):
         self._named_start: dict[int, list[int]] = {}
         self._deferred = False
         self._version = 0
-        # Running totals of (blocks, token_states, reserved, internal): `_fixed` over the
+        # What each manager's real layers read: promoted groups (the manager off) keep every
+        # token, but their sliding and chunked layers read only their window; None where
+        # every layer of the manager reads every token.
+        self._reads = self._manager_views()
+        self.waste_split = True
+        # Running totals of (blocks, token_states, reserved, internal, padding,
+        # out_of_window): `_fixed` over the
         # requests outside the decode cohort (each at its (tokens, processed)); each decoder's
         # parts are linear in the clock K between its breakpoints (block boundaries, window
         # edges, chunk starts), so it holds a segment: valid for K <= hi, parts =
         # const + slope x K; `_dec_const` and `_dec_slope` sum those over the cohort, and
         # `_seg_heap` holds (hi + 1, rid) so that `_stepped` renews the segments the clock
         # has passed (lazily: an entry counts while `_seg[rid][0]` is still its hi).
-        self._fixed = [0, 0, 0, 0]
-        self._dec_const = [0, 0, 0, 0]
-        self._dec_slope = [0, 0, 0, 0]
+        self._fixed = [0] * 6
+        self._dec_const = [0] * 6
+        self._dec_slope = [0] * 6
+        # `_integrals6`'s last answer: the engine asks the parts, then the waste, of a stretch
+        self._integrals_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
         self._seg: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
         self._seg_heap: list[tuple[int, int]] = []
         self._groups_total = sum(m.groups for m in self.managers)
@@ -185,46 +197,78 @@ class HybridAllocator(Allocator):
     def _blocks(self, tokens: int, processed: int) -> int:
         return sum(m.groups * m.held(tokens, processed) for m in self.managers)
 
-    def _parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, int, int, int]:
-        """(blocks, token_states, reserved, internal) of one request."""
-        blocks = token_states = reserved = 0
-        for m in self.managers:
+    def _manager_views(self) -> list[ModelView | None]:
+        """Per manager, the model view of its groups' real layers (`sim.model_view`)."""
+        layers: list[list] = [[] for _ in self.managers]
+        for g, mi in zip(self.plan.groups, self._manager_of, strict=True):
+            layers[mi].extend(self.stack.layers[i] for i in g.layers)
+        return [ModelView.of(LayerStack(self.stack.name, tuple(ls))) if ls else None
+                for ls in layers]
+
+    def _parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
+        """(blocks, token_states, reserved, internal, padding, out_of_window) of one request:
+        internal = padding + out_of_window + rounding (slots past F)."""
+        blocks = token_states = reserved = padding = out = 0
+        for m, view in zip(self.managers, self._reads, strict=True):
             bs = m.block_size
             held = m.held(tokens, processed)
             blocks += m.groups * held
-            token_states += m.needed(tokens) * m.token_bytes + m.state_bytes
+            # tokens its layers read: all, less those out of their window (`needed` for the
+            # manager's own kind; promoted layers by their real kind)
+            unread = 0 if view is None else view.out_of_window(tokens)
+            token_states += tokens * m.token_bytes - unread + m.state_bytes
             end = -(-tokens // bs) * bs
             reserved += max(0, min(final, end) - tokens) * m.token_bytes
+            padding += held * (m.groups * self.page - bs * m.token_bytes) - m.state_bytes
+            out += unread - m.skipped_blocks(processed) * bs * m.token_bytes
         internal = blocks * self.page - token_states - reserved
-        return blocks, token_states, reserved, internal
+        return blocks, token_states, reserved, internal, padding, out
 
     def waste_breakdown(self) -> dict[str, int]:
-        """Internal bytes now, split: padding (a block's page beyond its groups' real slots),
-        out_of_window (written tokens in held blocks that no layer reads any more), and
-        rounding (slots no token will fill). Instantaneous, not time-averaged."""
+        """Internal bytes now, split: padding (a block's page beyond its groups' real slots
+        or Mamba state), out_of_window (written tokens in held blocks that no layer reads any
+        more), and rounding (slots no token will fill); no over-reservation. Walks the live
+        requests afresh, apart from the running totals: what checks hold those to."""
         padding = out = 0
         for live in self._live.values():
             tokens, processed = self._state(live)
-            for m in self.managers:
+            for m, view in zip(self.managers, self._reads, strict=True):
                 held = m.held(tokens, processed)
                 padding += (held * (m.groups * self.page - m.block_size * m.token_bytes)
                             - m.state_bytes)
                 written = tokens - m.skipped_blocks(processed) * m.block_size
-                out += (written - m.needed(tokens)) * m.token_bytes
+                tb = m.token_bytes
+                # bytes its layers read: by the manager's kind, or promoted layers' real kinds
+                read = (m.needed(tokens) * tb if m.kind != "full" or view is None
+                        else tokens * tb - view.out_of_window(tokens))
+                out += written * tb - read
         internal = self._totals()[3]
-        return {"padding": padding, "out_of_window": out,
+        return {"overreservation": 0, "padding": padding, "out_of_window": out,
                 "rounding": internal - padding - out}
 
+    def waste_parts(self) -> tuple[int, int]:
+        totals = self._totals()
+        return totals[4], totals[5]
+
+    def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
+        sums = self._integrals6(n, w0, w1)
+        return sums[4], sums[5]
+
+    def group_kinds(self) -> tuple[str, ...]:
+        return tuple(g.kind for g in self.plan.groups)
+
     def _totals(self) -> tuple[int, ...]:
-        """(blocks, token_states, reserved, internal) over live requests: the running totals."""
+        """(blocks, token_states, reserved, internal, padding, out_of_window) over live
+        requests: the running totals."""
         k = self._clock
         f, c, sl = self._fixed, self._dec_const, self._dec_slope
         return (f[0] + c[0] + sl[0] * k, f[1] + c[1] + sl[1] * k,
-                f[2] + c[2] + sl[2] * k, f[3] + c[3] + sl[3] * k)
+                f[2] + c[2] + sl[2] * k, f[3] + c[3] + sl[3] * k,
+                f[4] + c[4] + sl[4] * k, f[5] + c[5] + sl[5] * k)
 
-    def _add_fixed(self, parts: tuple[int, int, int, int], sign: int) -> None:
+    def _add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
         f = self._fixed
-        for i in range(4):
+        for i in range(6):
             f[i] += sign * parts[i]
 
     def _next_start(self, tokens: int) -> int:
@@ -235,6 +279,9 @@ class HybridAllocator(Allocator):
                 x = tokens + 1 + (r - tokens - 1) % mod
                 if x < best:
                     best = x
+        for view in self._reads:  # a promoted layer's window edge or chunk start
+            if view is not None:
+                best = min(best, view.end(tokens) + 1)
         return best
 
     def _segment(self, live: Live) -> None:
@@ -243,23 +290,21 @@ class HybridAllocator(Allocator):
         tokens = live.base + k
         if self._joined[rid] == k:  # its prefill's state, for this clock only
             base = self._parts_of(tokens, self._proc[rid], final)
-            slope: tuple[int, ...] = (0, 0, 0, 0)
+            slope: tuple[int, ...] = (0,) * 6
             hi = k
         else:
             base = self._parts_of(tokens, tokens - 1, final)
             end = self._next_start(tokens) - 1
             if end > tokens:
                 after = self._parts_of(tokens + 1, tokens, final)
-                slope = (after[0] - base[0], after[1] - base[1], after[2] - base[2],
-                         after[3] - base[3])
+                slope = tuple(y - x for x, y in zip(base, after, strict=True))
             else:
-                slope = (0, 0, 0, 0)
+                slope = (0,) * 6
             hi = k + end - tokens
-        const = (base[0] - slope[0] * k, base[1] - slope[1] * k, base[2] - slope[2] * k,
-                 base[3] - slope[3] * k)
+        const = tuple(x - sl * k for x, sl in zip(base, slope, strict=True))
         self._seg[rid] = (hi, const, slope)
         dc, ds = self._dec_const, self._dec_slope
-        for i in range(4):
+        for i in range(6):
             dc[i] += const[i]
             ds[i] += slope[i]
         heapq.heappush(self._seg_heap, (hi + 1, rid))
@@ -268,7 +313,7 @@ class HybridAllocator(Allocator):
         """Take a decoder's segment out of the cohort's sums."""
         _, const, slope = self._seg.pop(rid)
         dc, ds = self._dec_const, self._dec_slope
-        for i in range(4):
+        for i in range(6):
             dc[i] -= const[i]
             ds[i] -= slope[i]
 
@@ -508,7 +553,7 @@ class HybridAllocator(Allocator):
         return self._usable_free(None)
 
     def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
-        blocks, token_states, reserved, internal = self._totals()
+        blocks, token_states, reserved, internal = self._totals()[:4]
         usable = (self.num_blocks - blocks) * self.page
         return (token_states, reserved, internal,
                 self.capacity - self.num_blocks * self.page, usable)
@@ -628,37 +673,55 @@ class HybridAllocator(Allocator):
         self, n: int, probe: Request | None, w0: float, w1: float
     ) -> tuple[float, float, float, float, float, float]:
         weight = n * w0 + w1 * n * (n - 1) / 2
+        sums = self._integrals6(n, w0, w1)
+        allocated = sums[0] * self.page
+        external = (self.capacity - self.num_blocks * self.page) * weight
+        usable = self.num_blocks * self.page * weight - allocated
+        return (sums[1], sums[2], sums[3], external, usable, 0.0)
+
+    def _piece_starts(self, lo: int, hi: int) -> list[int]:
+        """`_starts`, and the window edges and chunk starts of promoted layers."""
+        points = self._starts(lo, hi)
+        extra = [p for view in self._reads if view is not None for p in view.starts(lo, hi)]
+        return sorted(set(points).union(extra)) if extra else points
+
+    def _integrals6(self, n: int, w0: float, w1: float) -> list[float]:
+        """Weighted sums over the next n steps of the running totals' six figures (blocks,
+        token_states, reserved, internal, padding, out_of_window), as `integrals` weighs."""
+        key = (self._clock, self._version, n, w0, w1)
+        memo = self._integrals_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        weight = n * w0 + w1 * n * (n - 1) / 2
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
         k0 = self._clock
-        sums = [0.0, 0.0, 0.0, 0.0]
+        sums = [0.0] * 6
         # Decoders whose segment covers the stretch are in the cohort's linear sums; the
         # others (a block boundary, window edge or chunk start within it) walk theirs.
         fixed = list(self._fixed)
         const, slope = list(self._dec_const), list(self._dec_slope)
         for rid in (self._ending_by(k0 + n) if n else ()):
             _, c, sl = self._seg[rid]
-            for k in range(4):
+            for k in range(6):
                 const[k] -= c[k]
                 slope[k] -= sl[k]
             live = self._live[rid]
             tokens = live.base + k0
-            starts = self._starts(tokens + 1, tokens + n)
+            starts = self._piece_starts(tokens + 1, tokens + n)
             for si, a in enumerate(starts):
                 b = starts[si + 1] - 1 if si + 1 < len(starts) else tokens + n
                 fa = self._parts_of(a, a - 1, live.final)
                 m_count = b - a + 1
                 step = ([y - x for x, y in zip(fa, self._parts_of(a + 1, a, live.final),
                                                 strict=True)]
-                        if m_count > 1 else [0, 0, 0, 0])
+                        if m_count > 1 else [0] * 6)
                 alpha = w0 + w1 * (a - tokens - 1)
                 s1 = m_count * (m_count - 1) / 2
                 s2 = (m_count - 1) * m_count * (2 * m_count - 1) / 6
-                for k in range(4):
+                for k in range(6):
                     sums[k] += (alpha * fa[k] * m_count + (alpha * step[k] + w1 * fa[k]) * s1
                                 + w1 * step[k] * s2)
-        for k in range(4):
+        for k in range(6):
             sums[k] += (fixed[k] + const[k] + slope[k] * k0) * weight + slope[k] * jw
-        allocated = sums[0] * self.page
-        external = (self.capacity - self.num_blocks * self.page) * weight
-        usable = self.num_blocks * self.page * weight - allocated
-        return (sums[1], sums[2], sums[3], external, usable, 0.0)
+        self._integrals_memo = (key, sums)
+        return sums

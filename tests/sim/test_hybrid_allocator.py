@@ -97,10 +97,11 @@ def model_parts(a, tokens: int, processed: int, final: int) -> tuple[int, int, i
         for i in g.layers:
             layer = a.stack.layers[i]
             b = layer.bytes_per_token
-            if g.kind == "sliding_window":
-                need = min(g.window, tokens)
-            elif g.kind == "chunked_local":
-                need = tokens - (tokens - 1) // g.window * g.window
+            # what the layer reads, by its own kind (a promoted one too: manager off)
+            if isinstance(layer, SlidingWindow):
+                need = min(layer.window, tokens)
+            elif isinstance(layer, ChunkedLocal):
+                need = tokens - (tokens - 1) // layer.chunk * layer.chunk
             else:
                 need = tokens
             token_states += need * b + getattr(layer, "state_bytes", 0)  # (Mamba: its state)
