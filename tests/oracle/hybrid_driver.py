@@ -3,7 +3,11 @@
 The full-attention driver (tests/oracle/vllm_driver.py) gives vLLM one KV-cache group of one
 layer. Here every layer of a model shape gets the spec its attention would report on a GPU,
 built with vLLM's own classes (``FullAttentionSpec``, ``SlidingWindowSpec``,
-``ChunkedLocalAttentionSpec``, ``MLAAttentionSpec``), and the KV cache is planned the way
+``ChunkedLocalAttentionSpec``, ``MLAAttentionSpec``; ``MambaSpec`` with the state shapes and
+dtypes of ``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator``, after vLLM's
+``MambaModelConfig`` and ``Platform._align_hybrid_block_size`` have set the Mamba cache mode,
+block size and padded page as on a CUDA GPU: ``align_for_mamba``), and the KV cache is
+planned the way
 ``EngineCore._initialize_kv_caches`` plans it: ``get_global_kv_cache_groups``,
 ``get_kv_cache_configs``, ``generate_scheduler_kv_cache_config``,
 ``resolve_kv_cache_block_sizes``. The hybrid KV-cache manager is switched on after
@@ -32,10 +36,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, Layer, LayerStack, SlidingWindow
+from kvfrag.sim.layers import (
+    MLA,
+    ChunkedLocal,
+    FullAttention,
+    Layer,
+    LayerStack,
+    MambaState,
+    SlidingWindow,
+)
 
+from . import hybrid_shapes as shapes
 from .vllm_driver import TINY_MODEL_DIR, OracleRequest, _vllm, run_vllm, scheduler_for
 
 GROUP_FIELDS = (
@@ -52,6 +66,7 @@ _KIND = {
     "SlidingWindowSpec": "sliding_window",
     "ChunkedLocalAttentionSpec": "chunked_local",
     "MLAAttentionSpec": "mla",
+    "MambaSpec": "mamba",
 }
 
 
@@ -72,6 +87,15 @@ class HybridRun:
 def _hybrid_vllm() -> dict[str, Any]:
     """vLLM's planner, spec classes and scheduler pieces (imported once)."""
     v = dict(_vllm())
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.config import MambaModelConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
@@ -79,6 +103,7 @@ def _hybrid_vllm() -> dict[str, Any]:
     )
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -91,8 +116,127 @@ def _hybrid_vllm() -> dict[str, Any]:
         SlidingWindowSpec=SlidingWindowSpec,
         ChunkedLocalAttentionSpec=ChunkedLocalAttentionSpec,
         MLAAttentionSpec=MLAAttentionSpec,
+        MambaSpec=MambaSpec,
+        shape_calc=MambaStateShapeCalculator,
+        dtype_calc=MambaStateDtypeCalculator,
+        registry=ModelRegistry,
+        mamba_model_config=MambaModelConfig,
+        platform=Platform,
+        multiple_of=MultipleOf,
+        mamba_backends=MambaAttentionBackendEnum,
     )
     return v
+
+
+def mamba_state(layer: MambaState) -> tuple[tuple, tuple, Any]:
+    """(shapes, dtypes, backend) of a Mamba layer from vLLM's calculators (bf16, tp 1): the
+    gated delta net of Qwen3-Next or the Mamba 1 of Jamba (tests/oracle/hybrid_shapes.py),
+    whose bytes must be the layer's."""
+    v = _hybrid_vllm()
+    bf16 = v["torch"].bfloat16
+    if layer.mamba_kind == "gated_delta_net":
+        state = v["shape_calc"].gated_delta_net_state_shape(1, **shapes.QWEN3_NEXT_GDN)
+        dtypes = v["dtype_calc"].gated_delta_net_state_dtype(bf16, "auto", "auto")
+        backend = v["mamba_backends"].GDN_ATTN
+    else:
+        assert layer.mamba_kind == "mamba1", layer
+        state = v["shape_calc"].mamba1_state_shape(1, **shapes.JAMBA_MAMBA1)
+        dtypes = v["dtype_calc"].mamba1_state_dtype(bf16, "auto", "auto")
+        backend = v["mamba_backends"].MAMBA1
+    spec = v["MambaSpec"](block_size=1, shapes=tuple(state), dtypes=tuple(dtypes))
+    if spec.page_size_bytes != layer.state_bytes:
+        raise ValueError(f"vLLM sizes this {layer.mamba_kind} state at "
+                         f"{spec.page_size_bytes} B, the layer at {layer.state_bytes} B")
+    return tuple(state), tuple(dtypes), backend
+
+
+class _FlashAttentionLike:
+    """What `_align_hybrid_block_size` asks of the attention backend on a CUDA GPU."""
+
+    multiple_of: Any = None
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "FLASH_ATTN"
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
+        return [cls.multiple_of(16)]
+
+    @classmethod
+    def customize_spec(cls, spec):
+        return spec
+
+
+def align_for_mamba(config: Any, stack: LayerStack, max_model_len: int) -> None:
+    """Set ``config.cache_config``'s Mamba cache mode, Mamba block size, attention block size
+    and padded Mamba page as a CUDA GPU's engine does: vLLM's
+    ``MambaModelConfig.verify_and_update_config``, then ``Platform._align_hybrid_block_size``
+    with a FlashAttention-like backend (kernel blocks of multiples of 16). The model config
+    they read is a stand-in with the stack's attention shape and Mamba state (the CPU config
+    is a tiny llama); vLLM's model registry answers with it while they run."""
+    v = _hybrid_vllm()
+    attn = stack.attention_layers[0]
+    mamba_layer = next(layer for layer in stack.layers if isinstance(layer, MambaState))
+    state, dtypes, _ = mamba_state(mamba_layer)
+
+    class Model:
+        @staticmethod
+        def get_mamba_state_shape_from_config(vllm_config):
+            return state
+
+        @staticmethod
+        def get_mamba_state_dtype_from_config(vllm_config):
+            return dtypes
+
+    model_config = SimpleNamespace(
+        use_mla=isinstance(attn, MLA),
+        dtype=v["torch"].bfloat16,
+        architecture="KvfragHybrid",
+        max_model_len=max_model_len,
+        get_num_kv_heads=lambda parallel_config: attn.kv_heads,
+        get_head_size=lambda: attn.head_dim,
+    )
+    proxy = SimpleNamespace(
+        cache_config=config.cache_config,
+        model_config=model_config,
+        parallel_config=config.parallel_config,
+        scheduler_config=config.scheduler_config,
+        compilation_config=config.compilation_config,
+    )
+    backend = type("FA", (_FlashAttentionLike,), {"multiple_of": v["multiple_of"]})
+
+    class GpuLike(v["platform"]):
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config):
+            return [backend]
+
+    registry = v["registry"]
+    had = "resolve_model_cls" in vars(registry)
+    saved = vars(registry).get("resolve_model_cls")
+    registry.resolve_model_cls = lambda *a, **k: (Model, "KvfragHybrid")
+    try:
+        v["mamba_model_config"].verify_and_update_config(proxy)
+        GpuLike._align_hybrid_block_size(proxy, backend)
+    finally:
+        if had:
+            registry.resolve_model_cls = saved
+        else:
+            del registry.resolve_model_cls
+
+
+def mamba_spec(layer: MambaState, cache_config: Any) -> Any:
+    """A Mamba layer's ``MambaSpec`` as its model layer reports it (``MambaBase``), with the
+    Mamba block size, padded page and cache mode ``align_for_mamba`` set."""
+    state, dtypes, backend = mamba_state(layer)
+    return _hybrid_vllm()["MambaSpec"](
+        block_size=cache_config.mamba_block_size,
+        shapes=state,
+        dtypes=dtypes,
+        page_size_padded=cache_config.mamba_page_size_padded,
+        mamba_type=backend,
+        mamba_cache_mode=cache_config.mamba_cache_mode,
+    )
 
 
 def attention_spec(layer: Layer, block_size: int) -> Any:
@@ -115,13 +259,15 @@ def attention_spec(layer: Layer, block_size: int) -> Any:
     return v["FullAttentionSpec"](**heads)
 
 
-def vllm_specs(stack: LayerStack, block_size: int) -> dict[str, Any]:
-    """Every layer's vLLM spec (bf16), as the model's attention layers would report them."""
+def vllm_specs(stack: LayerStack, cache_config: Any) -> dict[str, Any]:
+    """Every layer's vLLM spec (bf16), as the model's layers would report them: attention at
+    ``cache_config.block_size``, Mamba state as ``mamba_spec`` (after ``align_for_mamba``)."""
     specs: dict[str, Any] = {}
     for i, layer in enumerate(stack.layers):
-        spec = attention_spec(layer, block_size)
-        if spec is None:
-            raise NotImplementedError(f"layer {i}: {type(layer).__name__}")
+        if isinstance(layer, MambaState):
+            spec = mamba_spec(layer, cache_config)
+        else:
+            spec = attention_spec(layer, cache_config.block_size)
         specs[f"model.layers.{i}.attn"] = spec
     return specs
 
@@ -187,8 +333,10 @@ def make_hybrid_scheduler(
     if num_blocks is not None:
         config.cache_config.num_gpu_blocks_override = num_blocks
 
+    if isinstance(stack_or_specs, LayerStack) and stack_or_specs.mamba_layers:
+        align_for_mamba(config, stack_or_specs, max_model_len)
     specs = (
-        vllm_specs(stack_or_specs, block_size)
+        vllm_specs(stack_or_specs, config.cache_config)
         if isinstance(stack_or_specs, LayerStack)
         else dict(stack_or_specs)
     )
@@ -221,6 +369,9 @@ def make_hybrid_scheduler(
         "hash_block_size": hash_bs,
         "hybrid_manager": hybrid_manager,
         "max_model_len": max_model_len,
+        "mamba_cache_mode": config.cache_config.mamba_cache_mode,
+        "mamba_block_size": config.cache_config.mamba_block_size,
+        "mamba_page_padded": config.cache_config.mamba_page_size_padded,
     }
     return scheduler, block_hasher, plan
 
@@ -255,7 +406,8 @@ def run_vllm_hybrid(
     """Replay ``requests`` through vLLM's scheduler over a hybrid model's KV cache.
 
     ``stack_or_specs``: a kvfrag ``LayerStack`` (attention, sliding, chunked local and MLA
-    layers; its specs are built with vLLM's classes, bf16) or vLLM specs by layer name.
+    layers, and the Mamba states of hybrid_shapes' Qwen3-Next and Jamba; its specs are built
+    with vLLM's classes, bf16) or vLLM specs by layer name.
     The pool: ``budget_bytes`` of KV memory, or ``num_blocks`` block ids (vLLM's count, the
     null block included). ``max_model_len`` defaults to the longest prompt + output rounded up
     to 16 tokens (it sizes vLLM's memory check and its sliding-window admission reserve).

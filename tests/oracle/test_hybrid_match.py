@@ -7,7 +7,9 @@ engine settings (vLLM's CPU scheduler runs one batch at a time: `concurrent_batc
 Iterations take 1 s in kvfrag, so iteration k is vLLM's step k. Pools are tight enough to
 preempt. Every iteration must agree exactly: tokens scheduled, requests running and waiting,
 preemptions, admissions, blocks in use per KV-cache group and free blocks; and every request
-its first-token step, finishing step and preemptions.
+its first-token step, finishing step and preemptions. Mamba hybrids (Qwen3-Next, Jamba) run
+in mamba_cache_mode "none", the mode vLLM 0.33 uses without prefix caching. Each case prints
+its iterations compared and preemptions (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
     )
     alloc = hybrid(budget_bytes)
     assert alloc.plan.num_blocks == oracle.plan["num_blocks"]
+    if case.stack.mamba_layers:  # the mode, state block size and padded page vLLM resolved
+        p = alloc.plan
+        assert (p.mamba_cache_mode, p.mamba_block_size, p.mamba_page_padded) == (
+            oracle.plan["mamba_cache_mode"], oracle.plan["mamba_block_size"],
+            oracle.plan["mamba_page_padded"])
     assert [(g["kind"], g["block_size"]) for g in oracle.plan["groups"]] == [
         (g.kind, g.block_size) for g in alloc.plan.groups
     ]
@@ -158,6 +165,14 @@ CASES = {
     "deepseek-v3-chunked": Case(shapes.deepseek_v3(), True, 300, 512, 1600, 400),
     "gemma-3-27b-2gib-chunked": Case(shapes.gemma_3_27b(), True, 2 * GiB, 2048, 6000, 300),
     "gemma-3-27b-4gib-whole": Case(shapes.gemma_3_27b(), True, 4 * GiB, None, 6000, 300),
+    # Mamba hybrids, mamba_cache_mode "none" (vLLM's mode without prefix caching): one state
+    # block per request per Mamba group beside the full-attention blocks (Qwen3-Next: three
+    # gated-delta-net groups, 544-token attention blocks; Jamba: seven Mamba 1 groups,
+    # 80-token attention blocks).
+    "qwen3-next-whole": Case(shapes.qwen3_next(), True, 60, None, 3000, 400),
+    "qwen3-next-chunked": Case(shapes.qwen3_next(), True, 60, 512, 3000, 400),
+    "jamba-1.5-mini-whole": Case(shapes.jamba_1_5_mini(), True, 150, None, 1600, 400),
+    "jamba-1.5-mini-chunked": Case(shapes.jamba_1_5_mini(), True, 150, 512, 1600, 400),
 }
 
 
@@ -167,7 +182,9 @@ def test_every_iteration_matches_vllm(name: str) -> None:
     compared, divergence = first_divergence(oracle, trace, ref)
     assert divergence is None, divergence
     assert compared > 1000
-    assert sum(s["preempted"] for s in oracle.steps) > 0, "the pool should be tight"
+    preempted = sum(s["preempted"] for s in oracle.steps)
+    assert preempted > 0, "the pool should be tight"
+    print(f"\n{name}: {compared} iterations compared, {preempted} preemptions")
     rows = fast.requests.set_index("request_id")
     for rid, r in ref["requests"].items():  # the fast engine: the reference's every request
         assert rows.loc[rid, "finished_s"] == r["finished"], rid

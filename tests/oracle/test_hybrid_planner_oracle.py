@@ -26,7 +26,6 @@ pytest.importorskip("vllm.v1.core.kv_cache_planning")
 
 from kvfrag.sim.hybrid import plan  # noqa: E402
 from kvfrag.sim.layers import (  # noqa: E402
-    MLA,
     FullAttention,
     LayerStack,
     MambaState,
@@ -34,7 +33,7 @@ from kvfrag.sim.layers import (  # noqa: E402
 )
 
 from . import hybrid_shapes as shapes  # noqa: E402
-from .hybrid_driver import attention_spec  # noqa: E402
+from .hybrid_driver import align_for_mamba, attention_spec, mamba_spec  # noqa: E402
 from .vllm_driver import TINY_MODEL_DIR, _vllm  # noqa: E402
 
 GiB = shapes.GiB
@@ -76,19 +75,8 @@ def _mixed_heads() -> LayerStack:
 def vllm():
     """vLLM's pieces and one VllmConfig for every case (building it takes seconds)."""
     v = _vllm()
-    import torch
-    from vllm.model_executor.layers.mamba.mamba_utils import (
-        MambaStateDtypeCalculator,
-        MambaStateShapeCalculator,
-    )
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.config import MambaModelConfig
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-    from vllm.v1.kv_cache_interface import MambaSpec
 
     config = v["VllmConfig"](
         model_config=v["ModelConfig"](
@@ -105,95 +93,10 @@ def vllm():
     config.cache_config.kv_cache_layout = "LBNHC"
     return SimpleNamespace(
         config=config,
-        torch=torch,
-        shape_calc=MambaStateShapeCalculator,
-        dtype_calc=MambaStateDtypeCalculator,
-        registry=ModelRegistry,
-        mamba_model_config=MambaModelConfig,
-        platform=Platform,
-        multiple_of=MultipleOf,
-        mamba_backends=MambaAttentionBackendEnum,
         groups=get_global_kv_cache_groups,
         configs=get_kv_cache_configs,
         block_sizes=resolve_kv_cache_block_sizes,
-        mamba=MambaSpec,
     )
-
-
-def _mamba_state(v, layer: MambaState):
-    """(shapes, dtypes, backend) of a Mamba layer, from vLLM's calculators (bf16, tp 1)."""
-    dtypes = v.dtype_calc.mamba1_state_dtype(v.torch.bfloat16, "auto", "auto")
-    if layer.mamba_kind == "gated_delta_net":
-        state = v.shape_calc.gated_delta_net_state_shape(1, **shapes.QWEN3_NEXT_GDN)
-        dtypes = v.dtype_calc.gated_delta_net_state_dtype(v.torch.bfloat16, "auto", "auto")
-        backend = v.mamba_backends.GDN_ATTN
-    else:
-        assert layer.mamba_kind == "mamba1"
-        state = v.shape_calc.mamba1_state_shape(1, **shapes.JAMBA_MAMBA1)
-        backend = v.mamba_backends.MAMBA1
-    return tuple(state), tuple(dtypes), backend
-
-
-class _FlashAttentionLike:
-    """What `_align_hybrid_block_size` asks of the attention backend on a CUDA GPU."""
-
-    multiple_of = None
-
-    @classmethod
-    def get_name(cls) -> str:
-        return "FLASH_ATTN"
-
-    @classmethod
-    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
-        return [cls.multiple_of(16)]
-
-    @classmethod
-    def customize_spec(cls, spec):
-        return spec
-
-
-def _align_for_mamba(v, stack: LayerStack, monkeypatch) -> None:
-    """Run vLLM's MambaModelConfig and Platform._align_hybrid_block_size on the config, with
-    the model config's attention shape and Mamba state taken from the stack."""
-    cfg = v.config
-    attn = stack.attention_layers[0]
-    mamba_layer = next(layer for layer in stack.layers if isinstance(layer, MambaState))
-    state, dtypes, _ = _mamba_state(v, mamba_layer)
-
-    class Model:
-        @staticmethod
-        def get_mamba_state_shape_from_config(vllm_config):
-            return state
-
-        @staticmethod
-        def get_mamba_state_dtype_from_config(vllm_config):
-            return dtypes
-
-    model_config = SimpleNamespace(
-        use_mla=isinstance(attn, MLA),
-        dtype=v.torch.bfloat16,
-        architecture="KvfragHybrid",
-        max_model_len=MAX_MODEL_LEN,
-        get_num_kv_heads=lambda parallel_config: attn.kv_heads,
-        get_head_size=lambda: attn.head_dim,
-    )
-    proxy = SimpleNamespace(
-        cache_config=cfg.cache_config,
-        model_config=model_config,
-        parallel_config=cfg.parallel_config,
-        scheduler_config=cfg.scheduler_config,
-        compilation_config=cfg.compilation_config,
-    )
-    backend = type("FA", (_FlashAttentionLike,), {"multiple_of": v.multiple_of})
-
-    class GpuLike(v.platform):
-        @classmethod
-        def _find_non_ssm_backends(cls, vllm_config):
-            return [backend]
-
-    monkeypatch.setattr(v.registry, "resolve_model_cls", lambda *a, **k: (Model, "KvfragHybrid"))
-    v.mamba_model_config.verify_and_update_config(proxy)
-    GpuLike._align_hybrid_block_size(proxy, backend)
 
 
 def _specs(v, stack: LayerStack) -> dict:
@@ -201,19 +104,10 @@ def _specs(v, stack: LayerStack) -> dict:
     cc = v.config.cache_config
     specs = {}
     for i, layer in enumerate(stack.layers):
-        bs = cc.block_size
         if isinstance(layer, MambaState):
-            state, dtypes, backend = _mamba_state(v, layer)
-            spec = v.mamba(
-                block_size=cc.mamba_block_size,
-                shapes=state,
-                dtypes=dtypes,
-                page_size_padded=cc.mamba_page_size_padded,
-                mamba_type=backend,
-                mamba_cache_mode=cc.mamba_cache_mode,
-            )
+            spec = mamba_spec(layer, cc)
         else:
-            spec = attention_spec(layer, bs)
+            spec = attention_spec(layer, cc.block_size)
         specs[f"model.layers.{i}.attn"] = spec
     return specs
 
@@ -238,7 +132,7 @@ def _vllm_plan(v, stack, budget, block_size, manager, mode, prefix, monkeypatch)
     monkeypatch.setattr(cc, "mamba_page_size_padded", None)
     monkeypatch.setattr(cfg.scheduler_config, "disable_hybrid_kv_cache_manager", not manager)
     if any(isinstance(layer, MambaState) for layer in stack.layers):
-        _align_for_mamba(v, stack, monkeypatch)
+        align_for_mamba(cfg, stack, MAX_MODEL_LEN)
     specs = _specs(v, stack)
     groups = v.groups(cfg, [dict(specs)])
     (kv_config,) = v.configs(cfg, [dict(specs)], [budget], groups)
