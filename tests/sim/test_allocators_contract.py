@@ -602,15 +602,24 @@ def test_a_request_freed_and_admitted_again_is_the_new_one(kind, opts):
 
 # ------------------------------------------------ the hybrid allocator on hybrid stacks
 def _hybrid_stacks():
-    from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+    from kvfrag.sim.layers import (
+        MLA,
+        ChunkedLocal,
+        FullAttention,
+        LayerStack,
+        MambaState,
+        SlidingWindow,
+    )
 
     sw, full = SlidingWindow(1, 4, 2, window=32), FullAttention(1, 4, 2)
+    gdn = MambaState(600, "gated_delta_net")
     return {
         "gemma-like": LayerStack("gemma-like", (sw,) * 5 + (full,) + (sw,) * 5 + (full,)),
         "gpt-oss-like": LayerStack("gpt-oss-like", (SlidingWindow(1, 4, 2, window=8), full) * 3),
         "llama4-like": LayerStack("llama4-like", ((ChunkedLocal(1, 4, 2, chunk=24),) * 3
                                                   + (full,)) * 2),
         "mla": LayerStack("mla", (MLA(6, 2, 2),) * 4),
+        "qwen3-next-like": LayerStack("qwen3-next-like", ((gdn,) * 3 + (full,)) * 2),
     }
 
 

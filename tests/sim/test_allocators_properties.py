@@ -637,14 +637,22 @@ def test_integrate_zero_steps_is_zero():
 
 # ------------------------------------------------ the hybrid allocator on hybrid stacks
 def _hybrid_stack(pattern: str):
-    from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+    from kvfrag.sim.layers import (
+        MLA,
+        ChunkedLocal,
+        FullAttention,
+        LayerStack,
+        MambaState,
+        SlidingWindow,
+    )
 
     kinds = {"s": SlidingWindow(1, 4, 2, window=20), "f": FullAttention(1, 4, 2),
-             "c": ChunkedLocal(1, 4, 2, chunk=24), "m": MLA(6, 2, 2)}
+             "c": ChunkedLocal(1, 4, 2, chunk=24), "m": MLA(6, 2, 2),
+             "g": MambaState(600, "gated_delta_net")}
     return LayerStack(pattern, tuple(kinds[ch] for ch in pattern))
 
 
-HYBRID = ["sssssfsssssf", "sfsfsf", "cccfcccf", "mmmm"]
+HYBRID = ["sssssfsssssf", "sfsfsf", "cccfcccf", "mmmm", "gggfgggf"]
 
 
 @pytest.mark.parametrize("pattern", HYBRID)

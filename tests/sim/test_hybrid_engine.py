@@ -15,7 +15,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, make_allocator
 from kvfrag.sim.engine import EngineConfig, StepTime, run
-from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
+from kvfrag.sim.layers import (
+    MLA,
+    ChunkedLocal,
+    FullAttention,
+    LayerStack,
+    MambaState,
+    SlidingWindow,
+)
 from kvfrag.sim.reference import reference
 from kvfrag.sim.timing import TableTime
 
@@ -23,12 +30,14 @@ warnings.filterwarnings("ignore", message=".*pure-Python.*")
 
 
 def _stack(name: str, pattern: str, window: int = 32) -> LayerStack:
-    """s: sliding (window `window`), f: full, c: chunked (chunk 24), m: MLA; tiny heads."""
+    """s: sliding (window `window`), f: full, c: chunked (chunk 24), m: MLA, g: Mamba state
+    of 600 B (attention blocks aligned to 48 tokens or more); tiny heads."""
     kinds = {
         "s": SlidingWindow(1, 4, 2, window=window),
         "f": FullAttention(1, 4, 2),
         "c": ChunkedLocal(1, 4, 2, chunk=24),
         "m": MLA(6, 2, 2),
+        "g": MambaState(600, "gated_delta_net"),
     }
     return LayerStack(name, tuple(kinds[ch] for ch in pattern))
 
@@ -39,6 +48,8 @@ STACKS = [
     _stack("gemma-like", "sssssf", window=21),  # padding layers, a window off the block grid
     _stack("gpt-oss-like", "sfsf", window=6),  # a window under a block
     _stack("llama4-like", "cccf"),
+    _stack("qwen3-next-like", "gggf"),  # Mamba state: one block per request per group
+    _stack("jamba-like", "ggggfggg"),
 ]
 #: A hardware-shaped step time (as in test_engine.py): non-linear in the batch.
 TABLE = TableTime(
@@ -103,6 +114,8 @@ def test_fast_engine_matches_per_iteration_reference_for_hybrid(
     seed, which, manager, bs, n, extra_blocks, chunked, skip, timing, max_seqs, watermark,
 ):
     tokens = 40 if chunked else 160
+    # (vLLM cannot run a Mamba hybrid without its hybrid manager: the manager is on)
+    manager = manager or bool(STACKS[which].mamba_layers)
     fresh = build(STACKS[which], extra_blocks, manager, bs, tokens)
     wl = workload(seed, n, 100, 80, rate=2.0)
     step = {"flat": StepTime(0.05), "linear": StepTime(0.05, 1e-3, 1e-4), "table": TABLE}
