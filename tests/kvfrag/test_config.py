@@ -55,6 +55,7 @@ def test_required_scenarios_are_shipped():
         "opt13b-sharegpt-long",
         "azure-conv-llama3-8b",
         "block-size-sweep",
+        "your-question",
     } <= names
 
 
