@@ -200,9 +200,22 @@ def format_table(outcomes: list[Outcome]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    failed = sum(o.status in FAILING for o in outcomes)
-    lines.append(f"{len(outcomes) - failed} of {len(outcomes)} ok" + (
-        f", {failed} failed" if failed else ""))
+    lines.append(verdict_line(outcomes))
     return "\n".join(lines)
+
+
+def tally(outcomes: list[Outcome]) -> tuple[int, int, int]:
+    """(ok, skipped, failed): a skipped replay did not run here, so it is neither ok nor
+    failed (it does not fail the exit status either)."""
+    failed = sum(o.status in FAILING for o in outcomes)
+    skipped = sum(o.status == "skip" for o in outcomes)
+    return len(outcomes) - failed - skipped, skipped, failed
+
+
+def verdict_line(outcomes: list[Outcome]) -> str:
+    """The table's last line: "3 of 8 ok, 4 skipped, 1 failed" (zero counts left out)."""
+    ok, skipped, failed = tally(outcomes)
+    return f"{ok} of {len(outcomes)} ok" + (f", {skipped} skipped" if skipped else "") + (
+        f", {failed} failed" if failed else "")
 
 

@@ -99,3 +99,30 @@ def test_help_does_not_import_torch():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "False"
+
+
+def test_skipped_replays_are_counted_as_skipped_not_ok():
+    from kvfrag.validate.outcome import Outcome
+    from kvfrag.validate.report import format_table, tally
+
+    outcomes = [Outcome("a", "paged", "paged", "cpu", 1), Outcome("b", "paged", "arena", "cpu", 1),
+                Outcome("c", "torch-caching", "torch", "cpu", 1, status="skip", note="cuda only"),
+                Outcome("d", "paged", "paged", "cpu", 1, status="fail")]
+    assert tally(outcomes) == (2, 1, 1)
+    assert format_table(outcomes).splitlines()[-1] == "2 of 4 ok, 1 skipped, 1 failed"
+    assert format_table(outcomes[:2]).splitlines()[-1] == "2 of 2 ok"
+
+
+def test_threads_default_to_one_on_cpu(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from kvfrag.validate import suite
+
+    seen: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    suite.set_threads("cpu", None)
+    suite.set_threads("cpu", 3)
+    suite.set_threads("cuda", None)  # left as it is
+    suite.set_threads("cuda", 2)
+    assert seen == [1, 3, 2]
+    with pytest.raises(ValueError, match="--threads must be 1 or more, not 0"):
+        suite.set_threads("cpu", 0)
