@@ -277,18 +277,19 @@ class LayerStack:
         a plain geometry (the per-buffer layout vAttention needs is then exact); MLA or
         layers of different shapes give one whose `token_bytes` is the stack's figure and
         whose layers / kv_heads / head_dim describe the attention layers only roughly
-        (their count, the largest heads and head size). A stack with Mamba layers has none:
-        their state needs a hybrid manager (ValueError)."""
-        if self.mamba_layers:
-            raise ValueError(
-                f"model {self.name!r} has {self.mamba_layers} Mamba layer(s): their state needs "
-                "a hybrid KV-cache manager (vLLM refuses such a model without one), and "
-                "kvfrag has no hybrid allocator yet"
-            )
-        plain = self.full_geometry()
+        (their count, the largest heads and head size). A Mamba hybrid's is that of its
+        attention layers alone: no `KVGeometry` holds a state per request, which only the
+        hybrid allocator lays out (vLLM cannot run such a model without its hybrid manager;
+        `sim.scenario` refuses the other allocators for it). A stack without attention
+        layers has none (ValueError)."""
+        attn = self.attention_layers
+        if not attn:
+            raise ValueError(f"model {self.name!r} has no attention layers: kvfrag models "
+                             "attention KV (with or without Mamba state beside it)")
+        stack = LayerStack(self.name, attn) if self.mamba_layers else self
+        plain = stack.full_geometry()
         if plain is not None:
             return plain
-        attn = self.attention_layers
         kv = max(a.kv_heads if isinstance(a, FullAttention) else 1 for a in attn)
         hd = max(a.head_dim if isinstance(a, FullAttention) else a.latent + a.rope for a in attn)
         dt = max(a.dtype_bytes for a in attn)

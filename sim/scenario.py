@@ -468,14 +468,18 @@ class Scenario(_Frozen):
 
     @model_validator(mode="after")
     def _layout(self) -> Scenario:
-        """A model today's allocators can lay out: the all-full fallback of a layered one
-        (every attention layer keeps every token, as vLLM without its hybrid manager), which
-        has no place for a Mamba layer's state."""
+        """A Mamba hybrid's state (a page per request, not per token) has a place only in the
+        `hybrid` allocator: vLLM cannot run such a model without its hybrid KV-cache manager
+        (a Mamba layer cannot be promoted to full attention), and kvfrag does not price the
+        state as per-token KV in the other layouts."""
         stack = self.stack
         if stack is not None and stack.mamba_layers:
-            raise FieldError(("model",), f"{stack.name} has {stack.mamba_layers} Mamba layer(s): "
-                             "their state needs a hybrid allocator (vLLM's hybrid KV-cache "
-                             "manager), and kvfrag's `hybrid` does not model Mamba state yet")
+            for i, spec in enumerate(self.allocators):
+                if spec.kind != "hybrid":
+                    raise FieldError(("allocators", i), f"allocator {spec.label!r}: {spec.kind} "
+                                     f"cannot hold the Mamba state of {stack.name} "
+                                     f"({stack.mamba_layers} layers; vLLM runs a Mamba hybrid "
+                                     "only with its hybrid KV-cache manager): use kind hybrid")
         return self
 
     @model_validator(mode="after")

@@ -250,6 +250,11 @@ def _promote_local(specs: list[_Spec]) -> list[_Spec]:
             else s
             for s in specs
         ]
+    if any(s.kind == "mamba" for s in specs):
+        raise ValueError(
+            "Mamba state cannot be promoted to full attention: a Mamba hybrid needs the "
+            "hybrid KV-cache manager"
+        )
     if not (_mergeable(promoted) or _uniform_type(promoted)):
         raise ValueError(
             "Failed to promote local KV cache specs to one unified type (vLLM refuses a model "

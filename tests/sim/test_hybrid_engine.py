@@ -200,3 +200,85 @@ def test_hybrid_models_run_in_a_scenario_with_the_manager_on_and_off(model):
         assert (result.requests["status"] == "completed").all()
     assert off.summary["hybrid_groups"] == 1
     assert (on.summary["hybrid_groups"] > 1) == (model != "deepseek-v3")
+
+
+MAMBA_SCENARIO = """\
+name: t
+model: {model}
+kv_budget: 4GiB
+max_model_len: 4096
+workload:
+  synthetic:
+    count: 6
+    prompt: {{kind: uniform, low: 500, high: 2000}}
+    output: {{kind: fixed, value: 20}}
+engine:
+  step_time: {{base_s: 0.02}}
+allocators:
+  - {{label: hybrid, kind: hybrid}}
+  - {allocator}
+"""
+
+
+@pytest.mark.parametrize(("model", "allocator", "expected"), [
+    ("jamba-1.5-mini", "{label: paged-16, kind: paged}",
+     r"s\.yaml:14: allocators\[1\]: allocator 'paged-16': paged cannot hold the Mamba state of "
+     r"jamba-1\.5-mini \(28 layers; .*\): use kind hybrid$"),
+    ("{layers: [{type: full}, {type: mamba, state_bytes: 1MiB}], kv_heads: 8, head_dim: 64}",
+     "{label: slab, kind: contiguous, reserve: max_model_len}",
+     r"allocators\[1\]: allocator 'slab': contiguous cannot hold the Mamba state of custom "
+     r"\(1 layers"),
+    ("qwen3-next-80b-a3b", "{label: fallback, kind: hybrid, hybrid_kv_cache_manager: false}",
+     r"allocators\[1\]: allocator 'fallback': Mamba state cannot be promoted to full "
+     r"attention: a Mamba hybrid needs the hybrid KV-cache manager$"),
+    ("qwen3-next-80b-a3b", "{label: align, kind: hybrid, mamba_cache_mode: align}",
+     r"allocators\[1\]: allocator 'align': mamba_cache_mode 'align' needs prefix caching"),
+    ("qwen3-next-80b-a3b", "{label: m, kind: hybrid, mamba_cache_mode: aligned}",
+     r"allocators\[1\]: allocator 'm': mamba_cache_mode must be one of none, align, not "
+     r"'aligned'$"),
+])
+def test_mamba_models_refuse_layouts_without_a_place_for_their_state(capsys, tmp_path, model,
+                                                                      allocator, expected):
+    """vLLM runs a Mamba hybrid only with its hybrid manager, in mode "none" without prefix
+    caching: any other layout, the fallback, "align" and an unknown mode are one line naming
+    the allocator, exit 2, nothing written."""
+    import re
+
+    from kvfrag.cli import main
+
+    path = tmp_path / "s.yaml"
+    path.write_text(MAMBA_SCENARIO.format(model=model, allocator=allocator))
+    out = tmp_path / "out"
+    code = main(["run", str(path), "-o", str(out), "-q", "--no-plots", "-j", "1"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert re.search(expected, lines[0]), lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("model", ["qwen3-next-80b-a3b", "jamba-1.5-mini"])
+def test_mamba_hybrids_run_in_a_scenario(model):
+    """A Mamba hybrid runs with the hybrid allocator: one state block per request per Mamba
+    group, whose unpadded state counts as token states and its page's rest as padding."""
+    from kvfrag.sim.hybrid_presets import STACKS as PRESETS
+    from kvfrag.sim.scenario import Scenario, build_allocator, run_point
+    from kvfrag.workloads import build_workload
+
+    s = Scenario.model_validate({
+        "model": model, "kv_budget": "4GiB", "max_model_len": 4096,
+        "workload": {"synthetic": {"count": 6, "prompt": {"kind": "uniform", "low": 500,
+                                                          "high": 2000},
+                                   "output": {"kind": "fixed", "value": 20}}},
+        "engine": {"step_time": {"base_s": 0.02}},
+        "allocators": [{"label": "hybrid", "kind": "hybrid"}],
+    })
+    (spec,) = s.allocators
+    a = build_allocator(s, spec)
+    stack = PRESETS[model]
+    mamba = [m for m in a.managers if m.kind == "mamba"]
+    assert len(mamba) == 1 and mamba[0].block_size == 4096
+    assert mamba[0].state_bytes == stack.state_bytes_per_request
+    requests = build_workload(s.workload, None, None, s.max_model_len).requests
+    result = run_point(s, spec, requests)
+    assert (result.requests["status"] == "completed").all()
+    assert result.summary["hybrid_groups"] == len(a.plan.groups) > 1

@@ -133,7 +133,7 @@ def test_smaller_attention_pages_get_bigger_blocks():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="Failed to promote"):
+    with pytest.raises(ValueError, match="Mamba state cannot be promoted"):
         plan(shapes.qwen3_next(), 4 * GiB, hybrid_manager=False, max_model_len=LEN)
     with pytest.raises(ValueError, match="max seq len"):
         plan(shapes.gemma_3_27b(), 1 * GiB, hybrid_manager=False, max_model_len=LEN)

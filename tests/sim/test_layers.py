@@ -111,8 +111,11 @@ def test_the_all_full_geometry_of_a_stack():
     geo = mixed.geometry()
     assert geo.bytes_per_token == 2 * 8 * 128 * 2 + 2 * 4 * 64 * 2
     assert (geo.layers, geo.kv_heads, geo.head_dim) == (2, 8, 128)
-    with pytest.raises(ValueError, match=r"Mamba layer.*hybrid"):
-        STACKS["jamba-1.5-mini"].geometry()
+    # A Mamba hybrid: its attention layers' (the state is in no KVGeometry).
+    assert STACKS["jamba-1.5-mini"].geometry() == KVGeometry("jamba-1.5-mini", 4, 8, 128)
+    assert STACKS["qwen3-next-80b-a3b"].geometry().bytes_per_token == 12 * 2 * 2 * 256 * 2
+    with pytest.raises(ValueError, match="no attention layers"):
+        LayerStack("mamba-only", (MambaState(1000),) * 2).geometry()
 
 
 def test_sharding_splits_heads_and_keeps_the_latent():
