@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvfrag import (
         calibrate_cmd,
         compare_cmd,
+        plan_cmd,
         report_cmd,
         run_cmd,
         scenarios_cmd,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot_cmd.add_parser(sub)
     report_cmd.add_parser(sub)
     scenarios_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     return parser
 
 
