@@ -49,13 +49,14 @@ def test_mla_text_config_dtype_and_head_dim():
     assert parse(LLAMA | {"torch_dtype": None}).layers[0].dtype_bytes == 2
 
 
+QWEN_NEXT = {"num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 16,
+             "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+             "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+             "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
+
 def test_gated_delta_net_and_mamba_layers():
-    qwen = {"num_hidden_layers": 4, "full_attention_interval": 2, "num_attention_heads": 16,
-            "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-            "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-            "mamba_ssm_dtype": "float32"}
-    s = parse(qwen)
+    s = parse(QWEN_NEXT | {"mamba_ssm_dtype": "float32"})
     assert [a.kind for a in s.layers] == ["mamba", "full"] * 2
     assert s.state_bytes_per_request == 2 * (2 * 3 * 8192 + 4 * 32 * 128 * 128)
     jamba = {"model_type": "jamba", "num_hidden_layers": 8, "num_attention_heads": 32,
@@ -87,6 +88,12 @@ def test_gated_delta_net_and_mamba_layers():
     (LLAMA | {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 0},
      "mamba_d_state", "from 1 to"),
     (LLAMA | {"full_attention_interval": 2}, "linear_num_key_heads", "missing"),
+    (QWEN_NEXT | {"linear_num_value_heads": 0}, "linear_num_value_heads", "from 1 to"),
+    (QWEN_NEXT | {"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim", "from 2 to"),
+    (LLAMA | {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_expand": 0},
+     "mamba_expand", "from 1 to"),
+    (LLAMA | {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_conv": 1},
+     "mamba_d_conv", "from 2 to"),
 ])
 def test_what_cannot_be_read_is_one_line_naming_the_field(config, field, problem):
     with pytest.raises(HfConfigError) as info:
@@ -104,3 +111,64 @@ def test_relevant_keeps_only_what_is_read():
     assert kept["text_config"] == {"num_hidden_layers": 2}
     assert hf_config.relevant([1]) == [1]
     assert parse(LLAMA | {"sliding_window": 16}).layers[0] == SlidingWindow(8, 128, window=16)
+
+
+GOOD = """\
+name: t
+model: {hf_config: config.json}
+kv_budget: 4GiB
+max_model_len: 4096
+workload:
+  synthetic:
+    count: 4
+    prompt: {kind: uniform, low: 100, high: 1000}
+    output: {kind: fixed, value: 10}
+engine:
+  step_time: {base_s: 0.02}
+allocators:
+  - {label: hybrid, kind: hybrid}
+"""
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"linear_num_value_heads": 0}, "linear_num_value_heads: must be a whole number from 1"),
+    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim: must be a whole number from 2"),
+    ({"linear_key_head_dim": -128}, "linear_key_head_dim: must be a whole number from 1"),
+])
+def test_a_mamba_config_json_that_cannot_be_read_is_one_line_exit_2(capsys, tmp_path, fields,
+                                                                     expected):
+    """A Mamba state that would be 0 bytes (or is not a number) in a config.json: one line
+    naming the scenario, the file and the field; exit 2; nothing written."""
+    import json
+
+    from kvfrag.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_NEXT | fields))
+    (tmp_path / "s.yaml").write_text(GOOD)
+    out = tmp_path / "out"
+    code = main(["run", str(tmp_path / "s.yaml"), "-o", str(out), "-q", "--no-plots"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "s.yaml:2: model.hf_config: " in lines[0] and "config.json: " in lines[0], lines[0]
+    assert expected in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_a_mamba_config_json_runs_with_the_hybrid_allocator(tmp_path):
+    """Qwen3-Next's config.json: its gated delta nets' state in the hybrid allocator, one
+    state block per request per Mamba group."""
+    from pathlib import Path
+
+    from kvfrag.sim.hybrid_presets import STACKS
+    from kvfrag.sim.scenario import build_allocator
+
+    from kvfrag.config import load_scenario
+
+    copy = Path(__file__).parent / "hf_configs" / "qwen3-next-80b-a3b.json"
+    (tmp_path / "config.json").write_text(copy.read_text())
+    (tmp_path / "s.yaml").write_text(GOOD)
+    s = load_scenario(tmp_path / "s.yaml").scenario
+    a = build_allocator(s, s.allocators[0])
+    assert a.stack.layers == STACKS["qwen3-next-80b-a3b"].layers
+    assert a.plan.block_size == 544 and a.plan.mamba_cache_mode == "none"
+    assert sorted(m.kind for m in a.managers) == ["full", "mamba"]
