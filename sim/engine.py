@@ -365,6 +365,16 @@ class Engine:
         self.busy_running = 0.0  # integral of running requests over time
         self.saved = 0.0  # integral of bytes saved by sharing
         self.overreserved = 0.0  # integral of internal bytes that are over-reservation
+        # Integrals of internal's padding and out-of-window bytes, asked of the allocator
+        # only where it has them (`Allocator.waste_split`: a hybrid model or allocator).
+        self.waste_split = allocator.waste_split
+        self.padding = 0.0
+        self.out_of_window = 0.0
+        # Blocks held per KV-cache group kind at each row, for an allocator with groups: the
+        # kinds in first-appearance order, and each plan group's index among them.
+        kinds = allocator.group_kinds()
+        self.group_names: list[str] = list(dict.fromkeys(kinds))
+        self.group_of: list[int] = [self.group_names.index(k) for k in kinds]
         self.prompt_lookups = 0  # tokens to prefill at every admission (resumptions too)
         self.prefix_hits = 0  # of them found in the prefix cache
         self.first_lookups = 0  # prompt tokens looked up at first admissions
@@ -902,6 +912,10 @@ class Engine:
         self._integrate(p0 * dt, p1 * dt, p2 * dt, p3 * dt, p4 * dt)
         self.saved += alloc.saved_by_sharing() * dt
         self.overreserved += alloc.overreserved_bytes() * dt
+        if self.waste_split:
+            padding, out = alloc.waste_parts()
+            self.padding += padding * dt
+            self.out_of_window += out * dt
         self._row(dt, iterations, p0, p1, p2, p3, p4, alloc.largest_hole())
 
     def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
@@ -917,6 +931,14 @@ class Engine:
             s0, s1, s2 = s0 + more[0], s1 + more[1], s2 + more[2]
             s3, s4 = s3 + more[3], s4 + more[4]
             self.saved += more[5]
+        if self.waste_split:
+            padding, out = alloc.waste_parts()
+            self.padding += padding * w0
+            self.out_of_window += out * w0
+            if n > 1:
+                wasted = alloc.waste_integrals(n - 1, w0 + w1, w1)
+                self.padding += wasted[0]
+                self.out_of_window += wasted[1]
         self._integrate(s0, s1, s2, s3, s4)
         self.rows.stretches = True
         self._row(duration, n, s0 / duration, s1 / duration, s2 / duration, s3 / duration,
@@ -955,6 +977,11 @@ class Engine:
         rows.p4.append(p4)
         rows.hole.append(largest_hole)
         rows.blocked.append(blocked)
+        if self.group_of:
+            held = [0] * len(self.group_names)
+            for g, blocks in enumerate(self.alloc.group_blocks()):
+                held[self.group_of[g]] += blocks
+            rows.groups.append(held)
         if len(rows.t) == _ROWS_PER_CHUNK:
             rows.flush()
 
@@ -969,7 +996,7 @@ class Engine:
         for r in list(self.made.values()):  # running, waiting, or held when the run stopped
             out.store(r)
         requests = out.frame(at_end, moved=self.track_moves and alloc.compactions > 0)
-        timeseries = self.rows.frame()  # (which empties the rows)
+        timeseries = self.rows.frame(self.group_names)  # (which empties the rows)
         log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
         return RunResult(self._summary(requests, timeseries), timeseries, requests, log)
 
@@ -988,10 +1015,17 @@ class Engine:
             # (a part that is 0 can come out as -1e-18 after float sums: clamp the round-off)
             frac = {p: max(integrals[p] / (cap * total), 0.0) for p in PARTS}
             over = min(self.overreserved / (cap * total), frac["internal"])
+            padding = self.padding / (cap * total)
+            out = self.out_of_window / (cap * total)
         else:
             now = self.alloc.parts(self._probe())
             frac = {p: v / cap for p, v in zip(PARTS, now, strict=True)}
             over = self.alloc.overreserved_bytes() / cap
+            waste = self.alloc.waste_parts()
+            padding, out = waste[0] / cap, waste[1] / cap
+        # (clamped as the parts are: a part that is 0 can come out as -1e-18 after float sums)
+        padding = min(max(padding, 0.0), frac["internal"] - over)
+        out = min(max(out, 0.0), frac["internal"] - over - padding)
         if not (math.isfinite(total) and all(math.isfinite(v) for v in frac.values())):
             # (simulated times so long that byte-seconds overflow: written, the run would
             # look like a success whose every share is NaN)
@@ -1018,8 +1052,12 @@ class Engine:
             **{f"{p}_frac": v for p, v in frac.items()},
             # internal = over-reservation (room for tokens never reached) + rounding (the
             # allocation granularity past the reservation): see Allocator.overreserved_bytes.
+            # On hybrid models also padding (pages beyond their layers' real slots) and out
+            # of window (written tokens no layer reads again): see Allocator.waste_parts.
             "internal_overreservation_frac": over,
-            "internal_rounding_frac": max(frac["internal"] - over, 0.0),
+            "internal_padding_frac": padding,
+            "internal_out_of_window_frac": out,
+            "internal_rounding_frac": max(frac["internal"] - over - padding - out, 0.0),
             "kv_utilization": integrals["token_states"] / allocated if allocated else math.nan,
             # Of the memory separate copies would have needed, the share sharing saved.
             "memory_saved_by_sharing_frac": (
@@ -1092,6 +1130,8 @@ class _Rows:
         self.p4: list[object] = []
         self.hole: list[int] = []
         self.blocked: list[bool] = []
+        self.groups: list[list[int]] = []  # blocks per group kind (allocators with groups)
+        self.group_chunks: list[np.ndarray] = []
         self.stretches = False  # a decode stretch's row is in this chunk: its parts are floats
         self.chunks: list[list[np.ndarray]] = [[] for _ in _SERIES]  # by column, converted
 
@@ -1113,6 +1153,9 @@ class _Rows:
         )
         for chunks, column in zip(self.chunks, columns, strict=True):
             chunks.append(column)
+        if self.groups:
+            self.group_chunks.append(np.array(self.groups, dtype=np.int64))
+            self.groups.clear()
         for rows in self.columns():
             rows.clear()
         self.stretches = False
@@ -1122,17 +1165,24 @@ class _Rows:
         return (self.t, self.dt, self.iterations, self.running, self.waiting, self.p0, self.p1,
                 self.p2, self.p3, self.p4, self.hole, self.blocked)
 
-    def frame(self) -> pd.DataFrame:
+    def frame(self, groups: list[str] | None = None) -> pd.DataFrame:
         """The rows as a frame (taking the chunks: this empties the rows). Each column is
         joined and its chunks dropped in turn, and the frame holds the joined arrays as
-        they are (no copy): at its peak, memory holds the series once and one column."""
+        they are (no copy): at its peak, memory holds the series once and one column.
+        `groups`: the group kinds whose blocks each row holds (`blocks_<kind>` columns)."""
         self.flush()
+        names = [*_SERIES, *(f"blocks_{kind}" for kind in groups or ())]
         if not self.chunks[0]:
-            return pd.DataFrame([], columns=list(_SERIES))
+            return pd.DataFrame([], columns=names)
         columns: dict[str, np.ndarray] = {}
         for name, chunks in zip(_SERIES, self.chunks, strict=True):
             columns[name] = np.concatenate(chunks)  # (a copy: some chunks are read-only views)
             chunks.clear()
+        if groups:
+            held = np.concatenate(self.group_chunks)
+            self.group_chunks.clear()
+            for i, kind in enumerate(groups):
+                columns[f"blocks_{kind}"] = np.ascontiguousarray(held[:, i])
         return pd.DataFrame(columns, copy=False)
 
 

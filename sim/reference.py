@@ -74,6 +74,14 @@ def reference(
     prefilling: list = []
     integrals = dict.fromkeys(PARTS, 0.0)
     overreserved = 0.0  # integral of the over-reserved part of internal
+    # integrals of internal's padding and out-of-window parts, from `waste_breakdown()`: the
+    # live requests walked afresh at every iteration (not the allocators' running totals)
+    waste = {"padding": 0.0, "out_of_window": 0.0}
+
+    def add_waste(dt: float) -> None:
+        now = alloc.waste_breakdown()
+        for key in waste:
+            waste[key] += now[key] * dt
     t, total = 0.0, 0.0
     preempted = [False]  # in this iteration
     counts = {"preempted": 0, "admitted": 0, "prefix_hit_tokens": 0}  # in this iteration
@@ -111,6 +119,7 @@ def reference(
             acc = alloc.account(ref)
             for p in PARTS:
                 integrals[p] += getattr(acc, p) * dt
+            add_waste(dt)
             total += dt
             t = pending[0]["arrival"]
             continue
@@ -210,6 +219,7 @@ def reference(
         for p in PARTS:
             integrals[p] += getattr(acc, p) * dt
         overreserved += alloc.overreserved_bytes() * dt
+        add_waste(dt)
         total += dt
         t += dt
         for r in done_prefill:
@@ -245,8 +255,13 @@ def reference(
     if total:
         fractions = {p: integrals[p] / (cap * total) for p in PARTS}
         fractions["internal_overreservation"] = overreserved / (cap * total)
+        for key, area in waste.items():
+            fractions[f"internal_{key}"] = area / (cap * total)
     else:  # no time passed: the allocator's state at that instant
         acc = alloc.account(ref)
         fractions = {p: getattr(acc, p) / cap for p in PARTS}
         fractions["internal_overreservation"] = alloc.overreserved_bytes() / cap
+        now = alloc.waste_breakdown()
+        for key in waste:
+            fractions[f"internal_{key}"] = now[key] / cap
     return {"requests": by_rid, "fractions": fractions, "time": total}

@@ -894,7 +894,7 @@ def allocator_options(point: Scenario, spec: AllocatorSpec) -> dict[str, Any]:
 def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
     """A fresh allocator of `spec` for one sweep point (its budget, model and max_model_len)."""
     geo = point.geometry
-    return make_allocator(
+    allocator = make_allocator(
         spec.kind,
         capacity=point.budget_bytes,
         bytes_per_token=geo.bytes_per_token,
@@ -902,6 +902,11 @@ def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
         geometry=geo,
         **allocator_options(point, spec),
     )
+    stack = point.stack
+    if stack is not None and not _takes_stack(spec.kind):
+        # (it keeps every token in every layer: token states as the layers read them)
+        allocator.view_model(stack.shard(point.tp))
+    return allocator
 
 
 def run_point(

@@ -24,6 +24,10 @@ final length F and A bytes allocated):
   free block for the paged one
 - external     = free - usable_free
 and token_states + reserved + internal + external + usable_free == capacity, always.
+
+On a hybrid model (`view_model`), an allocator that keeps every token in every layer holds
+bytes its sliding-window and chunked-local layers no longer read: those move from
+token_states into internal (out of window), so that token_states is what the model needs.
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from enum import Enum
 from heapq import heappop, heappush
-from typing import ClassVar, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
+from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
+
+if TYPE_CHECKING:
+    from kvfrag.sim.layers import LayerStack
 
 #: The five parts of the budget, in the order plots stack them.
 PARTS = ("token_states", "reserved", "internal", "external", "usable_free")
@@ -332,6 +340,12 @@ class Allocator(ABC):
         self._top: tuple[int, int] | None = None
         self._top_ok = True
         self.frees = 0  # how many frees so far: memory can only come back through one
+        # A hybrid model's layers, where it has sliding or chunked ones (`view_model`): the
+        # out-of-window bytes of the tokens kept, moved from token_states into internal.
+        self._view: ModelView | None = None
+        #: Whether `waste_parts` / `waste_integrals` can be other than 0 (the engine asks them
+        #: only then: full-attention runs pay nothing for the split).
+        self.waste_split = False
 
     # ----------------------------------------------------------------- queries
     @property
@@ -536,6 +550,9 @@ class Allocator(ABC):
             self._live[req.rid] = live
             self._fixed_tokens += self._stored(live, tokens)
             self._fixed_seq += live.weight * tokens
+            view = self._view
+            if view is not None:
+                view.enter(req.rid, self._view_mult(live), tokens)
             if decoding:
                 self.set_decoding(req.rid, True)
         return result
@@ -555,6 +572,10 @@ class Allocator(ABC):
             self._fixed_tokens += self._stored(live, old + n) - before
             self._fixed_seq += live.weight * n
             live.base += n
+            view = self._view
+            if view is not None:
+                view.exit(rid)
+                view.enter(rid, self._view_mult(live), live.base)
         if was_decoding:
             self.set_decoding(rid, True)
         return result
@@ -577,6 +598,10 @@ class Allocator(ABC):
             self._phase_sum += self._linear(live, live.base)
             self._seq_phase_sum += times(live.weight, live.base)
             self._dec_weight += live.weight
+            view = self._view
+            if view is not None:
+                view.exit(rid)
+                view.join(rid, self._view_mult(live), live.base, self._clock)
             done = live.final - live.base
             self._done_at[rid] = done
             push_clock(self._done, self._done_rids, done, rid)
@@ -596,6 +621,10 @@ class Allocator(ABC):
             live.decoding = False
             self._fixed_tokens += self._stored(live, live.base)
             self._fixed_seq += live.weight * live.base
+            view = self._view
+            if view is not None:
+                view.leave(rid)
+                view.enter(rid, self._view_mult(live), live.base)
         self._cohort_changed(live, decoding)
 
     @staticmethod
@@ -628,6 +657,8 @@ class Allocator(ABC):
         """`step(n)` without its checks, for a caller that has made them (the engine's loop:
         it knows steps_until_done and steps_until_full already)."""
         self._clock += n
+        if self._view is not None:
+            self._view.stepped(self._clock)
         self._stepped()
 
     def free(self, rid: int) -> int:
@@ -638,6 +669,8 @@ class Allocator(ABC):
         self._release(live)
         self._fixed_tokens -= self._stored(live, live.base)
         self._fixed_seq -= live.weight * live.base
+        if self._view is not None:
+            self._view.exit(rid)
         del self._live[rid]
         if self._last is live:
             self._last = None
@@ -671,6 +704,70 @@ class Allocator(ABC):
         shows Oracle with 0 % internal: `internal - overreserved_bytes()` is what moves.
         Constant between admissions and frees. Paged allocators reserve nothing: 0."""
         return 0
+
+    # ------------------------------------------------------- a hybrid model's waste
+    def view_model(self, stack: LayerStack) -> None:
+        """Count token states as `stack`'s layers read them: this allocator keeps every token
+        in every layer (`bytes_per_token` is the stack's all-full figure), and the tokens that
+        its sliding-window and chunked-local layers no longer read are held but not needed:
+        internal, out of window (`sim.model_view`). Nothing changes for a stack whose layers
+        all read every token. Call it on a fresh allocator."""
+        if self._live:
+            raise ValueError("view_model needs a fresh allocator (nothing live)")
+        if stack.full_bytes_per_token != self.bytes_per_token:
+            raise ValueError(
+                f"model {stack.name!r} keeps {stack.full_bytes_per_token} bytes per token with "
+                f"every layer full, but this allocator stores {self.bytes_per_token}"
+            )
+        self._view = ModelView.of(stack)
+        self.waste_split = self._view is not None
+
+    @staticmethod
+    def _view_mult(live: Live) -> int:
+        """Sequences whose tokens the model view counts for a request: all n when each keeps
+        its own copy, none when some are shared (cached blocks, a group's prompt blocks,
+        beams): which shared token a sequence still reads differs per sequence."""
+        req = live.req
+        if live.cached or (req.n > 1 and (live.shared or req.beam)):
+            return 0
+        return req.n
+
+    def waste_parts(self) -> tuple[int, int]:
+        """(padding, out_of_window) bytes now: the parts of `internal` that are padding (a
+        block's page beyond its layers' real slots; the hybrid allocator's) and bytes of
+        written tokens that no layer reads again (a hybrid model's sliding and chunked
+        layers). 0 unless `waste_split`."""
+        view = self._view
+        return (0, 0) if view is None else (0, view.total(self._clock))
+
+    def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
+        """`waste_parts` summed as `integrals` sums the parts over the next n steps."""
+        view = self._view
+        return (0.0, 0.0) if view is None else (0.0, view.integral(n, w0, w1, self._clock))
+
+    def waste_breakdown(self) -> dict[str, int]:
+        """`internal` now, split four ways that sum to it: overreservation
+        (`overreserved_bytes`), padding and out_of_window (`waste_parts`), rounding (the
+        rest). Walks the live requests afresh rather than reading the running totals: what
+        the checks hold `waste_parts` to."""
+        view = self._view
+        out = 0
+        if view is not None:
+            for live in self._live.values():
+                out += self._view_mult(live) * view.out_of_window(self._tokens_of(live))
+        over = self.overreserved_bytes()
+        internal = self._internal_total() + out
+        return {"overreservation": over, "padding": 0, "out_of_window": out,
+                "rounding": internal - over - out}
+
+    def group_kinds(self) -> tuple[str, ...]:
+        """The kind of each KV-cache group (full, sliding_window, chunked_local, mla, mamba)
+        of an allocator that keeps per-group block tables; () for the rest."""
+        return ()
+
+    def group_blocks(self) -> tuple[int, ...]:
+        """Blocks held per KV-cache group, in `group_kinds` order; () for the rest."""
+        return ()
 
     def summary_stats(self) -> dict[str, float | int]:
         """Allocator-specific figures for the run's summary."""
@@ -716,6 +813,11 @@ class Allocator(ABC):
         allocated = self._allocated_total()
         token_states = self.bytes_per_token * self.total_tokens()
         internal = self._internal_total()
+        view = self._view
+        if view is not None:  # bytes of tokens no layer reads again: held, not needed
+            out = view.total(self._clock)
+            token_states -= out
+            internal += out
         usable = self._usable_free(probe)
         return (
             token_states,
@@ -755,6 +857,11 @@ class Allocator(ABC):
             + self._integrate_token_terms(n, w0, w1, weight)
         )
         allocated, internal = self._integrate_held(n, w0, w1, weight)
+        view = self._view
+        if view is not None:
+            out = view.integral(n, w0, w1, self._clock)
+            tokens -= out
+            internal += out
         usable, external = self._integrate_free(probe, weight, allocated)
         return (
             tokens,
