@@ -598,6 +598,8 @@ TABLE = (
     ("kv_utilization", "kv util", "pct"),
     ("mean_running", "mean run", "{:.1f}"),
     ("max_running", "max run", "{:d}"),
+    ("capacity_requests", "capacity", "{:.1f}"),
+    ("capacity_memory_requests", "mem cap", "{:.1f}", "capacity_capped"),
     ("completed", "done", "{:d}"),
     ("rejected", "rej", "{:d}"),
     ("preemptions", "preempt", "{:d}"),

@@ -914,17 +914,30 @@ def run_point(
     spec: AllocatorSpec,
     requests: pd.DataFrame,
     progress: Callable[[int, int], None] | None = None,
+    capacity: bool = True,
 ) -> RunResult:
     """One allocator at one sweep point, on its workload's request table (the unit of work
     of `run` and of `sim.sweep`'s executors). A torch-caching run carries the allocator's
     PyTorch memory snapshot at its end (`RunResult.snapshot`, see `sim.snapshot`).
-    `progress(done, total)`: requests retired so far, as `sim.engine.run` reports them."""
+    `progress(done, total)`: requests retired so far, as `sim.engine.run` reports them.
+    With `capacity`, the summary carries the saturating replay's figures (`sim.capacity`)
+    after `max_running`."""
+    from kvfrag.sim.capacity import saturate
     from kvfrag.sim.snapshot import TorchCachingAllocator, snapshot
 
     allocator = build_allocator(point, spec)
-    result = run_engine(requests, allocator, point.engine_config(), progress)
+    config = point.engine_config()
+    result = run_engine(requests, allocator, config, progress)
     if isinstance(allocator, TorchCachingAllocator):
         result.snapshot = snapshot(allocator)
+    if capacity:
+        fields = saturate(requests, lambda: build_allocator(point, spec), config)
+        summary: dict[str, float | int | str] = {}
+        for key, value in result.summary.items():
+            summary[key] = value
+            if key == "max_running":
+                summary.update(fields)
+        result.summary = summary
     return result
 
 

@@ -94,6 +94,14 @@ def test_run_prints_a_summary_table(tmp_path, capsys):
     summary = pd.read_csv(out / "summary.csv").set_index("label")
     assert summary.loc["slab-max", "max_running"] == 46
     assert summary.loc["paged-16", "max_running"] == 378
+    # The seed's point as capacity: how many requests each holds when the queue never empties
+    # (46 worst-case slabs of 1 GiB in 50 GB; 378 requests of 63 blocks of 2 MiB)
+    assert summary.loc["slab-max", "capacity_requests"] == 46
+    assert summary.loc["paged-16", "capacity_requests"] == 378
+    assert (summary["capacity_memory_requests"] == summary["capacity_requests"]).all()
+    header, slab, paged = printed.splitlines()[-4:-1]
+    end = header.index(" capacity") + len(" capacity")  # (right-aligned under its header)
+    assert slab[:end].split()[-1] == "46.0" and paged[:end].split()[-1] == "378.0"
 
 
 SCENARIO = """\
