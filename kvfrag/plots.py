@@ -81,8 +81,12 @@ PALETTE: dict[str, str] = {
 PALETTE["free"] = PALETTE["usable_free"]
 PALETTE["internal_overreservation"] = PALETTE["internal"]
 PALETTE["internal_rounding"] = "#f4a6a6"
-#: Hatching that tells internal fragmentation's rounding from its over-reservation.
-HATCH: dict[str, str] = {"internal_rounding": "///"}
+PALETTE["internal_padding"] = "#8c1c13"
+PALETTE["internal_out_of_window"] = "#e8706a"
+#: Hatching that tells internal fragmentation's parts apart (rounding from over-reservation;
+#: a hybrid model's padding and out-of-window bytes).
+HATCH: dict[str, str] = {"internal_rounding": "///", "internal_padding": "xx",
+                         "internal_out_of_window": ".."}
 
 #: How each part is named in legends.
 PART_NAMES: dict[str, str] = {
@@ -91,6 +95,8 @@ PART_NAMES: dict[str, str] = {
     "internal": "internal fragmentation",
     "internal_overreservation": "internal: over-reservation",
     "internal_rounding": "internal: rounding",
+    "internal_padding": "internal: padding",
+    "internal_out_of_window": "internal: out of window",
     "external": "external fragmentation",
     "usable_free": "free (usable)",
 }
@@ -197,6 +203,8 @@ _BASE_COLUMNS = {
     "prefill_tokens_skipped",
     "prefill_tokens_skipped_first",
     "internal_overreservation_frac",
+    "internal_padding_frac",
+    "internal_out_of_window_frac",
     "internal_rounding_frac",
     *(f"{stat}_{col}" for col in ("ttft_s", "tpot_s") for stat in ("mean", "p50", "p90", "p99")),
     "prefix_hit_rate_tokens",
@@ -211,7 +219,8 @@ _BASE_COLUMNS = {
 _SETTING_COLUMNS = ("kv_budget_bytes", "max_model_len", "bytes_per_token")
 
 #: The summary's column of each part: a fraction of the budget (summary.csv, `<part>_frac`).
-FRAC = {p: f"{p}_frac" for p in (*PARTS, "internal_overreservation", "internal_rounding")}
+FRAC = {p: f"{p}_frac" for p in (*PARTS, "internal_overreservation", "internal_padding",
+                                  "internal_out_of_window", "internal_rounding")}
 #: The time series' column of each part: bytes (timeseries.parquet, `<part>_bytes`).
 BYTES = {p: f"{p}_bytes" for p in PARTS}
 
@@ -701,16 +710,22 @@ def _fractions(summary: pd.DataFrame) -> pd.DataFrame:
     return out.fillna(0.0)
 
 
-#: internal fragmentation drawn as its two parts, when the summary has them.
-INTERNAL_SPLIT = ("internal_overreservation", "internal_rounding")
+#: internal fragmentation drawn as its parts, when the summary has them: over-reservation
+#: and rounding always, a hybrid model's padding and out of window where some bar has them.
+INTERNAL_SPLIT = ("internal_overreservation", "internal_padding", "internal_out_of_window",
+                  "internal_rounding")
+_ALWAYS_SPLIT = ("internal_overreservation", "internal_rounding")
 
 
 def _drawn_parts(frac: pd.DataFrame) -> list[str]:
-    """The stacked parts, bottom up: internal split into over-reservation and rounding."""
-    if not all(p in frac.columns for p in INTERNAL_SPLIT):
+    """The stacked parts, bottom up: internal split into over-reservation, padding, out of
+    window and rounding (the middle two only where some bar has them)."""
+    if not all(p in frac.columns for p in _ALWAYS_SPLIT):
         return list(PARTS)
+    split = [p for p in INTERNAL_SPLIT
+             if p in _ALWAYS_SPLIT or (p in frac.columns and bool((frac[p] > 0).any()))]
     i = PARTS.index("internal")
-    return [*PARTS[:i], *INTERNAL_SPLIT, *PARTS[i + 1:]]
+    return [*PARTS[:i], *split, *PARTS[i + 1:]]
 
 
 def _breakdown_panels(
@@ -741,7 +756,7 @@ def _breakdown_panels(
 #: The parts that hold no tokens and are not free: a breakdown whose largest stack of them is
 #: at most ZOOM_BELOW % of the budget gets a second row of panels with just these, on an axis
 #: that fits them (a block-size sweep's 0-8 % would be a sliver on a 0-100 % bar).
-_NOT_TOKENS = ("reserved", "internal", "internal_overreservation", "internal_rounding", "external")
+_NOT_TOKENS = ("reserved", "internal", *INTERNAL_SPLIT, "external")
 ZOOM_BELOW = 30.0
 
 
@@ -1972,6 +1987,8 @@ def plot_results(
     too, even without `svg`: an SVG left as it was would claim to show these results while it
     shows older ones. Redrawn rather than removed, so nothing is ever deleted here and the
     folder's manifest, which lists the file already, stays right as it is."""
+    from kvfrag.group_plots import group_figure
+
     results_dir = Path(results_dir)
     out = results_dir / "plots"
     version = folder_schema(results_dir)[0]
@@ -2013,6 +2030,8 @@ def plot_results(
         ),
         ("capacity", lambda: capacity_figure(summary, meta)),
         ("lengths", lambda: lengths_figure(requests, meta, summary) if has_req else None),
+        # (hybrid runs only: blocks per KV-cache group kind over time)
+        ("groups", lambda: group_figure(timeseries, summary, meta, point) if has_ts else None),
     ]
     paths: list[Path] = []
     for name, build in builders:

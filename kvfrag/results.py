@@ -593,6 +593,10 @@ TABLE = (
     ("token_states_frac", "tokens", "pct"),
     ("reserved_frac", "reserved", "pct"),
     ("internal_frac", "internal", "pct"),
+    # (internal's parts on hybrid models: pages padded past their layers' slots, and tokens
+    # no layer reads again)
+    ("internal_padding_frac", "padding", "pct", "internal_padding_frac"),
+    ("internal_out_of_window_frac", "out of win", "pct", "internal_out_of_window_frac"),
     ("external_frac", "external", "pct"),
     ("usable_free_frac", "free", "pct"),
     ("kv_utilization", "kv util", "pct"),
