@@ -178,7 +178,7 @@ def _run(
         summary_records,
         write_results,
     )
-    from kvfrag.sim.scenario import WORKLOAD_COUNTS
+    from kvfrag.sim.scenario import WORKLOAD_COUNTS, block_size_warnings
     from kvfrag.sim.sweep import SerialExecutor, assemble, build_workloads, distinct, plan
     from kvfrag.sim.units import format_size
 
@@ -201,6 +201,7 @@ def _run(
     staged = store.open(resolved, args.resume, code_fingerprint(), every_input)
     todo = [t for t in unique if t.key not in staged]
     geo = scenario.geometry
+    own_len = " (the model's)" if scenario.model_len_default else ""
     if not args.quiet:
         gpus = "" if scenario.gpu is None else f" on {scenario.tp} x {scenario.gpu.name}" if (
             scenario.tp > 1) else f" on {scenario.gpu.name}"
@@ -208,7 +209,7 @@ def _run(
             f"{scenario.name}: {geo.name}{gpus} ({format_size(geo.bytes_per_token)}/token"
             f"{' per GPU' if scenario.tp > 1 else ''}), KV budget "
             f"{format_size(scenario.budget_bytes)}{_derived(scenario)}, max_model_len "
-            f"{scenario.max_model_len}, {len(tasks)} run(s)",
+            f"{scenario.max_model_len}{own_len}, {len(tasks)} run(s)",
             file=sys.stderr,
         )
         print(f"step time: {scenario.engine_config().step_time.source}", file=sys.stderr)
@@ -218,6 +219,9 @@ def _run(
                 f"finished in {store.dir}/",
                 file=sys.stderr,
             )
+    specs = (next(a for a in t.scenario.allocators if a.label == t.label) for t in tasks)
+    for line in block_size_warnings(specs):
+        print(f"kvfrag: warning: {line}", file=sys.stderr)
     if args.resume and store.rerun:
         changed = sorted({p for paths in store.rerun.values() for p in paths})
         print(

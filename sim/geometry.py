@@ -76,6 +76,30 @@ PRESETS: dict[str, KVGeometry] = {
 }
 
 
+#: Each preset's own context length in tokens: what vLLM 0.33 takes as `max_model_len` when none
+#: is given (the smallest of config.json's max_position_embeddings and the like, see
+#: vllm/transformers_utils/model_arch_config_convertor.py, derived_max_model_len_and_key; none
+#: of these configs scales it by a RoPE factor vLLM would apply). A scenario may leave
+#: `max_model_len` out for a preset; an explicit value wins. Sources, config.json each:
+CONTEXT_LENGTHS: dict[str, int] = {
+    "llama-2-7b": 4096,  # meta-llama/Llama-2-7b-hf: max_position_embeddings 4096
+    "llama-2-13b": 4096,  # meta-llama/Llama-2-13b-hf: max_position_embeddings 4096
+    "llama-2-70b": 4096,  # meta-llama/Llama-2-70b-hf: max_position_embeddings 4096
+    "llama-3-8b": 8192,  # meta-llama/Meta-Llama-3-8B: max_position_embeddings 8192
+    "llama-3-70b": 8192,  # meta-llama/Meta-Llama-3-70B: max_position_embeddings 8192
+    # mistralai/Mistral-7B-v0.1: max_position_embeddings 32768 (its 4096-token sliding window
+    # does not cap it: vLLM 0.33 only does so with --disable-sliding-window)
+    "mistral-7b": 32768,
+    "opt-13b": 2048,  # facebook/opt-13b: max_position_embeddings 2048
+    "opt-66b": 2048,  # facebook/opt-66b: max_position_embeddings 2048
+    "opt-175b": 2048,  # OPT-175B (metaseq; the OPT paper): 2048 positions, as opt-66b
+    # Qwen/Qwen2.5-7B-Instruct and -72B-Instruct: max_position_embeddings 32768 (the served
+    # instruct models; 128K needs YaRN rope_scaling added to the config)
+    "qwen2.5-7b": 32768,
+    "qwen2.5-72b": 32768,
+}
+
+
 def preset(name: str) -> KVGeometry:
     """Look up a preset by name; the error lists the valid names."""
     return lookup(PRESETS, name, "model", "layers, kv_heads, head_dim, dtype_bytes")

@@ -140,6 +140,24 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+#: Each preset's own context length in tokens, as vLLM 0.33 takes it for `max_model_len` when
+#: none is given (see `sim.geometry.CONTEXT_LENGTHS`). Sources, config.json each (text_config
+#: where the model has one):
+CONTEXT_LENGTHS: dict[str, int] = {
+    "gemma-3-27b": 131072,  # google/gemma-3-27b-it: max_position_embeddings 131072
+    "gemma-2-27b": 8192,  # google/gemma-2-27b-it: max_position_embeddings 8192
+    "gpt-oss-20b": 131072,  # openai/gpt-oss-20b: max_position_embeddings 131072 (yarn)
+    "gpt-oss-120b": 131072,  # openai/gpt-oss-120b: max_position_embeddings 131072 (yarn)
+    # meta-llama/Llama-4-Scout-17B-16E(-Instruct): max_position_embeddings 10485760 (10M;
+    # llama3 rope scaling, which vLLM does not multiply in)
+    "llama-4-scout": 10485760,
+    "deepseek-v3": 163840,  # deepseek-ai/DeepSeek-V3: max_position_embeddings 163840 (yarn)
+    "qwen3-next-80b-a3b": 262144,  # Qwen/Qwen3-Next-80B-A3B-Instruct: 262144
+    "jamba-1.5-mini": 262144,  # ai21labs/AI21-Jamba-1.5-Mini: 262144 (the 256K it is sold with)
+    "mistral-small-3": 32768,  # mistralai/Mistral-Small-24B-Instruct-2501: 32768
+}
+
+
 def stack(name: str) -> LayerStack | None:
     """A preset as a stack: a hybrid one, or a full-attention one of `sim.geometry` as uniform
     layers; None for an unknown name."""

@@ -17,7 +17,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -29,10 +29,11 @@ from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
 from kvfrag.sim.architecture import Architecture
 from kvfrag.sim.engine import EngineConfig, IterationTime, RunResult, StepTime
 from kvfrag.sim.engine import run as run_engine
-from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
+from kvfrag.sim.geometry import CONTEXT_LENGTHS, PRESETS, KVGeometry, preset
 from kvfrag.sim.hardware import GPU, batch_defaults, gpu
 from kvfrag.sim.hardware import PRESETS as GPUS
 from kvfrag.sim.hybrid_presets import ARCHITECTURES as HYBRID_ARCHITECTURES
+from kvfrag.sim.hybrid_presets import CONTEXT_LENGTHS as HYBRID_CONTEXT_LENGTHS
 from kvfrag.sim.hybrid_presets import STACKS
 from kvfrag.sim.layers import FullAttention, LayerStack
 from kvfrag.sim.memory import kv_budget
@@ -82,6 +83,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     field_validator,
@@ -195,6 +197,12 @@ class ModelSpec(_Frozen):
 #: Every model preset by name: the full-attention ones (`sim.geometry`) and the layered ones
 #: (`sim.hybrid_presets`).
 MODEL_PRESETS: dict[str, object] = {**PRESETS, **STACKS}
+
+
+def context_length(model: str) -> int | None:
+    """A model preset's own context length (tokens), what vLLM 0.33 defaults max_model_len to;
+    None for a name that is not a preset."""
+    return CONTEXT_LENGTHS.get(model) or HYBRID_CONTEXT_LENGTHS.get(model)
 
 
 def _model_form(value: Any) -> str:
@@ -420,6 +428,27 @@ class Scenario(_Frozen):
     engine: EngineSpec = EngineSpec()
     allocators: list[AllocatorSpec] = Field(min_length=1)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
+    #: Whether `max_model_len` was the model preset's own (the scenario left it out).
+    _model_len_default: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _model_len(cls, data: Any, handler: Callable[[Any], Scenario]) -> Scenario:
+        """`max_model_len` left out (or null): the preset's own context length, as vLLM
+        takes it (`context_length`); a model that is not a preset has none to give."""
+        default = isinstance(data, dict) and data.get("max_model_len") is None
+        if default:
+            model = data.get("model")
+            known = context_length(model) if isinstance(model, str) else None
+            if known is not None:
+                data = {**data, "max_model_len": known}
+            elif not isinstance(model, str) or model in MODEL_PRESETS:
+                raise FieldError(("max_model_len",), "required for a model that is not a "
+                                 "preset (a preset carries its own context length): give it, "
+                                 "e.g. max_model_len: 8192")
+        scenario = handler(data)
+        scenario._model_len_default = default
+        return scenario
 
     @field_validator("name")
     @classmethod
@@ -585,6 +614,11 @@ class Scenario(_Frozen):
 
     # ----------------------------------------------------------- derived
     @property
+    def model_len_default(self) -> bool:
+        """Whether `max_model_len` is the model preset's own (the scenario left it out)."""
+        return self._model_len_default
+
+    @property
     def stack(self) -> LayerStack | None:
         """The model as typed layers, where it is given so (a layered preset, a layered model,
         a config.json); None for a full-attention preset or `layers: N` model, whose
@@ -704,6 +738,8 @@ class Scenario(_Frozen):
             return
         keys = list(self.sweep)
         base = self.model_dump(mode="python", exclude={"sweep"}, exclude_unset=False)
+        if self._model_len_default and any(k == "model" or k.startswith("model.") for k in keys):
+            del base["max_model_len"]  # (each point's model gives its own)
         product = itertools.product(*(self.sweep[k] for k in keys))
         for index, combo in enumerate(product, start=1):
             data = copy.deepcopy(base)
@@ -939,6 +975,34 @@ def run_point(
                 summary.update(fields)
         result.summary = summary
     return result
+
+
+#: Block sizes vLLM 0.33's attention kernels run on NVIDIA GPUs: multiples of 16. A backend
+#: takes a block size that is a multiple of one of its kernel block sizes
+#: (vllm/v1/attention/backend.py, AttentionBackend.supports_block_size, and "block_size not
+#: supported" in validate_configuration), which get_supported_kernel_block_sizes gives as
+#: MultipleOf(16) for FlashAttention (v1/attention/backends/flash_attn.py) and Triton
+#: (triton_attn.py), [16, 32, 64] for FlashInfer (flashinfer.py); MLA backends ask more
+#: (FlashMLA 64, CUTLASS MLA 128: v1/attention/backends/mla/). vLLM's own default is 16
+#: (config/cache.py, CacheConfig.DEFAULT_BLOCK_SIZE).
+VLLM_BLOCK_MULTIPLE = 16
+
+
+def block_size_warnings(specs: Iterable[AllocatorSpec]) -> list[str]:
+    """One line per allocator label given a `block_size` vLLM 0.33 cannot run (not a multiple
+    of `VLLM_BLOCK_MULTIPLE`), every such size of its sweep points named: a warning, not an
+    error (kvfrag may model what vLLM does not)."""
+    odd: dict[str, set[int]] = {}
+    for spec in specs:
+        size = spec.options.get("block_size")
+        if isinstance(size, int) and size % VLLM_BLOCK_MULTIPLE:
+            odd.setdefault(spec.label, set()).add(size)
+    return [
+        f"allocator {label!r}: block_size {', '.join(map(str, sorted(sizes)))} is not one vLLM "
+        f"0.33's attention kernels run (multiples of {VLLM_BLOCK_MULTIPLE}: 16, 32, 64, ...); "
+        "modelled all the same"
+        for label, sizes in odd.items()
+    ]
 
 
 def count_runs(scenario: Scenario) -> int:

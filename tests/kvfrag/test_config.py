@@ -84,7 +84,10 @@ def test_budget_units_and_gpu_budget(tmp_path):
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: 12 GiBs"), r"kv_budget: .*unknown unit"),
         (GOOD.replace("low: 10, high: 200}", "low: 10, hihg: 200}", 1),
          r"workload.synthetic.prompt.hihg: unknown key 'hihg'; did you mean 'high'"),
-        (GOOD.replace("max_model_len: 2048", ""), r"max_model_len: required field is missing"),
+        (GOOD.replace("max_model_len: 2048", "").replace(
+            "model: opt-13b", "model: {layers: 2, kv_heads: 2, head_dim: 64}"),
+         r"s.yaml:1: max_model_len: required for a model that is not a preset .*e\.g\. "
+         r"max_model_len: 8192"),
         (GOOD + "  - {label: paged-16, kind: paged}\n",
          r"labels must be unique; repeated: paged-16"),
         ("model: [unclosed\n", r"s.yaml:2: malformed YAML"),
