@@ -38,6 +38,7 @@ from kvfrag.plan_search import (
     FOUND,
     GOODPUT_COLUMNS,
     METRICS,
+    NEVER,
     PERCENTILES,
     Search,
     Target,
@@ -585,7 +586,7 @@ def probe_table(plan: _Plan, searches: dict[int, Search]) -> pd.DataFrame:
                 "answer": value == search.answer,
                 "key": probe.key if probe else "",
             })
-    return pd.DataFrame(rows)
+    return _grid_first(pd.DataFrame(rows), rows, list(columns.values()))
 
 
 def answer_table(plan: _Plan, searches: dict[int, Search], probes: pd.DataFrame
@@ -623,11 +624,28 @@ def answer_table(plan: _Plan, searches: dict[int, Search], probes: pd.DataFrame
             "probes": len(search.probes),
             "error": search.error,
         })
-    answers = pd.DataFrame(rows)
+    answers = _grid_first(pd.DataFrame(rows), rows, list(columns.values()))
     for _, group in answers.groupby("label", sort=False):
         rates = group["rate_req_s"].fillna(-1.0)
         answers.loc[rates.idxmax(), "best"] = True  # (idxmax: the first of equals)
     return answers
+
+
+def _grid_first(frame: pd.DataFrame, rows: list[dict[str, Any]], grid: list[str]
+                ) -> pd.DataFrame:
+    """The grid's columns right after search, label and kind, as the values were given (a
+    block size stays 8, not 8.0, where other allocators have none)."""
+    import pandas as pd
+
+    if not len(frame):
+        return frame
+    for col in grid:
+        values = [r.get(col) for r in rows]
+        whole = all(isinstance(v, int) and not isinstance(v, bool) for v in values
+                    if v is not None)
+        frame[col] = pd.Series(values, index=frame.index, dtype="Int64" if whole else object)
+    head = ["search", "label", "kind", *grid]
+    return frame[head + [c for c in frame.columns if c not in head]]
 
 
 def format_answer(answers: pd.DataFrame, plan: _Plan) -> str:
@@ -645,8 +663,13 @@ def format_answer(answers: pd.DataFrame, plan: _Plan) -> str:
             note = f"{_rate(row['fails_at_req_s'])}: {row['fails_because']}"
         elif row["status"] == FAILED:
             note = f"a run failed: {row['error']}"
+        elif row["status"] == NEVER:
+            note = f"missed at every rate probed, down to {_rate(row['fails_at_req_s'])}: " \
+                f"{row['fails_because']}"
         else:
-            note = str(row["status"])
+            note = "met at every rate probed: a lower bound"
+            if all(t.metric == "tpot" for t in plan.targets):
+                note += " (waiting requests do not decode: add a TTFT target)"
         lines.append([
             str(row["label"]), *([setting or "-"] if grid else []),
             _rate(row["rate_req_s"]) if found else "-",
@@ -670,7 +693,10 @@ def _rate(value: float) -> str:
 
 
 def _cell(value: Any) -> str:
-    if isinstance(value, float) and math.isnan(value):
+    """A grid value as the table shows it; none (a key that does not apply) is empty."""
+    import pandas as pd
+
+    if value is None or (not isinstance(value, list | dict) and pd.isna(value)):
         return ""
     return str(value)
 

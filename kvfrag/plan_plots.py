@@ -88,7 +88,6 @@ def _name(row: pd.Series, answers: pd.DataFrame) -> str:
         if col == "best":
             break
         value = row[col]
-        if col not in ("search", "label", "kind") and not (
-                isinstance(value, float) and np.isnan(value)):
+        if col not in ("search", "label", "kind") and not pd.isna(value):
             grid.append(f"{col}={value}")
     return f"{row['label']} ({', '.join(grid)})" if grid else str(row["label"])

@@ -201,3 +201,24 @@ def test_the_figure_has_a_panel_per_target(planned):
         assert target.seconds in [line.get_ydata()[0] for line in ax.get_lines()]  # the target
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
         assert labels[:2] == ["paged-16", "slab-max"]
+
+
+def test_targets_never_met_or_always_met_say_so(scenario, monkeypatch, capsys):
+    import kvfrag.plan_search
+
+    monkeypatch.setattr(kvfrag.plan_search, "MAX_STEPS", 3)  # (2**3 either way: quick)
+    # one iteration takes 10 ms at least: a p50 TPOT of 5 ms is never met
+    assert main(["plan", "s.yaml", "--tpot-p50", "5ms", "-j", "1", "-o", "never",
+                 "--no-plots"]) == 0
+    answers = pd.read_csv("never/answer.csv")
+    assert (answers["status"] == "missed at every rate probed").all()
+    assert answers["rate_req_s"].isna().all() and (answers["probes"] == 4).all()
+    assert answers["fails_because"].str.startswith("p50 TPOT").all()
+    assert "down to 0.25 req/s" in capsys.readouterr().out
+    # a loose TPOT bound holds at any rate: the answer is a lower bound, and said to be
+    assert main(["plan", "s.yaml", "--tpot-p99", "1s", "-j", "1", "-o", "above",
+                 "--no-plots"]) == 0
+    answers = pd.read_csv("above/answer.csv")
+    assert (answers["status"] == "met at every rate probed").all()
+    assert (answers["rate"] == 16).all()
+    assert "add a TTFT target" in capsys.readouterr().out
