@@ -21,7 +21,8 @@ only the decoders whose segment ends inside it, piece by piece.
 
 Requests whose stored tokens are shared (sample groups that share prompt blocks, beams,
 cached prefixes) are not counted (`mult` 0): which shared token a sequence still reads
-differs per sequence, and their tokens stay token states whole.
+differs per sequence, and their tokens stay token states whole. A prefix cache's block is
+counted by the request that wrote it, by that request's own length.
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ PLAIN = [
     ("contiguous", {"reserve": "oracle"}),
     ("buddy", {"reserve": "pow2_final"}),
     ("torch-caching", {}),
+    ("prefix-caching", {"block_size": 8}),
+    ("vattention", {"page_size": 64}),  # (the stack's layers are alike: a uniform geometry)
 ]
 MML = 128
 
@@ -74,8 +76,9 @@ def out_of_window(stack: LayerStack, tokens: int) -> int:
 
 
 def plain(kind: str, opts: dict, stack: LayerStack, capacity: int):
+    geometry = stack.geometry() if kind == "vattention" else None
     a = make_allocator(kind, capacity=capacity, bytes_per_token=stack.full_bytes_per_token,
-                       max_model_len=MML, **opts)
+                       max_model_len=MML, geometry=geometry, **opts)
     a.view_model(stack)
     return a
 
