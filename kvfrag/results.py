@@ -602,7 +602,8 @@ TABLE = (
     ("kv_utilization", "kv util", "pct"),
     ("mean_running", "mean run", "{:.1f}"),
     ("max_running", "max run", "{:d}"),
-    ("capacity_requests", "capacity", "{:.1f}"),
+    # (shown where it was computed: results written before it print as they did)
+    ("capacity_requests", "capacity", "{:.1f}", "capacity_sample_requests"),
     ("capacity_memory_requests", "mem cap", "{:.1f}", "capacity_capped"),
     ("completed", "done", "{:d}"),
     ("rejected", "rej", "{:d}"),

@@ -83,3 +83,16 @@ def test_swept_mappings_are_labelled_by_what_differs():
     table = format_table(summary.reset_index(drop=True), ["workload"])
     assert [line.split()[0] for line in table.split("\n")[1:]] == ["n=2", "n=4", "beam_width=3"]
     assert "{" not in table and _header(table)[-1] == "saved"
+
+
+def test_capacity_shows_where_computed_and_the_memory_figure_where_capped():
+    summary = _summary(capacity_requests=[46.0, 64.0], capacity_memory_requests=[46.0, 378.0],
+                       capacity_sample_requests=[2048, 2048], capacity_capped=[0, 1])
+    table = format_table(summary, [])
+    header = [h for h in _header(table) if h]
+    at = header.index("max run")
+    assert header[at + 1:at + 3] == ["capacity", "mem cap"]
+    assert _column(table, "capacity") == ["46.0", "64.0"]
+    assert _column(table, "mem cap") == ["46.0", "378.0"]
+    uncapped = format_table(summary.assign(capacity_capped=[0, 0]), [])
+    assert "capacity" in uncapped and "mem cap" not in uncapped
