@@ -25,9 +25,10 @@ import math
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pandas as pd
+if TYPE_CHECKING:  # (the command line loads pandas only when a command runs)
+    import pandas as pd
 
 #: The metrics a target bounds, as the summary names them (`p99_ttft_s`), and how they read.
 METRICS = {"ttft": "TTFT", "tpot": "TPOT"}
@@ -159,6 +160,8 @@ def goodput(requests: pd.DataFrame, targets: Iterable[Target]) -> tuple[float, f
     """(requests/s, tokens/s) completed within the per-request limits (`per_request_limits`;
     a request with no TPOT, one output token, is within any TPOT limit), over the run's span
     from the first arrival to the last completion (the span of its throughput)."""
+    import numpy as np
+
     if not len(requests):
         return 0.0, 0.0
     done = requests[requests["status"] == "completed"]
