@@ -159,11 +159,11 @@ def replay(
         result = run_engine(table, allocator(), config)
         window = steady_window(result)
         enough = window is not None and window.completions >= MIN_TURNOVERS * window.turnover
-        if enough or len(table) >= MAX_SAMPLE or not len(table):
+        most = int(result.timeseries["running"].max()) if len(result.timeseries) else 0
+        if enough or len(table) >= MAX_SAMPLE or most == 0:  # (0: none runs, more won't)
             return window, result, len(table)
         # (enough for a turnover to warm up, MIN_TURNOVERS in the window and one to drain,
         # at the batch this replay reached; at least twice the requests)
-        most = int(result.timeseries["running"].max()) if len(result.timeseries) else 0
         size = min(max(2 * len(table), (MIN_TURNOVERS + 3) * most), MAX_SAMPLE)
 
 

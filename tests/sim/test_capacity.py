@@ -55,6 +55,7 @@ SEED = table([999] * 1000, [1] * 1000)  # scenarios/seed-slab-vs-paged.yaml's re
 def test_seed_slabs_against_paged_blocks(kind, options, held):
     assert held in (46, 378)
     fields = capacity.saturate(SEED, factory(kind, **options), WIDE)
+    assert tuple(fields) == capacity.FIELDS
     assert fields["capacity_requests"] == held
     # every request is done in the iteration that admits it: `held` tokens per iteration
     assert fields["capacity_throughput_tok_s"] == pytest.approx(held / STEP)
@@ -127,6 +128,13 @@ def test_a_replay_that_never_saturates_gives_nan(monkeypatch):
     assert math.isnan(fields["capacity_requests"])
     assert math.isnan(fields["capacity_throughput_tok_s"])
     assert fields["capacity_sample_requests"] == 64
+
+
+def test_requests_that_never_run_give_nan_without_a_larger_replay():
+    too_long = table([9000] * 50, [10] * 50)  # prompts over max_model_len: all rejected
+    fields = capacity.saturate(too_long, factory("paged", block_size=16), WIDE)
+    assert math.isnan(fields["capacity_requests"])
+    assert fields["capacity_sample_requests"] == 50
 
 
 # ------------------------------------------------------------------ the sample
