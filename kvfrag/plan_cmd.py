@@ -286,6 +286,23 @@ def settings_of(scenario: Scenario, grid: dict[str, list[Any]]) -> tuple[list[Se
     return settings, notes
 
 
+def check_workloads(settings: list[Setting], base_dir: Path) -> None:
+    """Build each setting's workload once, at the scenario's own rate, before anything is
+    locked or staged: a bad trace is bad input (one line, exit 2, nothing written), as for
+    `kvfrag run`."""
+    from kvfrag.sim.scenario import Scenario
+    from kvfrag.sim.sweep import workload_key
+    from kvfrag.workloads import build_workload
+
+    seen = set()
+    for setting in settings:
+        point = Scenario.model_validate(setting.data)
+        key = workload_key(point)
+        if key not in seen:
+            seen.add(key)
+            build_workload(point.workload, base_dir, None, point.max_model_len)
+
+
 def one_problem(exc: Exception) -> str:
     """A validation error as one line: the first problem and where it is."""
     from pydantic import ValidationError
@@ -314,6 +331,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     scenario = loaded.scenario
     grid = parse_grid(args.grid, scenario)
     settings, notes = settings_of(scenario, grid)
+    check_workloads(settings, loaded.base_dir)
     out = args.output or Path("results") / f"{scenario.name}-plan"
     outdir.check_target(out, early=True)  # before any work: only kvfrag's own folders
     executor = make_executor(args.executor, args.jobs, args.address)
@@ -464,11 +482,12 @@ class _Plan:
         started = time.monotonic()
         tasks: list[Task] = []
         for sid, value in asks:
-            setting = self.settings[int(sid)]  # type: ignore[call-overload]
+            assert isinstance(sid, int)  # (a search is named by its setting's index)
+            setting = self.settings[sid]
             point = self.point_at(setting, value)
             sweep = {**setting.values, setting.variable.key: value}
-            task = Task(next(self.counter), point_key(point, setting.label), int(sid),  # type: ignore[call-overload]
-                        sweep, setting.label, setting.kind, point, workload_key(point))
+            task = Task(next(self.counter), point_key(point, setting.label), sid, sweep,
+                        setting.label, setting.kind, point, workload_key(point))
             self.keys[(sid, value)] = task.key
             if task.key in self.probes:
                 continue

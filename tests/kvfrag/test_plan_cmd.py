@@ -222,3 +222,15 @@ def test_targets_never_met_or_always_met_say_so(scenario, monkeypatch, capsys):
     assert (answers["status"] == "met at every rate probed").all()
     assert (answers["rate"] == 16).all()
     assert "add a TTFT target" in capsys.readouterr().out
+
+
+def test_a_bad_trace_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("t.csv").write_text("prompt_tokens,output_tokens,arrival_s\n10,5,0\n10,x,1\n")
+    text = SCENARIO.split("workload:")[0] + "workload:\n  trace: {path: t.csv}\nengine:\n" + \
+        SCENARIO.split("engine:\n")[1]
+    Path("t.yaml").write_text(text)
+    assert main(["plan", "t.yaml", *TARGET]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "column output_tokens: 'x' is not a number" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.yaml"]
