@@ -84,7 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             p.add_argument(f"--{metric}-p{q}", metavar="TIME", dest=f"{metric}_p{q}",
                            help=f"bound on the p{q} {name} (e.g. "
                            f"{'2s' if metric == 'ttft' else '50ms'})")
-    p.add_argument("--precision", default="2%",
+    p.add_argument("--precision", default="2%", metavar="P",
                    help="relative width of the final bracket (default 2%%)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="also search at each of these values, naming the best per allocator: "

@@ -89,5 +89,7 @@ def _name(row: pd.Series, answers: pd.DataFrame) -> str:
             break
         value = row[col]
         if col not in ("search", "label", "kind") and not pd.isna(value):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # (read back from a CSV with empty cells: 8.0)
             grid.append(f"{col}={value}")
     return f"{row['label']} ({', '.join(grid)})" if grid else str(row["label"])
