@@ -486,8 +486,9 @@ class _Plan:
             setting = self.settings[sid]
             point = self.point_at(setting, value)
             sweep = {**setting.values, setting.variable.key: value}
+            # (no saturating replay: it answers another question, at twice the cost)
             task = Task(next(self.counter), point_key(point, setting.label), sid, sweep,
-                        setting.label, setting.kind, point, workload_key(point))
+                        setting.label, setting.kind, point, workload_key(point), capacity=False)
             self.keys[(sid, value)] = task.key
             if task.key in self.probes:
                 continue

@@ -56,6 +56,7 @@ class Task:
     kind: str
     scenario: Scenario  # the point's scenario
     workload: str  # key of the workload it runs on
+    capacity: bool = True  # with the saturating replay's figures (`kvfrag plan` needs none)
 
     def params(self) -> dict[str, Any]:
         return {"point": self.point, "label": self.label, "kind": self.kind, **self.sweep}
@@ -145,7 +146,7 @@ def run_task(
     `progress(done, total)` as `sim.engine.run` calls it."""
     point = task.scenario
     spec = next(a for a in point.allocators if a.label == task.label)
-    return run_point(point, spec, requests, progress)
+    return run_point(point, spec, requests, progress, task.capacity)
 
 
 def _attempt(

@@ -234,3 +234,16 @@ def test_a_bad_trace_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "column output_tokens: 'x' is not a number" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv", "t.yaml"]
+
+
+def test_plan_runs_skip_the_saturating_replay(scenario, monkeypatch):
+    """The capacity replay answers another question at the cost of a second run: a plan's
+    runs never make it."""
+    import kvfrag.sim.capacity
+
+    def replay(*args, **kwargs):
+        raise AssertionError("a plan ran the saturating replay")
+
+    monkeypatch.setattr(kvfrag.sim.capacity, "saturate", replay)
+    assert main(["plan", "s.yaml", *TARGET, "-j", "1", "-q", "--no-plots"]) == 0
+    assert pd.read_csv("results/tiny-plan/answer.csv")["status"].eq("found").all()
