@@ -385,6 +385,10 @@ class _Probe:
 
 
 class _Plan:
+    """One `kvfrag plan`: the searches' rounds run (or reused from the staged runs), every
+    run kept by its key so that a value probed twice (a grid key that changes nothing) runs
+    once, then the tables and the folder."""
+
     def __init__(
         self,
         args: argparse.Namespace,
