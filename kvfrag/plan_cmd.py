@@ -385,9 +385,9 @@ class _Probe:
 
 
 class _Plan:
-    """One `kvfrag plan`: the searches' rounds run (or reused from the staged runs), every
-    run kept by its key so that a value probed twice (a grid key that changes nothing) runs
-    once, then the tables and the folder."""
+    """One `kvfrag plan`: the searches' rounds, each run staged as it finishes and kept by
+    its key (a run staged by an interrupted plan is read back instead of run again), then
+    the tables and the folder."""
 
     def __init__(
         self,
