@@ -391,9 +391,9 @@ class HybridAllocator(Allocator):
         """Whether the request, decoding one token at a time to its final length, ever needs
         more blocks than exist (its most, over the last block-size periods)."""
         final = min(req.final, self.max_model_len)
-        lo = max(1, final - 2 * max(m.block_size for m in self.managers))
+        lo = max(1, final - max(m.peak_span() for m in self.managers))
         # Full groups only grow; sliding/chunked counts repeat with the block size, and are
-        # largest by the end unless the request ends inside its first window.
+        # largest by the end unless the request ends inside its first window; Mamba's hold.
         peak = max(self._blocks(t, t - 1) for t in range(lo, final + 1))
         return peak > self.num_blocks
 
@@ -587,8 +587,9 @@ class HybridAllocator(Allocator):
             return None
         total = self._totals()[0]
         # A quick bound first: in `done` steps a decoder takes at most ceil(done / bs) new
-        # blocks per group (frees only lower the count, whatever the order).
-        takes = sum(m.groups * -(-done // m.block_size) for m in self.managers)
+        # blocks per attention group, none per Mamba group (frees only lower the count,
+        # whatever the order).
+        takes = sum(m.groups * m.most_taken(done) for m in self.managers)
         if total + len(self._joined) * takes <= self.num_blocks:
             return done
         decoders = self._decoders()

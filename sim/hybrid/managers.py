@@ -62,6 +62,15 @@ class Manager:
         """The most blocks one group holds at any length up to `tokens` (a bound)."""
         return -(-tokens // self.block_size)
 
+    def most_taken(self, steps: int) -> int:
+        """The most new blocks one group takes in `steps` decode steps."""
+        return -(-steps // self.block_size)
+
+    def peak_span(self) -> int:
+        """Lengths before a request's last within which its count here peaks: full attention
+        only grows (its peak is at the end); the windowed kinds repeat with the block size."""
+        return 2 * self.block_size if self.frees else 0
+
     def progressions(self) -> list[tuple[int, int]]:
         """(r, mod): the lengths r mod `mod` where these groups' counts or needed tokens may
         stop being linear in the length: block boundaries, window edges, chunk starts."""
@@ -149,6 +158,12 @@ class MambaManager(Manager):
 
     def skipped_blocks(self, processed: int) -> int:
         return max(0, processed - 1) // self.block_size
+
+    def peak_span(self) -> int:
+        return 0  # (one block from the first token to max_model_len)
+
+    def most_taken(self, steps: int) -> int:
+        return 0  # (its block, taken at admission, covers every length up to max_model_len)
 
 
 _BY_KIND: dict[str, type[Manager]] = {

@@ -282,3 +282,27 @@ def test_mamba_hybrids_run_in_a_scenario(model):
     result = run_point(s, spec, requests)
     assert (result.requests["status"] == "completed").all()
     assert result.summary["hybrid_groups"] == len(a.plan.groups) > 1
+
+
+def test_the_shipped_qwen3_next_scenario_plans_as_its_comments_say():
+    """scenarios/qwen3-next-80b-a3b-mamba.yaml: 544-token attention blocks and state pages
+    padded by 1.49 % at the default block size; 2,048-token blocks and 4 MiB state pages at
+    --block-size 2048; both hold one state block per request per gated-delta-net group."""
+    from pathlib import Path
+
+    from kvfrag.sim.scenario import build_allocator
+
+    from kvfrag.config import load_scenario
+
+    path = Path(__file__).parents[2] / "scenarios" / "qwen3-next-80b-a3b-mamba.yaml"
+    s = load_scenario(path).scenario
+    assert 51e9 < s.budget_bytes < 53e9
+    default, coarse = (build_allocator(s, spec) for spec in s.allocators)
+    assert (default.plan.block_size, coarse.plan.block_size) == (544, 2048)
+    state = 1_097_728
+    assert default.plan.mamba_page_padded == 544 * 2048
+    assert round((544 * 2048 / state - 1) * 100, 2) == 1.49
+    assert coarse.plan.mamba_page_padded == 4 * 2**20
+    for a in (default, coarse):
+        mamba = next(m for m in a.managers if m.kind == "mamba")
+        assert mamba.groups == 3 and mamba.state_bytes == 36 * state
