@@ -250,3 +250,17 @@ def test_refusals_match_vllm(vllm, monkeypatch):
             _vllm_plan(vllm, stack, budget, 16, manager, "none", False, m)
         with pytest.raises(ValueError):
             _kvfrag_plan(vllm, stack, budget, 16, manager, "none", False)
+
+
+@pytest.mark.parametrize("block_size", [16, 2048])
+def test_shipped_qwen3_next_scenario_plans_as_vllm(vllm, monkeypatch, block_size):
+    """scenarios/qwen3-next-80b-a3b-mamba.yaml's two layouts (--block-size 16 and 2048, about
+    52 GB of KV, no prefix caching): vLLM's groups, attention block, padded state page and
+    num_blocks."""
+    budget = 52_036_611_993
+    stack = shapes.qwen3_next()
+    with monkeypatch.context() as m:
+        want = _vllm_plan(vllm, stack, budget, block_size, True, "none", False, m)
+    got = _kvfrag_plan(vllm, stack, budget, block_size, True, "none", False)
+    assert got == want
+    assert want["block_size"] == (544 if block_size == 16 else 2048)
