@@ -1,5 +1,6 @@
-"""vLLM's hybrid KV-cache manager, reproduced: first its planning (`plan`), which the
-allocation (block tables, freeing of sliding windows) builds on.
+"""vLLM's hybrid KV-cache manager, reproduced: its planning (`plan`), and its single-type
+managers (`managers`: one class per kind of KV-cache group, full, sliding window, chunked
+local, Mamba state), which the `hybrid` allocator coordinates.
 
 `plan(stack, budget_bytes, ...)` answers what vLLM 0.33 decides before serving a hybrid model:
 how its layers are grouped, what one block id costs, how many tokens a block holds in each
