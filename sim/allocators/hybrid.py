@@ -21,7 +21,9 @@ their coordinator. Mamba's "align" mode (the current state block, the previous o
 next step, checkpoint blocks, chunks scheduled on block boundaries) is refused: vLLM 0.33
 reaches it only with prefix caching (`MambaModelConfig.verify_and_update_config` turns
 "align" into "none" without it, and a Mamba block size other than max_model_len needs
-`--enable-prefix-caching`), which this allocator does not model yet.
+`--enable-prefix-caching`), which this allocator does not model yet. (vLLM 0.33 turns prefix
+caching on by default for hybrid models, so "none" is a server run with
+`--no-enable-prefix-caching`.)
 
 P is what vLLM's `allocate_slots` frees by: the tokens computed before this allocation. An
 admission of T tokens holds every block of them (P = 0) until the request's next allocation;
