@@ -169,8 +169,8 @@ CASES = {
     # block per request per Mamba group beside the full-attention blocks (Qwen3-Next: three
     # gated-delta-net groups, 544-token attention blocks; Jamba: seven Mamba 1 groups,
     # 80-token attention blocks).
-    "qwen3-next-whole": Case(shapes.qwen3_next(), True, 60, None, 3000, 400),
-    "qwen3-next-chunked": Case(shapes.qwen3_next(), True, 60, 512, 3000, 400),
+    "qwen3-next-whole": Case(shapes.qwen3_next(), True, 40, None, 3000, 400),
+    "qwen3-next-chunked": Case(shapes.qwen3_next(), True, 40, 512, 3000, 400),
     "jamba-1.5-mini-whole": Case(shapes.jamba_1_5_mini(), True, 150, None, 1600, 400),
     "jamba-1.5-mini-chunked": Case(shapes.jamba_1_5_mini(), True, 150, 512, 1600, 400),
 }
