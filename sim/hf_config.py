@@ -287,8 +287,61 @@ def architecture(config: Mapping[str, Any], name: str) -> Architecture | None:
     )
 
 
-#: Every field `parse` and `architecture` read: what a scenario keeps of a config.json.
-READ_KEYS = frozenset({
+#: vLLM 0.33's keys for a model's own maximum length, the smallest present winning
+#: (`ModelArchConfigConvertorBase.derive_max_model_len_and_key`); `model_max_length`, when
+#: present, wins over the others (Command-R).
+LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+               "model_max_length", "max_target_positions", "max_sequence_length",
+               "max_seq_length", "seq_len")
+#: RoPE types whose `factor` vLLM does not apply again to the length: YaRN and its kin leave
+#: max_position_embeddings already scaled (`_get_and_verify_max_len`, config/model.py).
+SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn",
+                     "deepseek_llama_scaling")
+
+
+def context_length(config: Mapping[str, Any]) -> int | None:
+    """The max_model_len vLLM 0.33 derives from a config.json when none is given: the
+    smallest of `LENGTH_KEYS` in the (text) config, times the RoPE scaling `factor` unless its
+    type already scaled it (and never for Gemma 3, whose length is already scaled). None when
+    the config names no length (vLLM would then assume 2,048 with a warning; kvfrag asks for
+    max_model_len instead). vLLM also caps it by the tokenizer's `model_max_length`, which a
+    config.json does not hold."""
+    r = _Reader(config)
+    found: dict[str, int] = {}
+    for key in LENGTH_KEYS:
+        if r.has(key):
+            found[key] = r.whole(key, 1, MAX_TOKENS)
+    if not found:
+        return None
+    length = float(found.get("model_max_length", min(found.values())))
+    if "gemma3" not in str(r.outer.get("model_type", "")):
+        factor = 1.0
+        for params in _rope_parameters(r.outer):
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind not in SCALED_ROPE_TYPES and params.get("factor") is not None:
+                try:
+                    factor = check_number(params["factor"], 1e-6, 1e6)
+                except ValueError as exc:
+                    raise HfConfigError("rope_scaling.factor", str(exc)) from None
+        length *= factor
+    return int(length)
+
+
+def _rope_parameters(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The config's RoPE parameters (`rope_parameters`, or the older `rope_scaling`), one
+    mapping per layer type where they are nested (vLLM's `iter_rope_parameters`)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(params, Mapping) or not params:
+        return []
+    nested = [v for v in params.values() if isinstance(v, Mapping)]
+    if nested and len(nested) == len(params):
+        return [v for v in nested if v]
+    return [params]
+
+
+#: Every field `parse`, `architecture` and `context_length` read: what a scenario keeps of a
+#: config.json.
+READ_KEYS = frozenset({*LENGTH_KEYS, "rope_parameters", "rope_scaling",
     "_name_or_path", "model_type", "torch_dtype", "dtype", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
     "intermediate_size", "vocab_size", "tie_word_embeddings", "layer_types", "sliding_window",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pandas as pd
+from kvfrag.sim import hf_config
 from kvfrag.sim.allocators import TAKES_GEOMETRY, Allocator, make_allocator, options_of
 from kvfrag.sim.allocators.paged import MAX_BLOCK_SIZE
 from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
@@ -197,6 +198,23 @@ class ModelSpec(_Frozen):
 #: Every model preset by name: the full-attention ones (`sim.geometry`) and the layered ones
 #: (`sim.hybrid_presets`).
 MODEL_PRESETS: dict[str, object] = {**PRESETS, **STACKS}
+
+
+def _hf_length(model: Any) -> int | None:
+    """The context length of `model: {hf_config: ...}` as read (`hf_config.context_length`);
+    None for any other form, or a config that names none."""
+    ref = model.get("hf_config") if isinstance(model, dict) else None
+    config = ref.get("config") if isinstance(ref, dict) else getattr(ref, "config", None)
+    if not isinstance(config, dict):
+        return None
+    try:
+        return hf_config.context_length(config)
+    except hf_config.HfConfigError as exc:
+        raise FieldError(("model", "hf_config"), f"{_ref_path(ref)}: {exc}") from None
+
+
+def _ref_path(ref: Any) -> str:
+    return str(ref.get("path") if isinstance(ref, dict) else getattr(ref, "path", "config.json"))
 
 
 def context_length(model: str) -> int | None:
@@ -439,9 +457,13 @@ class Scenario(_Frozen):
         default = isinstance(data, dict) and data.get("max_model_len") is None
         if default:
             model = data.get("model")
-            known = context_length(model) if isinstance(model, str) else None
+            known = context_length(model) if isinstance(model, str) else _hf_length(model)
             if known is not None:
                 data = {**data, "max_model_len": known}
+            elif isinstance(model, dict) and "hf_config" in model:
+                raise FieldError(("max_model_len",), "required: the model's config.json names "
+                                 "no context length (max_position_embeddings or the like): "
+                                 "give it, e.g. max_model_len: 8192")
             elif not isinstance(model, str) or model in MODEL_PRESETS:
                 raise FieldError(("max_model_len",), "required for a model that is not a "
                                  "preset (a preset carries its own context length): give it, "

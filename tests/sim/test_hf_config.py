@@ -107,7 +107,7 @@ def test_relevant_keeps_only_what_is_read():
     config = LLAMA | {"rope_scaling": {"factor": 8.0}, "id2label": {"0": "a"},
                       "text_config": {"num_hidden_layers": 2, "vision": 1}}
     kept = hf_config.relevant(config)
-    assert "rope_scaling" not in kept and "id2label" not in kept
+    assert kept["rope_scaling"] == {"factor": 8.0} and "id2label" not in kept
     assert kept["text_config"] == {"num_hidden_layers": 2}
     assert hf_config.relevant([1]) == [1]
     assert parse(LLAMA | {"sliding_window": 16}).layers[0] == SlidingWindow(8, 128, window=16)
@@ -172,3 +172,69 @@ def test_a_mamba_config_json_runs_with_the_hybrid_allocator(tmp_path):
     assert a.stack.layers == STACKS["qwen3-next-80b-a3b"].layers
     assert a.plan.block_size == 544 and a.plan.mamba_cache_mode == "none"
     assert sorted(m.kind for m in a.managers) == ["full", "mamba"]
+
+
+@pytest.mark.parametrize(("fields", "length"), [
+    ({"max_position_embeddings": 32768}, 32768),
+    # the smallest length key wins; model_max_length over the others (Command-R)
+    ({"max_position_embeddings": 32768, "seq_length": 8192}, 8192),
+    ({"max_position_embeddings": 8192, "model_max_length": 131072}, 131072),
+    # a RoPE factor scales the length, unless its type already did (YaRN, llama3, ...)
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     16384),
+    ({"max_position_embeddings": 131072,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
+    ({"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     32768),
+    # per layer type (nested rope_parameters): the factor applies alike
+    ({"max_position_embeddings": 4096, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0},
+        "sliding_attention": {"rope_type": "default"}}}, 8192),
+    ({}, None),
+])
+def test_context_length_as_vllm_derives_it(fields, length):
+    assert hf_config.context_length(LLAMA | fields) == length
+
+
+def test_gemma3_length_is_already_scaled():
+    config = {"model_type": "gemma3", "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+              "text_config": {"max_position_embeddings": 131072}}
+    assert hf_config.context_length(config) == 131072
+
+
+def _scenario(tmp_path, config: dict, model_len: str = "") -> object:
+    import json
+
+    from kvfrag.config import load_scenario
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "s.yaml").write_text(GOOD.replace("max_model_len: 4096\n", model_len))
+    return load_scenario(tmp_path / "s.yaml")
+
+
+def test_a_config_json_gives_max_model_len_when_the_scenario_leaves_it_out(tmp_path):
+    loaded = _scenario(tmp_path, LLAMA | {"max_position_embeddings": 8192})
+    assert loaded.scenario.max_model_len == 8192
+    assert loaded.resolved()["max_model_len"] == 8192
+    given = _scenario(tmp_path, LLAMA | {"max_position_embeddings": 8192}, "max_model_len: 2048\n")
+    assert given.scenario.max_model_len == 2048
+
+
+def test_a_config_json_without_a_length_needs_max_model_len(capsys, tmp_path):
+    import json
+
+    from kvfrag.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "s.yaml").write_text(GOOD.replace("max_model_len: 4096\n", ""))
+    out = tmp_path / "out"
+    code = main(["run", str(tmp_path / "s.yaml"), "-o", str(out), "-q", "--no-plots"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "max_model_len: required: the model's config.json names no context length" in lines[0]
+    assert not out.exists()
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA | {"max_position_embeddings": 0}))
+    code = main(["run", str(tmp_path / "s.yaml"), "-o", str(out), "-q", "--no-plots"])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "model.hf_config: " in lines[0] and "max_position_embeddings" in lines[0], lines[0]
