@@ -611,37 +611,29 @@ class HybridAllocator(Allocator):
         # (the admission order: `_live`'s) takes more than was free, even if a later
         # decoder's frees would cover it.
         rank = {rid: k for k, rid in enumerate(self._live)}
-        order = [rank[live.req.rid] for live, _, _ in decoders]
-        heap: list[tuple[int, int]] = []
-        held = []
-        for i, (_, tokens, processed) in enumerate(decoders):
-            held.append(self._blocks(tokens, processed))
-            heap.append((1, i))
+        # (step, rank in the running order, decoder): each decoder's next length where its
+        # count may change (`_next_start`), generated as the walk reaches it, so a walk that
+        # fails early costs only the decoders' first points.
+        heap = [(1, rank[live.req.rid], i) for i, (live, _, _) in enumerate(decoders)]
         heapq.heapify(heap)
-        points = {i: self._starts(tokens + 1, tokens + done) for i, (_, tokens, _) in
-                  enumerate(decoders)}
-        cursor = dict.fromkeys(points, 0)
-        while heap:
+        held = [self._blocks(tokens, processed) for _, tokens, processed in decoders]
+        n = self.num_blocks
+        while heap and heap[0][0] <= done:
             t = heap[0][0]
-            if t > done:
-                break
-            changes: list[tuple[int, int]] = []  # (rank in the running order, blocks taken)
+            # (popped in running order within the step: the heap orders by (step, rank))
             while heap and heap[0][0] == t:
-                _, i = heapq.heappop(heap)
-                tokens = decoders[i][1] + t
+                _, r, i = heapq.heappop(heap)
+                base = decoders[i][1]
+                tokens = base + t
                 now = self._blocks(tokens, tokens - 1)
                 if now != held[i]:
-                    changes.append((order[i], now - held[i]))
-                held[i] = now
-                cursor[i] += 1
-                pts = points[i]
-                if cursor[i] < len(pts):
-                    heapq.heappush(heap, (pts[cursor[i]] - decoders[i][1], i))
-            changes.sort()
-            for _, delta in changes:
-                total += delta
-                if total > self.num_blocks:
-                    return t - 1
+                    total += now - held[i]
+                    held[i] = now
+                    if total > n:
+                        return t - 1
+                nxt = self._next_start(tokens) - base
+                if nxt <= done:
+                    heapq.heappush(heap, (nxt, r, i))
         return done
 
     def steps_until_shrink(self) -> int | None:
