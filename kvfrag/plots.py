@@ -17,7 +17,8 @@ so figures can be built (and tested) without files:
 - `lengths_figure(requests)`: the workload's prompt and output length distributions
 
 The timeline and the address map draw every sweep point (a panel per allocator and point, up to
-MAX_PANELS), or one (`point`, `kvfrag plot --point N`). Sweep points are named as the printed
+MAX_PANELS), or one (`point`, `kvfrag plot --point N`: `plots/timeline-pointN.png`, beside
+the all-points figures). Sweep points are named as the printed
 table names them (`block_size=32`, `n=2`: `point_names`), byte axes in the unit that fits the
 budget (`byte_unit`), and a panel with nothing to draw says why.
 
@@ -382,9 +383,13 @@ def caption_parts(meta: Mapping | None = None, summary: pd.DataFrame | None = No
     budget = meta.get("kv_budget")
     derived = isinstance(budget, Mapping)
     col = "kv_budget_bytes" if _first(summary, "kv_budget_bytes") is not None else "capacity_bytes"
-    swept = _swept_range(summary, col, format_bytes)
-    if swept:
-        budget = swept
+    keys = _swept_keys(summary)
+    swept = "kv_budget" in keys or col in keys
+    spread_ = _range(summary, col, format_bytes)
+    if spread_:
+        # A budget swept itself, or one derived per point (a sweep over max_num_seqs changes
+        # the activation reserve, so the budget left for KV): never one figure for all.
+        budget = f"swept ({spread_})" if swept else f"{spread_} per point"
     elif _first(summary, col) is not None:
         budget = format_bytes(float(_first(summary, col)))
     elif isinstance(budget, int | float) and not isinstance(budget, bool):
@@ -393,11 +398,11 @@ def caption_parts(meta: Mapping | None = None, summary: pd.DataFrame | None = No
         budget = _describe(budget)
     if budget is not None:
         parts.append(f"KV budget: {budget}" + (" (derived)" if derived and not swept else ""))
-    mml = (
-        _swept_range(summary, "max_model_len", lambda v: f"{v:.0f}")
-        or meta.get("max_model_len")
-        or _first(summary, "max_model_len")
-    )
+    mml_range = _range(summary, "max_model_len", lambda v: f"{v:.0f}")
+    if mml_range:
+        mml = f"swept ({mml_range})" if "max_model_len" in keys else f"{mml_range} per point"
+    else:
+        mml = meta.get("max_model_len") or _first(summary, "max_model_len")
     if mml is not None:
         parts.append(f"max_model_len: {mml if isinstance(mml, str) else int(mml)}")
     bpt = _first(summary, "bytes_per_token")
@@ -409,14 +414,36 @@ def caption_parts(meta: Mapping | None = None, summary: pd.DataFrame | None = No
     return parts
 
 
-def _swept_range(summary: pd.DataFrame | None, col: str, fmt) -> str | None:
-    """`swept (lo–hi)` when a sweep changed `col`, else None."""
+def _range(summary: pd.DataFrame | None, col: str, fmt) -> str | None:
+    """`lo–hi` (`54.7–55.7 GiB`: the unit once) when `col` differs between the summary's
+    rows, else None."""
     if summary is None or col not in summary.columns:
         return None
     vals = pd.to_numeric(summary[col], errors="coerce").dropna()
     if vals.nunique() <= 1:
         return None
-    return f"swept ({fmt(float(vals.min()))}–{fmt(float(vals.max()))})"
+    lo, hi = fmt(float(vals.min())), fmt(float(vals.max()))
+    unit = lo.rpartition(" ")[2]
+    if " " in lo and hi.endswith(" " + unit):
+        lo = lo.rpartition(" ")[0]
+    return f"{lo}–{hi}"
+
+
+def _swept_keys(summary: pd.DataFrame | None) -> list[str]:
+    """The sweep's own keys (`kv_budget`, `engine.max_num_seqs`), without the run settings
+    that changed only because of them (a derived `kv_budget_bytes`)."""
+    if summary is None or "point" not in summary.columns:
+        return []
+    return [c for c in sweep_columns(summary) if c not in _SETTING_COLUMNS
+            or c not in _fallback_settings(summary)]
+
+
+def _fallback_settings(summary: pd.DataFrame) -> set[str]:
+    """The setting columns `sweep_columns` names only for want of sweep-key columns."""
+    cols = list(summary.columns)
+    if "model" in cols and "point" in cols and cols.index("point") < cols.index("model"):
+        return set(_SETTING_COLUMNS) - set(cols[cols.index("point") + 1 : cols.index("model")])
+    return set(_SETTING_COLUMNS)
 
 
 def caption(meta: Mapping | None = None, summary: pd.DataFrame | None = None) -> str:
@@ -846,7 +873,10 @@ def breakdown_figure(summary: pd.DataFrame, meta: Mapping | None = None) -> Figu
         ax.set_xlim(-0.6, len(names) - 0.4)
         ax.yaxis.set_major_formatter(mticker.PercentFormatter(decimals=0))
         if title:
-            ax.set_title(title, fontsize=10, fontweight="bold" if xlabel else "normal")
+            from kvfrag.sweep_plots import fit_text  # (a point's name: a line per key if wide)
+
+            ax.set_title(fit_text(title, panel_w - 0.2), fontsize=10,
+                         fontweight="bold" if xlabel else "normal")
         if xlabel:
             ticks_on.set_xlabel(xlabel)
         _finish_axes(ax)
@@ -1733,8 +1763,18 @@ def _capacity_sweep(
     notes: list[str],
 ) -> Figure:
     """The capacity figure of a sweep: `summary`'s rows (the part of `full` drawn) against
-    the swept value, named from `full`."""
-    xlabel, xs, text, numeric = sweep_axis(full)
+    the swept value, named from `full`. A sweep over two keys or more puts its first key on x
+    and draws a line per value of the others (`kvfrag.sweep_plots.line_split`), each in a
+    style of its own; where they take too many values, a point per tick, named in lines."""
+    from kvfrag.sweep_plots import GROUP_STYLES, fit_text, line_split, tick_layout
+
+    split = line_split(full, _swept_keys(full))
+    if split is None:
+        xlabel, xs, text, numeric = sweep_axis(full)
+        group = {p: 0 for p in xs}
+    else:
+        xlabel, xs, text, numeric = _axis_name(split.key), split.xs, split.text, split.numeric
+        group = split.group
     drawn = {int(p) for p in pd.unique(summary["point"])}
     xs = {p: x for p, x in xs.items() if p in drawn}
     nrows, ncols = _grid(len(metrics))
@@ -1744,35 +1784,42 @@ def _capacity_sweep(
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
     axes = axes[: len(metrics)]
+    groups = sorted({group[p] for p in xs})
     for i, label in enumerate(labels):
-        rows = summary[summary["label"].astype(str) == label].sort_values("point")
-        rows = rows.drop_duplicates("point")
-        x = np.array([xs[int(p)] for p in rows["point"]])
-        order = np.argsort(x, kind="stable")
-        x = x[order]
         style = _label_style(i)
-        for ax, m in zip(axes, metrics, strict=True):
-            factor = m.get("factor", 1.0)
-            if m["main"] in rows:
-                ax.plot(x, _values(rows, m["main"], factor)[order], label=label, ms=5, **style)
-            if m.get("extra") and m["extra"] in rows:
-                ax.plot(
-                    x,
-                    _values(rows, m["extra"], factor)[order],
-                    color=style["color"],
-                    marker=style["marker"],
-                    ms=6,
-                    linestyle="none",
-                    mfc="none",
-                    mew=1.0,
-                    alpha=0.7,
-                )
+        for j in groups:
+            if split is not None:
+                style = {**style, "linestyle": GROUP_STYLES[j]}
+            rows = summary[summary["label"].astype(str) == label].sort_values("point")
+            rows = rows.drop_duplicates("point")
+            rows = rows[[group[int(p)] == j for p in rows["point"]]]
+            x = np.array([xs[int(p)] for p in rows["point"]])
+            order = np.argsort(x, kind="stable")
+            x = x[order]
+            for ax, m in zip(axes, metrics, strict=True):
+                factor = m.get("factor", 1.0)
+                if m["main"] in rows:
+                    ax.plot(x, _values(rows, m["main"], factor)[order], ms=5,
+                            label=label if j == groups[0] else None, **style)
+                if m.get("extra") and m["extra"] in rows:
+                    ax.plot(
+                        x,
+                        _values(rows, m["extra"], factor)[order],
+                        color=style["color"],
+                        marker=style["marker"],
+                        ms=6,
+                        linestyle="none",
+                        mfc="none",
+                        mew=1.0,
+                        alpha=0.7,
+                    )
     for ax, m in zip(axes, metrics, strict=True):
         ax.set_ylabel(m["ylabel"])
         note = m.get("line_note") if m.get("extra") else None
         ax.set_title(m["title"] + (f"\n({note})" if note else ""), fontsize=10)
     values = sorted(set(xs.values()))
     log_x = numeric and values[0] > 0 and values[-1] / values[0] >= 8
+    axis_in = fig_w / ncols - 1.6  # (the y axis' label and ticks take the rest)
     for j, ax in enumerate(axes):
         if j + ncols >= len(axes):
             ax.set_xlabel(xlabel + (" (log scale)" if log_x else ""))
@@ -1784,20 +1831,24 @@ def _capacity_sweep(
             ax.set_xscale("log", base=2)
             ax.xaxis.set_minor_locator(mticker.NullLocator())
             ax.xaxis.set_major_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        if not numeric or len(xs) <= 12:
-            ticks = spread(sorted(set(xs.values())), _MAX_TICKS)
-            names = {xs[p]: text[p] for p in xs}
-            rot = 30 if max(len(s) for s in names.values()) * len(ticks) > 48 else 0
-            ax.set_xticks(
-                ticks, [names[t] for t in ticks], rotation=rot, ha="right" if rot else "center"
-            )
+        if not numeric or len(values) <= 12:
+            names = {xs[p]: fit_text(text[p], axis_in / len(values)) for p in xs}
+            fit, rot = tick_layout([names[v] for v in values], axis_in)
+            ticks = spread(values, min(fit, _MAX_TICKS))
+            ax.set_xticks(ticks, [names[t] for t in ticks], rotation=rot,
+                          ha="right" if rot else "center",
+                          rotation_mode="anchor" if rot else "default")
         ax.grid(alpha=0.3)
         _finish_axes(ax)
-    fig.legend(
-        *axes[1].get_legend_handles_labels(), loc="outside right center", fontsize=9,
-        frameon=False
-    )
+    handles, names = axes[1].get_legend_handles_labels()
+    if split is not None and len(groups) > 1:
+        grey = "#444444"
+        handles += [Line2D([], [], color="none")] + [
+            Line2D([], [], color=grey, linestyle=GROUP_STYLES[j]) for j in groups]
+        names += [f"lines: {split.title}"] + [split.names[j] for j in groups]
+    fig.legend(handles, names, loc="outside right center", fontsize=9, frameon=False)
     fig.suptitle(f"Serving capacity and latency against {xlabel}, per allocator"
+                 + (f" and {split.title}" if split is not None and len(groups) > 1 else "")
                  + _notes_text(notes, fig_w), fontsize=11)
     return fig
 
@@ -1978,7 +2029,9 @@ def plot_results(
     empty Parquet file and the figures left out for it, and the allocators and sweep points
     past the caps (`left_out`). Silence would read as "everything is drawn".
 
-    The timeline and the address map show every sweep point, or only `point`. The captions
+    The timeline and the address map show every sweep point; with `point`, only the figures
+    of POINT_FIGURES are drawn, of that point alone, into files of their own (`point_stem`:
+    `plots/timeline-point3.png`), so the all-points figures stay as they are. The captions
     come from the folder's own files (`scenario.resolved.yaml`, the tables) wherever they say
     it, `meta` filling in only what they do not: `kvfrag run` and `kvfrag plot` of one folder
     draw the same captions, and figures of the same size.
@@ -2033,12 +2086,33 @@ def plot_results(
         # (hybrid runs only: blocks per KV-cache group kind over time)
         ("groups", lambda: group_figure(timeseries, summary, meta, point) if has_ts else None),
     ]
+    if point is not None:  # one point's figures, in files of their own (`point_stem`)
+        builders = [(point_stem(name, point), build) for name, build in builders
+                    if name in POINT_FIGURES]
     paths: list[Path] = []
     for name, build in builders:
         fig = build()
         if fig is not None:
             paths += save_figure(fig, out / name, svg or (out / f"{name}.svg").exists())
     return paths
+
+
+#: The figures `kvfrag plot --point N` draws for one sweep point (the others show every
+#: point whatever N is, so they are left as they are).
+POINT_FIGURES = ("timeline", "address_map", "groups")
+
+
+def point_stem(name: str, point: int) -> str:
+    """The file stem of figure `name` drawn for sweep point `point` alone (`timeline-point3`):
+    never the all-points figure's, which the report embeds and a run redraws."""
+    return f"{name}-point{point}"
+
+
+def is_point_figure(path: Path | str) -> bool:
+    """Whether `path` is a one-point figure (`plots/timeline-point3.png`)."""
+    stem = Path(path).stem
+    return any(stem.startswith(f"{name}-point") and stem[len(name) + 6 :].isdigit()
+               for name in POINT_FIGURES)
 
 
 #: The figures drawn from each Parquet file of a results folder.
@@ -2211,7 +2285,8 @@ def load_meta(results_dir: Path | str) -> dict:
 def redraw(results_dir: Path | str, svg: bool = False, point: int | None = None) -> list[Path]:
     """`kvfrag plot RESULTS_DIR [--svg] [--point N]`: redraw a results folder's figures from
     its files (PNG; SVG too with `svg`, and wherever an SVG was drawn before: see
-    `plot_results`); the timeline and the address map of sweep point `point` only, if given."""
+    `plot_results`); with `point`, the timeline, the address map (and, for hybrid runs, the
+    groups figure) of that sweep point alone, as `plots/timeline-pointN.png` and so on."""
     return plot_results(Path(results_dir), load_meta(results_dir), svg, point)
 
 
@@ -2236,6 +2311,7 @@ __all__ = [
     "missing_notes",
     "plot_results",
     "point_names",
+    "point_stem",
     "read_frame",
     "read_summary",
     "redraw",

@@ -116,8 +116,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "redrawn either way, so none is left stale)",
     )
     p.add_argument("--point", type=int, metavar="N",
-                   help="draw the timeline and address map of sweep point N only (default: "
-                   "every point)")
+                   help="draw the timeline and address map of sweep point N alone, as "
+                   "plots/timeline-pointN.png and so on (the all-points figures stay as they are)")
     p.set_defaults(func=cmd_plot)
 
 

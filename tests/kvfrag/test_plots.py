@@ -159,7 +159,7 @@ def test_sweep_results(tmp_path):
     assert {p.name for p in paths} >= {"capacity.png", "capacity.svg", "breakdown.png"}
     for p in paths:
         _assert_drawn(p)
-    assert "swept (4 GiB–8 GiB)" in plots.caption(None, summary)
+    assert "KV budget: swept (4–8 GiB)" in plots.caption(None, summary)
     # One allocator swept: the timeline gets a panel per point, the breakdown a bar per point.
     ts = pd.read_parquet(folder / "timeseries.parquet")
     paged, paged_sum = ts[ts["label"] == "paged-16"], summary[summary["label"] == "paged-16"]
@@ -717,8 +717,9 @@ def test_every_sweep_point_is_drawn_and_plot_picks_one(tmp_path):
     assert [ax.get_title(loc="left") for ax in one.axes] == ["slab-oracle", "buddy-pow2"]
     with pytest.raises(ValueError, match=r"no sweep point 5 \(its points: 0, 1\)"):
         plots.redraw(folder, point=5)
-    paths = plots.redraw(folder, point=1)
-    assert {p.name for p in paths} == {f"{f}.png" for f in plots.FIGURES}
+    paths = plots.redraw(folder, point=1)  # its own files: the all-points figures stay
+    assert {p.name for p in paths} == {"timeline-point1.png", "address_map-point1.png"}
+    assert all(plots.is_point_figure(p) for p in paths)
 
 
 def test_more_points_than_panels_say_which_are_left_out(results):
