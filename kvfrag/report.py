@@ -25,7 +25,7 @@ import base64
 import html
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,6 +34,12 @@ REPORT = "report.html"
 #: Hover points per slab: one every 1/_HOVER_STEPS of the run's time span along each slab's
 #: middle (at least one), so that hovering anywhere along a long slab finds it.
 _HOVER_STEPS = 80
+
+#: Slabs the page's interactive maps hold in all, shared out evenly between them (each at most
+#: `kvfrag.plots.MAX_SLABS`, at least MIN_SLABS, the first by admission): what keeps the page
+#: to a few megabytes and quick to open. The PNG address map draws up to MAX_SLABS each.
+REPORT_SLABS = 12_000
+MIN_SLABS = 500
 
 #: The summary table's readable subset: column, heading, how to show it.
 _TABLE = (
@@ -76,14 +82,18 @@ def _fmt(value: Any, how: str) -> str:
 
 def summary_html(summary: pd.DataFrame) -> str:
     """The readable table (sweep keys after `point` when there is a sweep) and every column
-    in a collapsed `<details>`."""
+    in a collapsed `<details>`, each in a box of its own that scrolls sideways when the
+    window is narrower than the table (a sweep over two keys adds two columns), so the
+    page itself never does."""
     from kvfrag.plots import sweep_columns
 
     cols = [c for c in _TABLE if c[0] in summary.columns]
     sweeps = sweep_columns(summary)
-    if sweeps:
-        cols[2:2] = [("point", "point", "int")] + [(c, c, "text") for c in sweeps]
-    head = "".join(f"<th>{html.escape(name)}</th>" for _, name, _ in cols)
+    if sweeps:  # (a swept key by its last part, `max_num_seqs`: the whole name on hover)
+        cols[2:2] = [("point", "point", "int")] + [(c, c.split(".")[-1], "text")
+                                                    for c in sweeps]
+    head = "".join(f"<th title='{html.escape(col)}'>{html.escape(name)}</th>"
+                   for col, name, _ in cols)
     rows = []
     for rec in summary.to_dict("records"):
         cells = "".join(
@@ -97,22 +107,25 @@ def summary_html(summary: pd.DataFrame) -> str:
         "<p>Token states, reserved, internal and external fragmentation and free: shares of "
         "the KV budget, time-averaged (summary.csv; every column in "
         "docs/data-dictionary.md).</p>"
-        f"<table class='summary'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}"
-        "</tbody></table>"
+        f"<div class='wide'><table class='summary'><thead><tr>{head}</tr></thead><tbody>"
+        f"{''.join(rows)}</tbody></table></div>"
         f"<details><summary>every column of summary.csv</summary><div class='wide'>{full}"
         "</div></details>"
     )
 
 
 def figures_html(folder: Path) -> str:
-    """Every PNG in plots/, inline (base64)."""
-    pngs = sorted((folder / "plots").glob("*.png"))
+    """Every all-points PNG in plots/, inline (base64; `light_png`): not the one-point figures
+    `kvfrag plot --point N` draws beside them."""
+    from kvfrag.plots import is_point_figure
+
+    pngs = [p for p in sorted((folder / "plots").glob("*.png")) if not is_point_figure(p)]
     if not pngs:
         return ("<p>No figures (the run was written with --no-plots? <code>kvfrag plot</code> "
                 "draws them).</p>")
     parts = []
     for png in pngs:
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        data = base64.b64encode(light_png(png.read_bytes())).decode("ascii")
         name = html.escape(png.stem)
         parts.append(
             f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
@@ -121,19 +134,45 @@ def figures_html(folder: Path) -> str:
     return "".join(parts)
 
 
+def light_png(data: bytes) -> bytes:
+    """A figure's PNG in at most 256 colours, for the page: a chart's flat colours and their
+    anti-aliased edges look the same in 256, in about 40 % of the bytes (the full PNG stays
+    in plots/). The PNG itself when that is not smaller or cannot be read."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            small = img.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT)
+            out = io.BytesIO()
+            small.save(out, "PNG", optimize=True)
+    except (OSError, ValueError):
+        return data
+    return out.getvalue() if out.tell() < len(data) else data
+
+
+class Map(NamedTuple):
+    """An interactive map: its heading, its plotly figure with every trace's style but not
+    its points, and the slabs the page draws it from (`compact`)."""
+
+    title: str
+    figure: Any
+    slabs: dict[str, Any]
+
+
 def address_maps(
     requests: pd.DataFrame,
     summary: pd.DataFrame,
     timeseries: pd.DataFrame | None = None,
     max_slabs: int | None = None,
-) -> tuple[list[tuple[str, Any]], list[str]]:
-    """The interactive maps: (title, plotly Figure) per slab allocator and sweep point, and
-    notes on what is not shown (panels left out, panels that cannot be drawn)."""
+) -> tuple[list[Map], list[str]]:
+    """The interactive maps, one per slab allocator and sweep point, and notes on what is not
+    shown (panels left out, panels that cannot be drawn)."""
     import pandas as pd
 
     from kvfrag import plots as P
 
-    max_slabs = P.MAX_SLABS if max_slabs is None else max_slabs
     requests = P._with_keys(requests)
     summary = P._with_keys(summary)
     if "offset_bytes" not in requests.columns:
@@ -144,6 +183,8 @@ def address_maps(
         return [], ["No allocator of this run places slabs (paged only): no address map."]
     every = labels
     labels, keep = P._panel_keep(every, points)
+    if max_slabs is None:  # the page's slabs shared out between its maps
+        max_slabs = min(P.MAX_SLABS, max(REPORT_SLABS // (len(labels) * len(keep)), MIN_SLABS))
     notes = []
     if len(labels) < len(every):
         notes.append(f"Maps of the first {len(labels)} of {len(every):,} slab allocators only "
@@ -160,12 +201,12 @@ def address_maps(
         for pt in keep:
             title = f"{label} · {names[pt]}" if swept and pt in names else label
             req = requests[(requests["point"] == pt) & (requests["label"].astype(str) == label)]
-            fig, why = _map(req, P._row(sums, label, pt), summary, timeseries, label, pt,
-                            max_slabs, title)
+            fig, data, why = _map(req, P._row(sums, label, pt), summary, timeseries, label,
+                                  pt, max_slabs, title)
             if fig is None:
                 notes.append(f"{title}: {why}")
             else:
-                maps.append((title, fig))
+                maps.append(Map(title, fig, data))
     return maps, notes
 
 
@@ -178,7 +219,7 @@ def _map(
     point: int,
     max_slabs: int,
     title: str,
-) -> tuple[Any, str]:
+) -> tuple[Any, dict[str, Any], str]:
     import numpy as np
     import pandas as pd
     import plotly.graph_objects as go
@@ -191,11 +232,11 @@ def _map(
     compactions = row.get("compactions") if row is not None else None
     if (compactions is not None and pd.notna(compactions) and compactions > 0
             and not P.moves_known(req)):  # (results from before moves were recorded)
-        return None, (f"not drawn: {int(compactions):,} compactions moved slabs, and "
+        return None, {}, (f"not drawn: {int(compactions):,} compactions moved slabs, and "
                       "requests.parquet keeps only the offset each slab had when it was freed.")
     placed = req[req["admitted_s"].notna() & req["offset_bytes"].notna()]
     if not len(placed):
-        return None, "nothing to draw: no request was admitted."
+        return None, {}, "nothing to draw: no request was admitted."
     cap = (P._row_value(row, "kv_budget_bytes", summary, "kv_budget_bytes")
            or P._row_value(row, "capacity_bytes", summary, "capacity_bytes") or 0.0)
     unit, scale = P.byte_unit(cap or float(placed["peak_bytes"].max() or 1))
@@ -229,51 +270,40 @@ def _map(
         ("reserved", "reserved (not yet written)", 0.55),
         ("internal", "internal fragmentation", 0.55),
     ):
-        x, y = _gapped(polys[part])
         fig.add_trace(go.Scatter(
-            x=x, y=y, mode="lines", fill="toself", name=name, hoverinfo="skip",
+            mode="lines", fill="toself", name=name, hoverinfo="skip",
             line={"width": 0}, fillcolor=_rgba(P.PALETTE[part], alpha),
         ))
-    x, y = _gapped(polys["outline"], close=True)
     fig.add_trace(go.Scatter(
-        x=x, y=y, mode="lines", name="slab outline", hoverinfo="skip", showlegend=False,
+        mode="lines", name="slab outline", hoverinfo="skip", showlegend=False,
         line={"width": 0.5 if len(slabs) < 300 else 0.25, "color": "rgba(85,85,85,0.8)"},
     ))
-    # Hover: points along each slab's middle, each carrying its slab's facts.
     out = polys["outline"]
-    t0, t1 = out[:, 0, 0], out[:, 1, 0]
-    mid = (out[:, 0, 1] + out[:, 2, 1]) / 2
-    span = float(np.nanmax(t1) - np.nanmin(t0)) if len(out) else 1.0
-    step = (span or 1.0) / _HOVER_STEPS
-    count = np.maximum(np.ceil((t1 - t0) / step).astype(int), 1)
-    idx = np.repeat(np.arange(len(out)), count)
-    first = np.cumsum(count) - count
-    k = np.arange(len(idx)) - first[idx]
-    hx = t0[idx] + (t1 - t0)[idx] * (k + 0.5) / count[idx]
-    hy = mid[idx]
+    t1 = out[:, 1, 0]
     mib = 2.0**20
     peak = slabs["peak_bytes"].to_numpy(float)
     final = slabs["final_tokens"].to_numpy(float)
     stored = np.minimum(final * bpt, peak)
     prompt = slabs["prompt_tokens"].to_numpy(float)
     reserved = stored - np.minimum((prompt + 1) * bpt, stored)  # written as it generates
-    fields = np.stack([
-        slabs["request_id"].to_numpy(float),
-        final,
-        prompt,
-        peak / mib,
-        stored / mib,
-        reserved / mib,
-        (peak - stored) / mib,
-        slabs["admitted_s"].to_numpy(float),
-        t1,
-        (slabs["offset_bytes"].to_numpy(float) - base) / mib,
-    ], axis=1)
+    hover = [
+        (slabs["request_id"].to_numpy(float), 0),
+        (final, 0),
+        (prompt, 0),
+        (peak / mib, 2),
+        (stored / mib, 2),
+        (reserved / mib, 2),
+        ((peak - stored) / mib, 2),
+        (slabs["admitted_s"].to_numpy(float), 3),
+        (t1, 3),
+        ((slabs["offset_bytes"].to_numpy(float) - base) / mib, 1),
+    ]
     lab = html.escape(label).replace("%", "%%")
+    # Hover: points along each slab's middle, each carrying its slab's facts (made on the page
+    # from `hover`: see _JS).
     fig.add_trace(go.Scatter(
-        x=hx, y=hy, mode="markers", name="slabs", showlegend=False,
+        mode="markers", name="slabs", showlegend=False,
         marker={"size": 6, "opacity": 0, "color": "#000"},
-        customdata=fields[idx],
         hovertemplate=(
             f"<b>request %{{customdata[0]:d}}</b> ({lab})<br>"
             "tokens: %{customdata[1]:,d} (prompt %{customdata[2]:,d})<br>"
@@ -298,20 +328,165 @@ def _map(
     )
     fig.update_xaxes(showline=True, linecolor="#555", mirror=True, gridcolor="#eee")
     fig.update_yaxes(showline=True, linecolor="#555", mirror=True, gridcolor="#eee")
-    return fig, ""
+    return fig, compact(polys, hover), ""
 
 
-def _gapped(polys: Any, close: bool = False) -> tuple[list, list]:
-    """(slabs, corners, 2) polygons as one x and one y list with a gap (None) after each."""
+#: Each part's polygon corners as (x, y) indices into `compact`'s columns: X = admitted,
+#: first token, finished, released; Y = offset, stored height at those four times, the end
+#: of what was stored, the slab's top (`kvfrag.plots.slab_polygons`' corners, in its order).
+#: The page rebuilds the polygons from this table and the columns (_JS); the outline is
+#: closed (a line, not a fill).
+CORNERS: dict[str, tuple[tuple[int, int], ...]] = {
+    "token_states": ((0, 0), (0, 1), (1, 2), (2, 3), (3, 4), (3, 0)),
+    "reserved": ((0, 1), (1, 2), (2, 3), (3, 4), (3, 5), (0, 5)),
+    "internal": ((0, 5), (3, 5), (3, 6), (0, 6)),
+    "outline": ((0, 0), (3, 0), (3, 6), (0, 6), (0, 0)),
+}
+#: Steps each axis is cut into on the page: 1/_GRID of the map's span is far below a pixel
+#: at any zoom one uses, and whole numbers that small keep the page light.
+_GRID = 100_000
+
+
+def compact(polys: dict[str, Any], hover: list[tuple[Any, int]]) -> dict[str, Any]:
+    """A map's slabs as the page holds them: 4 time and 7 address columns (`CORNERS`),
+    whole numbers in steps of `sx`, `sy`, and the hover facts rounded to their decimals: about
+    a tenth of the polygons' own size (the page is measured in megabytes)."""
     import numpy as np
 
-    if close:
-        polys = np.concatenate([polys, polys[:, :1]], axis=1)
-    n, c, _ = polys.shape
-    pts = np.concatenate([polys, np.full((n, 1, 2), np.nan)], axis=1).reshape(n * (c + 1), 2)
-    xs = [None if v != v else round(v, 6) for v in pts[:, 0].tolist()]
-    ys = [None if v != v else round(v, 6) for v in pts[:, 1].tolist()]
-    return xs, ys
+    n = len(polys["outline"])
+    cols: dict[str, list] = {}
+    for axis, width in ((0, 4), (1, 7)):
+        col = np.full((width, n), np.nan)
+        for part, corners in CORNERS.items():
+            for c, (xi, yi) in enumerate(corners[: polys[part].shape[1]]):  # (unclosed)
+                col[(xi, yi)[axis]] = polys[part][:, c, axis] if n else []
+        top = float(np.nanmax(np.abs(col))) if n and np.isfinite(col).any() else 1.0
+        step = (top or 1.0) / _GRID
+        cols["sx" if axis == 0 else "sy"] = step
+        cols["X" if axis == 0 else "Y"] = [
+            [None if v != v else int(v) for v in np.round(row / step).tolist()] for row in col
+        ]
+    cols["H"] = [[None if v != v else (int(v) if d == 0 else v)
+                  for v in np.round(np.asarray(a, float), d).tolist()] for a, d in hover]
+    cols["steps"] = _HOVER_STEPS
+    return cols
+
+
+def corners(data: dict[str, Any]) -> dict[str, Any]:
+    """`compact`'s columns back into (slabs, corners, 2) polygons, as the page rebuilds them
+    (a test holds the two to `kvfrag.plots.slab_polygons`)."""
+    import numpy as np
+
+    x = np.array(data["X"], float) * data["sx"]
+    y = np.array(data["Y"], float) * data["sy"]
+    return {part: np.stack([np.stack([x[i], y[j]], axis=-1) for i, j in cs], axis=1)
+            for part, cs in CORNERS.items()}
+
+
+def _packed(text: str) -> str:
+    """`text` gzipped, in base64: what the page unpacks (`_JS`)."""
+    import gzip
+
+    return base64.b64encode(gzip.compress(text.encode("utf-8"), 9, mtime=0)).decode("ascii")
+
+
+def maps_script(maps: list[Map]) -> str:
+    """The maps' data and plotly.js, each gzipped (plotly.js is 4.8 MB as it is, 1.5 MB
+    packed), and the script that unpacks them and draws each map when it scrolls into view:
+    the page opens at once however many maps it holds, and needs no network. Maps with the
+    same slabs (an allocator a sweep does not touch) share their data."""
+    import json
+
+    from plotly.offline import get_plotlyjs
+
+    slabs: dict[str, int] = {}
+    shown = []
+    for m in maps:
+        key = json.dumps(m.slabs, separators=(",", ":"))
+        slabs.setdefault(key, len(slabs))
+        shown.append({"fig": json.loads(m.figure.to_json()), "slabs": slabs[key]})
+    data = {"corners": CORNERS, "maps": shown, "slabs": [json.loads(k) for k in slabs],
+            "config": {"displaylogo": False, "scrollZoom": True, "responsive": True}}
+    return (
+        f"<script type='application/gzip' id='kvfrag-plotly'>{_packed(get_plotlyjs())}</script>"
+        "<script type='application/gzip' id='kvfrag-maps'>"
+        f"{_packed(json.dumps(data, separators=(',', ':')))}</script><script>{_JS}</script>"
+    )
+
+
+#: Unpacks plotly.js and the maps when the first map comes near the window
+#: (DecompressionStream: Chrome 80, Firefox 113, Safari 16.4 and later), rebuilds each map's
+#: traces from its columns (`CORNERS`, `compact`: the polygons with a gap between slabs, and
+#: hover points along each slab's middle, one every 1/steps of the map's time span) and draws
+#: a map when it comes near the window, one at a time.
+_JS = """
+(async () => {
+  const unpack = async (id) => {
+    const text = atob(document.getElementById(id).textContent);
+    const bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream('gzip'));
+    return new Response(stream).text();
+  };
+  const divs = [...document.querySelectorAll('div.map')];
+  let page = null, loading = null;
+  // plotly.js is unpacked and run (about a second) only when a map comes near: the page
+  // itself opens at once.
+  const load = () => loading || (loading = (async () => {
+    const [lib, maps] = await Promise.all([unpack('kvfrag-plotly'), unpack('kvfrag-maps')]);
+    const script = document.createElement('script');
+    script.textContent = lib;
+    document.head.appendChild(script);
+    page = JSON.parse(maps);
+  })().catch((err) => {
+    for (const div of divs) div.textContent = 'The interactive map needs a browser that '
+      + 'unpacks gzip (DecompressionStream: Chrome 80, Firefox 113, Safari 16.4 or later): '
+      + err;
+    throw err;
+  }));
+  const traces = (m) => {
+    const d = page.slabs[m.slabs], data = m.fig.data, n = d.X[0].length;
+    const at = (col, step, i, s) => col[i][s] === null ? null : col[i][s] * step;
+    ['token_states', 'reserved', 'internal', 'outline'].forEach((part, t) => {
+      const x = [], y = [];
+      for (let s = 0; s < n; s++) {
+        for (const [i, j] of page.corners[part]) {
+          x.push(at(d.X, d.sx, i, s)); y.push(at(d.Y, d.sy, j, s));
+        }
+        x.push(null); y.push(null);
+      }
+      data[t].x = x; data[t].y = y;
+    });
+    let lo = Infinity, hi = -Infinity;
+    for (let s = 0; s < n; s++) {
+      lo = Math.min(lo, at(d.X, d.sx, 0, s)); hi = Math.max(hi, at(d.X, d.sx, 3, s));
+    }
+    const step = ((hi - lo) || 1) / d.steps, hx = [], hy = [], custom = [];
+    for (let s = 0; s < n; s++) {
+      const t0 = at(d.X, d.sx, 0, s), t1 = at(d.X, d.sx, 3, s);
+      const mid = (at(d.Y, d.sy, 0, s) + at(d.Y, d.sy, 6, s)) / 2;
+      const count = Math.max(Math.ceil((t1 - t0) / step), 1);
+      const facts = d.H.map((col) => col[s]);
+      for (let k = 0; k < count; k++) {
+        hx.push(t0 + (t1 - t0) * (k + 0.5) / count); hy.push(mid); custom.push(facts);
+      }
+    }
+    data[4].x = hx; data[4].y = hy; data[4].customdata = custom;
+    return data;
+  };
+  let queue = Promise.resolve();  // one map at a time: the one in view is not held up
+  const draw = (div) => {
+    queue = queue.then(load).then(() => {
+      const m = page.maps[Number(div.id.slice(4))];
+      return Plotly.newPlot(div, traces(m), m.fig.layout, page.config);
+    }).then(() => { div.dataset.drawn = 'yes'; }, () => {});
+  };
+  const seen = new IntersectionObserver((entries) => {
+    for (const e of entries) if (e.isIntersecting) { seen.unobserve(e.target); draw(e.target); }
+  }, {rootMargin: '200px'});
+  for (const div of divs) seen.observe(div);
+})();
+"""
 
 
 def _rgba(color: str, alpha: float) -> str:
@@ -326,10 +501,11 @@ max-width:1400px;padding:0 1em;color:#222}
 h1{font-size:1.6em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;font-size:.85em}
 td,th{border:1px solid #ddd;padding:.25em .5em}th{background:#f4f4f4}
-td.n{text-align:right;font-variant-numeric:tabular-nums}
+td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .wide{overflow-x:auto}pre{background:#f7f7f7;padding:.8em;overflow-x:auto;font-size:.85em}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}
 figcaption{font-size:.8em;color:#666}.note{color:#555;font-size:.9em}
+.map{min-height:520px}
 .left-out{background:#fff6dc;border-left:4px solid #e0a800;padding:.2em .8em}
 div.left-out p{margin:.4em 0}
 """
@@ -422,23 +598,19 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
     else:
         notes = [f"requests.parquet {'is missing' if requests is None else 'has no rows'}: "
                  "no address map."]
-    map_html = []
-    for i, (title, fig) in enumerate(maps):
-        map_html.append(
-            f"<h3>{html.escape(title)}</h3>"
-            + fig.to_html(
-                full_html=False,
-                include_plotlyjs=i == 0,  # inline, once: the page works offline
-                div_id=f"map-{i}",
-                config={"displaylogo": False, "scrollZoom": True, "responsive": True},
-            )
-        )
+    map_html = [f"<h3>{html.escape(m.title)}</h3><div class='map' id='map-{i}'></div>"
+                for i, m in enumerate(maps)]
+    if maps:
+        map_html.append(maps_script(maps))
     caption = " · ".join(P.caption_parts(meta, summary))
     intro = ("<p class='note'>One rectangle per slab, from admission to release, at its "
              "address: stored tokens green, reserved (not yet written) orange, internal "
              "fragmentation red, holes white. Drag to zoom (double-click resets), scroll to "
-             f"zoom, hover a slab for its request. At most {P.MAX_SLABS:,} slabs (the first "
-             f"by admission) per map and {P.MAX_PANELS} maps.</p>") if maps else ""
+             f"zoom, hover a slab for its request. At most {P.MAX_PANELS} maps, with "
+             f"{REPORT_SLABS:,} slabs in all shared between them (up to {P.MAX_SLABS:,} "
+             "each, the first by admission: a map's title says when it holds fewer than its "
+             f"run placed; the address map figure below draws up to {P.MAX_SLABS:,} "
+             "each). A map is drawn when it scrolls into view.</p>") if maps else ""
     note_html = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
     missing_html = "".join(
         f"<p><b>Left out:</b> <code>{html.escape(rel)}</code> {html.escape(what)}</p>"

@@ -99,9 +99,10 @@ def test_map_caps_its_slabs(results):
     req = pd.read_parquet(results / "requests.parquet")
     summary = pd.read_csv(results / "summary.csv")
     maps, _ = address_maps(req, summary, max_slabs=5)
-    ((_, fig),) = maps
+    ((_, fig, slabs),) = maps
     assert "first 5 of" in fig.layout.title.text
     assert len(fig.data) == 5  # one trace per part, the outlines and the hover points
+    assert len(slabs["X"][0]) == 5 and all(len(col) == 5 for col in slabs["H"])
 
 
 def test_page_in_a_headless_browser(results):
@@ -119,8 +120,8 @@ def test_page_in_a_headless_browser(results):
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto((results / "report.html").resolve().as_uri())
-            page.wait_for_selector("#map-0 .main-svg", timeout=30_000)
-            page.locator("#map-0").scroll_into_view_if_needed()
+            page.locator("#map-0").scroll_into_view_if_needed()  # (drawn when in view)
+            page.wait_for_selector("#map-0[data-drawn]", timeout=30_000)
             # The first hover point (of the first slab by admission), in page pixels.
             x, y = page.evaluate("""() => {
                 const gd = document.getElementById('map-0');
