@@ -274,7 +274,8 @@ def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, d
             m.tokens[r] += n
             m.proc[r] = old
             if m.decoding[r]:
-                m.stale[r] = True  # (it left and joined the cohort again)
+                m.stale[r] = True  # (it left and joined the cohort again:
+                freed.discard(r)  # what its last step freed is no longer "just freed")
         elif op == "step":
             done, full = a.steps_until_done(), a.steps_until_full()
             if done is None:
