@@ -594,6 +594,8 @@ class HybridAllocator(Allocator):
         takes = sum(m.groups * m.most_taken(done) for m in self.managers)
         if total + len(self._joined) * takes <= self.num_blocks:
             return done
+        if not any(m.frees for m in self.managers):
+            return self._steps_until_full_growing(done, self.num_blocks - total)
         decoders = self._decoders()
         # Then a finer one: the most each decoder could hold by its end.
         bound = total
@@ -635,6 +637,37 @@ class HybridAllocator(Allocator):
                 if nxt <= done:
                     heapq.heappush(heap, (nxt, r, i))
         return done
+
+    def _steps_until_full_growing(self, done: int, free: int) -> int:
+        """`_steps_until_full` where no group frees a block while a request runs (full
+        attention, MLA, Mamba in mode "none": every layout the manager off gives): counts only
+        grow, so the order of the running requests cannot matter and the answer is the most
+        steps whose new blocks fit. A decoder of L tokens has taken floor((a + t) / bs) new
+        blocks of a full group after t steps, a = (L - 1) mod bs; summed by residue a, one
+        count per residue, and bisected over t."""
+        tables: list[tuple[int, int, list[int]]] = []  # (groups, block size, count by a)
+        for m in self.managers:
+            if m.most_taken(done):  # (a Mamba group's one block covers max_model_len)
+                tables.append((m.groups, m.block_size, [0] * m.block_size))
+        for rid in self._joined:
+            tokens = self._tokens_of(self._live[rid])
+            for _, bs, counts in tables:
+                counts[(tokens - 1) % bs] += 1
+
+        def taken(t: int) -> int:
+            return sum(g * sum(c * ((a + t) // bs) for a, c in enumerate(counts) if c)
+                       for g, bs, counts in tables)
+
+        lo, hi = 0, done  # taken(lo) <= free; the answer is in [lo, hi]
+        if taken(hi) <= free:
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if taken(mid) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def steps_until_shrink(self) -> int | None:
         """Steps until a decode step frees a block of a sliding or chunked group: a decoder's
