@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -36,9 +36,10 @@ REPORT = "report.html"
 _HOVER_STEPS = 80
 
 #: Slabs the page's interactive maps hold in all, shared out evenly between them (each at most
-#: `kvfrag.plots.MAX_SLABS`, at least MIN_SLABS, the first by admission): what keeps the page
-#: to a few megabytes and quick to open. The PNG address map draws up to MAX_SLABS each.
-REPORT_SLABS = 12_000
+#: `kvfrag.plots.MAX_SLABS`, at least MIN_SLABS, the first by admission; a slab compaction
+#: moved counts once per place): what keeps the page under 3 MB and quick to open. The
+#: address map figure (plots/address_map.png) draws up to MAX_SLABS each.
+REPORT_SLABS = 8_000
 MIN_SLABS = 500
 
 #: The summary table's readable subset: column, heading, how to show it.
@@ -114,9 +115,11 @@ def summary_html(summary: pd.DataFrame) -> str:
     )
 
 
-def figures_html(folder: Path) -> str:
+def figures_html(folder: Path, linked: Collection[str] = ()) -> str:
     """Every all-points PNG in plots/, inline (base64; `light_png`): not the one-point figures
-    `kvfrag plot --point N` draws beside them."""
+    `kvfrag plot --point N` draws beside them. The figures named in `linked` (the address
+    map, where the page's interactive maps show the same slabs) are a link to their file
+    instead: the page stays light, and the file is beside it in the results folder."""
     from kvfrag.plots import is_point_figure
 
     pngs = [p for p in sorted((folder / "plots").glob("*.png")) if not is_point_figure(p)]
@@ -125,8 +128,15 @@ def figures_html(folder: Path) -> str:
                 "draws them).</p>")
     parts = []
     for png in pngs:
-        data = base64.b64encode(light_png(png.read_bytes())).decode("ascii")
         name = html.escape(png.stem)
+        if png.stem in linked:
+            parts.append(
+                f"<figure><p class='note'>The address map figure is not in this page (the "
+                f"maps above show its slabs): <a href='plots/{html.escape(png.name)}'>"
+                f"plots/{html.escape(png.name)}</a>, in the results folder.</p></figure>"
+            )
+            continue
+        data = base64.b64encode(light_png(png.read_bytes())).decode("ascii")
         parts.append(
             f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
             f"<figcaption>plots/{html.escape(png.name)}</figcaption></figure>"
@@ -249,10 +259,11 @@ def _map(
     placed = placed.sort_values("admitted_s", kind="stable")
     notes = []
     total = len(placed)
-    if total > max_slabs:
-        right = float(placed["admitted_s"].iloc[max_slabs])
-        placed = placed.iloc[:max_slabs]
-        notes.append(f"first {max_slabs:,} of {total:,} slabs by admission time "
+    keep = _rectangles_keep(placed, max_slabs)
+    if keep < total:
+        right = float(placed["admitted_s"].iloc[keep])
+        placed = placed.iloc[:keep]
+        notes.append(f"first {keep:,} of {total:,} slabs by admission time "
                      f"(up to t = {right:.0f} s)")
     slabs, most = P._slabs(placed)
     if most > 1 and P.SLAB_OFFSETS not in placed.columns:
@@ -489,6 +500,24 @@ _JS = """
 """
 
 
+def _rectangles_keep(placed: pd.DataFrame, most: int) -> int:
+    """How many of `placed`'s requests (in admission order) a map draws so that it holds at
+    most `most` rectangles: a slab is one, one per place it was held at where compaction
+    moved it (`kvfrag.plots.slab_pieces`)."""
+    import numpy as np
+
+    from kvfrag import plots as P
+
+    if P.MOVE_T not in placed.columns:
+        return min(len(placed), most)
+
+    def places(times: Any) -> int:
+        return max(len(times), 1) if isinstance(times, list | tuple | np.ndarray) else 1
+
+    rects = np.cumsum([places(t) for t in placed[P.MOVE_T]])
+    return int(np.searchsorted(rects, most, side="right"))
+
+
 def _rgba(color: str, alpha: float) -> str:
     c = color.lstrip("#")
     r, g, b = (int(c[i : i + 2], 16) for i in (0, 2, 4))
@@ -609,8 +638,9 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
              f"zoom, hover a slab for its request. At most {P.MAX_PANELS} maps, with "
              f"{REPORT_SLABS:,} slabs in all shared between them (up to {P.MAX_SLABS:,} "
              "each, the first by admission: a map's title says when it holds fewer than its "
-             f"run placed; the address map figure below draws up to {P.MAX_SLABS:,} "
-             "each). A map is drawn when it scrolls into view.</p>") if maps else ""
+             "run placed; plots/address_map.png in the results folder draws up to "
+             f"{P.MAX_SLABS:,} each). A map is drawn when it scrolls into view.</p>"
+             ) if maps else ""
     note_html = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
     missing_html = "".join(
         f"<p><b>Left out:</b> <code>{html.escape(rel)}</code> {html.escape(what)}</p>"
@@ -629,7 +659,7 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
         f"<p>{html.escape(caption)}</p>{missing_html}"
         f"<h2>Summary</h2>{summary_html(summary)}"
         f"<h2>Address map</h2>{intro}{note_html}{''.join(map_html)}"
-        f"<h2>Figures</h2>{figure_notes}{figures_html(folder)}"
+        f"<h2>Figures</h2>{figure_notes}{figures_html(folder, {'address_map'} if maps else ())}"
         f"<h2>Scenario</h2><p class='note'>scenario.resolved.yaml</p>"
         f"<pre>{html.escape(scenario_text)}</pre>"
         "</body></html>\n"

@@ -184,5 +184,15 @@ def test_plot_point_writes_files_of_its_own(swept):
     assert main(["report", str(swept)]) == 0
     page = (swept / "report.html").read_text(encoding="utf-8")
     assert "plots/timeline.png" in page and "-point3" not in page
-    assert page.count("<img ") == len(before)
+    assert page.count("<img ") == len(before) - 1  # (the address map: a link)
     assert foreign_files(swept) == []  # all kvfrag's still: a run may replace the folder
+
+
+def test_a_moved_slab_counts_once_per_place():
+    """The page's slab budget counts rectangles: compaction's moves add one each."""
+    from kvfrag.plots import MOVE_T
+    from kvfrag.report import _rectangles_keep
+
+    placed = pd.DataFrame({MOVE_T: [None, [0.0, 1.0, 2.0], np.array([0.0, 5.0]), None]})
+    assert [_rectangles_keep(placed, most) for most in (1, 3, 4, 6, 7, 99)] == [1, 1, 2, 3, 4, 4]
+    assert _rectangles_keep(placed.drop(columns=[MOVE_T]), 3) == 3

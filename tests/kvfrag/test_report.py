@@ -49,7 +49,10 @@ def test_run_writes_the_report_with_everything(results):
         assert f"{int(summary.loc[label, 'max_running']):,}" in page
     pngs = sorted((results / "plots").glob("*.png"))
     assert pngs
-    assert page.count("<img ") == len(pngs)
+    # every figure inline but the address map, which links to its file (the interactive map
+    # shows its slabs)
+    assert page.count("<img ") == len(pngs) - 1
+    assert "<a href='plots/address_map.png'>" in page and "alt='address_map'" not in page
     for png in pngs:
         assert f"plots/{png.name}" in page
     assert "id=\"map-0\"" in page or "id='map-0'" in page  # slab-max's address map
