@@ -3,16 +3,21 @@
 `write_report(results_dir)` reads what a run wrote (`scenario.resolved.yaml`, `summary.csv`,
 `requests.parquet`, `timeseries.parquet`, `plots/*.png`) and writes `results_dir/report.html`
 atomically: the scenario, the summary table (a readable subset with units, and every column
-in a collapsed `<details>`), every figure of plots/ as an inline PNG, and an interactive
-address map per slab allocator and sweep point (plotly: zoom and pan with the mouse, hover a
-slab for its request id, tokens, slab size, reserved and internal bytes, and times).
+in a collapsed `<details>`), every all-points figure of plots/ as an inline PNG in 256 colours
+(the address map as a link to its file where the page has interactive maps), and an
+interactive address map per slab allocator and sweep point (plotly: zoom and pan with the
+mouse, hover a slab for its request id, tokens, slab size, reserved and internal bytes, and
+times).
 
-The page needs no network: plotly.js is inlined once (about 4.7 MB), only when there is an
-address map to draw. The map reuses the static address map's data preparation
-(`kvfrag.plots.slab_polygons`, `_slabs`, `_slab_labels`): each part (stored tokens, reserved,
-internal) is one filled scatter trace of all slabs, separated by gaps, not one shape per
-slab, so thousands of slabs stay fast; at most `MAX_SLABS` slabs (the first by admission) per
-map, `MAX_PANELS` maps and `MAX_ALLOCATORS` allocators, as the PNG.
+The page needs no network and stays under about 3 MB: plotly.js (4.8 MB) and the maps' data
+are embedded gzipped, only when there is an address map to draw, and unpacked by the page
+(`maps_script`). The map reuses the static address map's data preparation
+(`kvfrag.plots.slab_polygons`, `_slabs`, `_slab_labels`), sent as a few whole-number columns
+per slab (`compact`) that the page turns back into polygons: each part (stored tokens,
+reserved, internal) is one filled scatter trace of all slabs, separated by gaps, not one
+shape per slab, so thousands of slabs stay fast. The maps share REPORT_SLABS slabs (the first
+by admission in each; at most `MAX_SLABS` per map), at most `MAX_PANELS` maps and
+`MAX_ALLOCATORS` allocators, as the PNG; each is drawn when it scrolls into view.
 
 The page says what it leaves out, and why: a missing Parquet file or figure (which one, and
 what is not shown for it: `write_report` tells these on stderr too), and the allocators and
@@ -425,7 +430,7 @@ def maps_script(maps: list[Map]) -> str:
     )
 
 
-#: Unpacks plotly.js and the maps when the first map comes near the window
+#: Unpacks plotly.js and the maps once the page is idle or a map comes near the window
 #: (DecompressionStream: Chrome 80, Firefox 113, Safari 16.4 and later), rebuilds each map's
 #: traces from its columns (`CORNERS`, `compact`: the polygons with a gap between slabs, and
 #: hover points along each slab's middle, one every 1/steps of the map's time span) and draws
@@ -441,8 +446,7 @@ _JS = """
   };
   const divs = [...document.querySelectorAll('div.map')];
   let page = null, loading = null;
-  // plotly.js is unpacked and run (about a second) only when a map comes near: the page
-  // itself opens at once.
+  // plotly.js is unpacked and run (about a second) after the page has opened: not before.
   const load = () => loading || (loading = (async () => {
     const [lib, maps] = await Promise.all([unpack('kvfrag-plotly'), unpack('kvfrag-maps')]);
     const script = document.createElement('script');
@@ -496,6 +500,9 @@ _JS = """
     for (const e of entries) if (e.isIntersecting) { seen.unobserve(e.target); draw(e.target); }
   }, {rootMargin: '200px'});
   for (const div of divs) seen.observe(div);
+  // and unpacked anyway once the page is idle, so that a map is ready when scrolled to
+  const idle = window.requestIdleCallback || ((f) => setTimeout(f, 500));
+  idle(() => load().catch(() => {}), {timeout: 3000});
 })();
 """
 
