@@ -28,6 +28,7 @@ counted by the request that wrote it, by that request's own length.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 
 from kvfrag.sim.layers import ChunkedLocal, LayerStack, SlidingWindow
 
@@ -172,21 +173,27 @@ class ModelView:
         return (self._fixed + const + slope * clock) * weight + slope * jw + walked
 
     def _ending_by(self, k: int) -> list[int]:
-        """Decoders whose segment ends before clock `k` (a pruned walk of the heap)."""
-        heap, segs, out = self._heap, self._seg, {}
-        todo = [0] if heap and heap[0][0] <= k else []
-        while todo:
-            i = todo.pop()
-            key, rid = heap[i]
-            seg = segs.get(rid)
-            if seg is not None and seg[0] + 1 == key:
-                out[rid] = None
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < len(heap) and heap[c][0] <= k:
-                    todo.append(c)
-        return list(out)
+        return segments_ending_by(self._heap, self._seg, k)
 
     def walk_total(self, requests: list[tuple[int, int]]) -> int:
         """Out-of-window bytes of (mult, tokens) requests, summed afresh (what the running
         totals must equal: for checks)."""
         return sum(mult * self.out_of_window(tokens) for mult, tokens in requests)
+
+
+def segments_ending_by(heap: list[tuple[int, int]], segs: Mapping[int, tuple], k: int) -> list[int]:
+    """The requests whose linear segment ends before clock `k`, from a heap of (last clock + 1,
+    rid) entries kept lazily (an entry counts while `segs[rid][0]` is still its last clock):
+    a walk of the heap pruned at keys past `k`, so a stretch costs only the segments it ends."""
+    out: dict[int, None] = {}
+    todo = [0] if heap and heap[0][0] <= k else []
+    while todo:
+        i = todo.pop()
+        key, rid = heap[i]
+        seg = segs.get(rid)
+        if seg is not None and seg[0] + 1 == key:
+            out[rid] = None
+        for c in (2 * i + 1, 2 * i + 2):
+            if c < len(heap) and heap[c][0] <= k:
+                todo.append(c)
+    return list(out)

@@ -88,7 +88,7 @@ from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.managers import managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
-from kvfrag.sim.model_view import ModelView
+from kvfrag.sim.model_view import ModelView, segments_ending_by
 
 
 class HybridAllocator(Allocator):
@@ -329,19 +329,7 @@ class HybridAllocator(Allocator):
                 self._segment(self._live[rid])
 
     def _ending_by(self, k: int) -> list[int]:
-        """Decoders whose segment ends before clock `k` (their heap entries, pruned walk)."""
-        heap, segs, out = self._seg_heap, self._seg, {}
-        todo = [0] if heap and heap[0][0] <= k else []
-        while todo:
-            i = todo.pop()
-            key, rid = heap[i]
-            seg = segs.get(rid)
-            if seg is not None and seg[0] + 1 == key:
-                out[rid] = None
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < len(heap) and heap[c][0] <= k:
-                    todo.append(c)
-        return list(out)
+        return segments_ending_by(self._seg_heap, self._seg, k)
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
