@@ -634,7 +634,7 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
     else:
         notes = [f"requests.parquet {'is missing' if requests is None else 'has no rows'}: "
                  "no address map."]
-    map_html = [f"<h3>{html.escape(m.title)}</h3><div class='map' id='map-{i}'></div>"
+    map_html = [f'<h3>{html.escape(m.title)}</h3><div class="map" id="map-{i}"></div>'
                 for i, m in enumerate(maps)]
     if maps:
         map_html.append(maps_script(maps))
