@@ -96,6 +96,14 @@ class HybridAllocator(Allocator):
 
     kind = "hybrid"
 
+    def __new__(cls, *args: object, **kwargs: object) -> HybridAllocator:
+        # Prefix caching keeps vLLM's block pool block by block (`sim.hybrid.caching`).
+        if cls is HybridAllocator and kwargs.get("prefix_caching") is True:
+            from kvfrag.sim.hybrid.caching import HybridPrefixCaching
+
+            return super().__new__(HybridPrefixCaching)
+        return super().__new__(cls)
+
     def __init__(
         self,
         capacity: object,
@@ -121,8 +129,14 @@ class HybridAllocator(Allocator):
             raise ValueError(
                 f"hybrid_kv_cache_manager must be true or false, not {hybrid_kv_cache_manager!r}"
             )
-        if prefix_caching is not False:
-            raise ValueError("the hybrid allocator does not model prefix caching yet")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be true or false, not {prefix_caching!r}")
+        if prefix_caching and type(self) is HybridAllocator:
+            raise ValueError("prefix caching is modelled by HybridPrefixCaching "
+                             "(make_allocator builds it)")
+        if prefix_caching and stack.mamba_layers:
+            raise ValueError("the hybrid allocator does not model prefix caching with Mamba "
+                             "groups yet")
         if mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(
                 f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, not "
@@ -144,7 +158,8 @@ class HybridAllocator(Allocator):
         self.stack = stack
         self.plan: Plan = plan(
             stack, self.capacity, bs, hybrid_kv_cache_manager, max_model_len=self.max_model_len,
-            mamba_cache_mode="none", prefix_caching=False, max_num_batched_tokens=positive_int(
+            mamba_cache_mode="none", prefix_caching=prefix_caching,
+            max_num_batched_tokens=positive_int(
                 "max_num_batched_tokens", max_num_batched_tokens),
             concurrent_batches=positive_int("concurrent_batches", concurrent_batches),
         )

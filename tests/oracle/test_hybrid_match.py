@@ -14,10 +14,12 @@ its iterations compared and preemptions (`pytest -s`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -33,6 +35,7 @@ from kvfrag.sim.reference import reference  # noqa: E402
 from . import hybrid_shapes as shapes  # noqa: E402
 from .hybrid_driver import run_vllm_hybrid  # noqa: E402
 from .test_hybrid_scheduler_oracle import mixed  # noqa: E402
+from .test_vllm_match import own_sampled_tokens, token_ids  # noqa: E402
 from .vllm_driver import OracleRequest  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*pure-Python.*")
@@ -55,6 +58,10 @@ class Case:
     max_prompt: int
     max_output: int
     n: int = 40
+    #: Prefix caching on, over `shared`'s workload: four system prompts of up to this many
+    #: blocks (0: off, `mixed`'s workload).
+    system_blocks: int = 0
+    seed: int = 0
 
 
 class Trace(list):
@@ -71,9 +78,48 @@ class Trace(list):
         super().append(record)
 
 
+def shared(case: Case) -> pd.DataFrame:
+    """Requests behind one of four system prompts of whole blocks (1 to `system_blocks`), with
+    a question of up to `max_prompt` tokens (most of them whole blocks), a quarter asking an
+    earlier prompt again token for token; outputs 1 to `max_output`; hash ids per block."""
+    rng = np.random.default_rng(case.seed)
+    systems = [int(b) * BS for b in rng.integers(1, case.system_blocks + 1, 4)]
+    asked: list[tuple[list[int], int]] = []
+    hashes, prompts, fresh = [], [], 10_000
+    for _ in range(case.n):
+        if asked and rng.random() < 0.25:
+            ids, prompt = asked[int(rng.integers(len(asked)))]
+        else:
+            g = int(rng.integers(4))
+            mine = (int(rng.integers(1, case.max_prompt // BS)) * BS if rng.random() < 0.6
+                    else int(rng.integers(1, case.max_prompt)))
+            own = -(-mine // BS)
+            ids = [100 * g + c for c in range(systems[g] // BS)] + list(range(fresh, fresh + own))
+            fresh += own
+            prompt = systems[g] + mine
+            asked.append((ids, prompt))
+        hashes.append(ids)
+        prompts.append(prompt)
+    wl = pd.DataFrame({
+        "request_id": np.arange(case.n),
+        "arrival_s": np.sort(rng.integers(0, case.n // 2, case.n)).astype(float),
+        "prompt_tokens": prompts,
+        "output_tokens": rng.integers(1, case.max_output, case.n),
+        "hash_ids": hashes,
+    })
+    wl.attrs["hash_block_tokens"] = BS
+    return wl
+
+
 def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
     """(vLLM's run, kvfrag's trace, kvfrag's reference result, kvfrag's fast-engine result)."""
-    reqs: list[OracleRequest] = mixed(case.n, 0, case.max_prompt, case.max_output)
+    caching = case.system_blocks > 0
+    if caching:
+        wl = shared(case)
+        reqs = [OracleRequest(int(r.request_id), int(r.arrival_s), token_ids(r, BS),
+                              int(r.output_tokens)) for r in wl.itertuples()]
+    else:
+        reqs = mixed(case.n, 0, case.max_prompt, case.max_output)
     mml = -(-max(len(r.prompt) + r.output_tokens for r in reqs) // BS) * BS
     budget = case.chunk or mml
 
@@ -82,15 +128,18 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
             "hybrid", capacity=capacity, bytes_per_token=case.stack.full_bytes_per_token,
             max_model_len=mml, stack=case.stack, block_size=BS,
             hybrid_kv_cache_manager=case.manager, max_num_batched_tokens=budget,
-            concurrent_batches=1,
+            concurrent_batches=1, prefix_caching=caching,
         )
 
     budget_bytes = case.pool if case.pool >= 100_000 else case.pool * hybrid(2**50).page
-    oracle = run_vllm_hybrid(
-        reqs, case.stack, budget_bytes=budget_bytes, max_num_seqs=SEQS,
-        max_num_batched_tokens=budget, chunked=case.chunk is not None,
-        hybrid_manager=case.manager, max_model_len=mml,
-    )
+    # Prefix caching: each request samples a token of its own, so that its generated blocks
+    # are cached under keys only it finds again, as kvfrag keys them.
+    with own_sampled_tokens() if caching else contextlib.nullcontext():
+        oracle = run_vllm_hybrid(
+            reqs, case.stack, budget_bytes=budget_bytes, max_num_seqs=SEQS,
+            max_num_batched_tokens=budget, chunked=case.chunk is not None,
+            hybrid_manager=case.manager, max_model_len=mml, prefix_caching=caching,
+        )
     alloc = hybrid(budget_bytes)
     assert alloc.plan.num_blocks == oracle.plan["num_blocks"]
     if case.stack.mamba_layers:  # the mode, state block size and padded page vLLM resolved
@@ -101,12 +150,13 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
     assert [(g["kind"], g["block_size"]) for g in oracle.plan["groups"]] == [
         (g.kind, g.block_size) for g in alloc.plan.groups
     ]
-    wl = pd.DataFrame({
-        "request_id": [r.rid for r in reqs],
-        "arrival_s": [float(r.arrival_step) for r in reqs],
-        "prompt_tokens": [len(r.prompt) for r in reqs],
-        "output_tokens": [r.output_tokens for r in reqs],
-    })
+    if not caching:
+        wl = pd.DataFrame({
+            "request_id": [r.rid for r in reqs],
+            "arrival_s": [float(r.arrival_step) for r in reqs],
+            "prompt_tokens": [len(r.prompt) for r in reqs],
+            "output_tokens": [r.output_tokens for r in reqs],
+        })
     cfg = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=budget,
                        chunked_prefill=case.chunk is not None, step_time=StepTime(base_s=1.0))
     trace = Trace(alloc)
@@ -114,7 +164,8 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
     return oracle, list(trace), ref, run(wl, hybrid(budget_bytes), cfg)
 
 
-def first_divergence(oracle: Any, trace: list[dict], ref: dict) -> tuple[int, str | None]:
+def first_divergence(oracle: Any, trace: list[dict], ref: dict,
+                     compared: tuple[str, ...] = COMPARED) -> tuple[int, str | None]:
     """(iterations compared, None or where the first difference is)."""
     steps = {s["step"]: s for s in oracle.steps}
     ours = {}
@@ -130,11 +181,11 @@ def first_divergence(oracle: Any, trace: list[dict], ref: dict) -> tuple[int, st
             continue
         if s is None:
             return len(ours), f"step {k}: vLLM has no such step"
-        mine = {c: it[c] for c in COMPARED}
-        theirs = {c: s[c] for c in COMPARED}
+        mine = {c: it[c] for c in compared}
+        theirs = {c: s[c] for c in compared}
         theirs["group_blocks"] = tuple(theirs["group_blocks"])
         if mine != theirs:
-            diff = {c: (mine[c], theirs[c]) for c in COMPARED if mine[c] != theirs[c]}
+            diff = {c: (mine[c], theirs[c]) for c in compared if mine[c] != theirs[c]}
             return len(ours), f"step {k} (kvfrag, vLLM): {diff}"
     for rid, r in ref["requests"].items():
         v = oracle.requests[rid]
@@ -173,19 +224,46 @@ CASES = {
     "qwen3-next-chunked": Case(shapes.qwen3_next(), True, 40, 512, 3000, 400),
     "jamba-1.5-mini-whole": Case(shapes.jamba_1_5_mini(), True, 150, None, 1600, 400),
     "jamba-1.5-mini-chunked": Case(shapes.jamba_1_5_mini(), True, 150, 512, 1600, 400),
+    # Prefix caching (vLLM's default for these models): `shared`'s system prompts and repeated
+    # questions, each request sampling tokens of its own. gpt-oss's 128-token window needs 8
+    # contiguous cached blocks for a hit, Gemma-3's 1,024-token one 64; pools tight enough
+    # to evict idle cached blocks by the thousand and to preempt.
+    "gpt-oss-120b-prefix-whole": Case(gpt_oss(), True, 300, None, 480, 250, n=200,
+                                      system_blocks=8),
+    "gpt-oss-120b-prefix-chunked": Case(gpt_oss(), True, 300, 256, 480, 250, n=200,
+                                        system_blocks=8),
+    "gemma-3-27b-prefix-whole": Case(shapes.gemma_3_27b(), True, 4 * GiB, None, 1200, 200,
+                                     n=120, system_blocks=80),
+    "gemma-3-27b-prefix-chunked": Case(shapes.gemma_3_27b(), True, 2 * GiB, 512, 1200, 200,
+                                       n=120, system_blocks=80),
 }
+#: What prefix caching adds to every iteration's comparison.
+PREFIX = ("prefix_hit_tokens", "evictions", "idle_cached_blocks")
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_iteration_matches_vllm(name: str) -> None:
-    oracle, trace, ref, fast = run_both(CASES[name])
-    compared, divergence = first_divergence(oracle, trace, ref)
+    case = CASES[name]
+    oracle, trace, ref, fast = run_both(case)
+    caching = case.system_blocks > 0
+    compared, divergence = first_divergence(oracle, trace, ref,
+                                            COMPARED + PREFIX if caching else COMPARED)
     assert divergence is None, divergence
     assert compared > 1000
     preempted = sum(s["preempted"] for s in oracle.steps)
     assert preempted > 0, "the pool should be tight"
-    print(f"\n{name}: {compared} iterations compared, {preempted} preemptions")
+    hits = sum(s["prefix_hit_tokens"] for s in oracle.steps)
+    evictions = sum(s["evictions"] for s in oracle.steps)
+    print(f"\n{name}: {compared} iterations compared, {preempted} preemptions, "
+          f"{hits} prefix-hit tokens, {evictions} evictions")
     rows = fast.requests.set_index("request_id")
     for rid, r in ref["requests"].items():  # the fast engine: the reference's every request
         assert rows.loc[rid, "finished_s"] == r["finished"], rid
         assert rows.loc[rid, "preemptions"] == r["preemptions"], rid
+    if caching:
+        assert hits > 1000 and evictions > 1000
+        for rid, r in ref["requests"].items():  # tokens found cached, resumptions included
+            assert sum(r["hits"]) == oracle.requests[rid]["prefix_hit_tokens"], rid
+        summary = fast.summary
+        assert summary["prefill_tokens_skipped"] == hits
+        assert summary["prefix_evictions"] == evictions

@@ -1,0 +1,561 @@
+"""The `hybrid` allocator with prefix caching on (`prefix_caching: true`): vLLM 0.33's hybrid
+KV-cache manager with its block pool caching full blocks per KV-cache group
+(`kvfrag.sim.hybrid.prefix` has the pool and the hit rules).
+
+With prefix caching a block id may be held by several requests (a hit), and a block freed by
+one request stays cached until the pool takes it back: which blocks are free, cached or
+shared depends on every request's history, so this allocator keeps vLLM's state itself (each
+request's table per group, the pool's reference counts and free queue) and applies each
+allocation block by block as vLLM does: an admission looks up its hit (`cached_prefix_tokens`,
+the coordinator's fixed point), revives the hit blocks nobody holds, takes new ones and caches
+what it filled; a prefill chunk and each decode step first free the blocks their window left
+(cached ones go idle, the others are reused first), then take and cache; a free gives back
+every table last first. Decode steps are applied in the running order (admission order),
+one step after the other; `steps_until_full`, `steps_until_shrink` and `integrals` look
+ahead on a copy of the state, at most `HORIZON` steps (the engine's decode stretches are
+then no longer than that, which costs it more events but changes no figure).
+
+Accounting: blocks in use are the ids some request holds (a shared id once); idle cached
+blocks are usable free memory, as in `prefix-caching`. token_states counts each held id's
+tokens once, those a layer of its group reads for some holder (full attention: every stored
+token; sliding window W: the last W tokens of its holder); reserved the slots of each table's
+last block its request will still write; internal the rest of the held ids' pages. The split
+of internal into padding and out-of-window tokens is not made here (`waste_split` off).
+
+Modelled: full attention, MLA and sliding-window groups with the hybrid manager on, one block
+size (the hash block size), `prefix_cache_retention_interval` 0 (vLLM's default). Refused
+(one line): chunked local attention, Mamba groups, the manager off, sample groups (n > 1).
+"""
+
+from __future__ import annotations
+
+from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
+from kvfrag.sim.allocators.hybrid import HybridAllocator
+from kvfrag.sim.hybrid.prefix import Kind, PrefixState
+
+#: The most decode steps looked ahead on a copy of the state.
+HORIZON = 32
+
+
+class HybridPrefixCaching(HybridAllocator):
+    """`HybridAllocator` with vLLM's prefix caching (built by it for `prefix_caching=True`)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        p = self.plan
+        if not p.hybrid_manager:
+            raise ValueError("the hybrid allocator models prefix caching only with "
+                             "hybrid_kv_cache_manager true")
+        kinds: list[Kind] = []
+        for m in self.managers:
+            if m.kind not in ("full", "sliding_window"):
+                raise ValueError(f"the hybrid allocator does not model prefix caching with "
+                                 f"{m.kind} groups yet")
+            if m.block_size != p.hash_block_size or m.block_size != p.scheduler_block_size:
+                raise ValueError("the hybrid allocator models prefix caching only where "
+                                 "every group has one block size")
+            groups = tuple(g for g, mi in enumerate(self._manager_of) if mi == len(kinds))
+            kinds.append(Kind(m.kind, groups, m.block_size, m.window))
+        self._kinds = kinds
+        # The lookup's order: full attention first (vLLM sorts its attention groups so).
+        self._order = sorted(range(len(kinds)), key=lambda i: kinds[i].kind != "full")
+        self._tb = [sum(self.stack.layers[i].bytes_per_token for i in g.layers)
+                    for g in p.groups]
+        self._st = PrefixState(self.num_blocks, len(p.groups))
+        self._sim_clock = 0  # the clock the state's decode steps have reached
+        # (rid, cache version, hit, per group the hit's ids, shared-prefix junction)
+        self._lookup: tuple[int, int, int, list[list[int]], int] | None = None
+        self._boundary: dict[int, int] = {}  # rid -> junction its last lookup found
+        self._chains: dict[int, tuple[Request, list[object]]] = {}
+        self._freed_last = False  # whether the last decode step freed an id
+        self._ahead: tuple[int, int, int | None, int | None] | None = None
+        # Requests preempted to make room for the next decode step, newest first, their
+        # ids still held: vLLM frees each when a decoder of that step finds too few free
+        # (rid, tables, tokens computed). `_room`: the state's version when the engine
+        # last heard that the next step does not fit.
+        self._pending: list[tuple[int, list[list[int]], int]] = []
+        self._room = -1
+        self.waste_split = False
+        self.lookups = 0
+        self.hit_blocks = 0
+
+    # ------------------------------------------------------------------ keys
+    def _chain(self, req: Request) -> list[object]:
+        """Per full prompt block the workload's prefix ids name: its hash chain."""
+        got = self._chains.get(req.rid)
+        if got is not None and got[0] is req:
+            return got[1]
+        bs, chunk = self.block_size, req.prefix_tokens
+        blocks = req.prompt // bs
+        out: list[object] = []
+        if req.prefix and chunk >= 1:
+            h: object = 0
+            end = 0
+            for value in req.prefix:
+                if len(out) >= blocks:
+                    break
+                h = hash((h, value))
+                end += chunk
+                out.extend([h] * (min(end // bs, blocks) - len(out)))
+        self._chains[req.rid] = (req, out)
+        return out
+
+    def _key(self, req: Request, chain: list[object], j: int, g: int) -> tuple:
+        return (chain[j] if j < len(chain) else ("own", req.rid), j, g)
+
+    # ---------------------------------------------------------------- lookup
+    def _find_kind(self, req: Request, chain: list[object], k: Kind,
+                   max_len: int) -> tuple[list[list[int]], int]:
+        pool, bs = self._st.pool, k.block_size
+        if k.kind == "full":
+            out: list[list[int]] = [[] for _ in k.groups]
+            for j in range(max_len // bs):
+                ids = [pool.lookup(self._key(req, chain, j, g)) for g in k.groups]
+                if not all(ids):
+                    break
+                for lst, b in zip(out, ids, strict=True):
+                    lst.append(b)
+            return out, len(out[0]) * bs
+        need, top = k.need(), max_len // bs
+        comp = [[0] * top for _ in k.groups]
+        run, found = 0, False
+        for i in range(top - 1, -1, -1):
+            ids = [pool.lookup(self._key(req, chain, i, g)) for g in k.groups]
+            if all(ids):
+                for lst, b in zip(comp, ids, strict=True):
+                    lst[i] = b
+                run += 1
+                if run >= need:
+                    for lst in comp:
+                        del lst[i + run:]
+                    found = True
+                    break
+            else:
+                run = 0
+        if not found:
+            for lst in comp:
+                del lst[run:]
+        return comp, len(comp[0]) * bs
+
+    def _find(self, req: Request, max_len: int) -> tuple[int, list[list[int]], int]:
+        """vLLM's `find_longest_cache_hit` over the kinds: (hit tokens, per plan group the
+        hit's ids (0 where a sliding window skips), the shared-prefix junction or 0)."""
+        chain = self._chain(req)
+        kinds = self._kinds
+        blocks: list[list[list[int]] | None] = [None] * len(kinds)
+        lengths = [0] * len(kinds)
+        hit, longest = max(0, max_len), 0
+        simple = len(kinds) == 2 and kinds[self._order[0]].kind == "full"
+        while True:
+            curr = hit
+            for ki in self._order:
+                k = kinds[ki]
+                if k.kind == "full" and blocks[ki] is not None:
+                    curr = min(curr, lengths[ki])
+                    continue
+                blocks[ki], curr = self._find_kind(req, chain, k, curr)
+                lengths[ki] = curr
+                longest = max(longest, curr)
+            if curr >= hit:
+                break
+            hit = curr
+            if simple:
+                break
+        per_group: list[list[int]] = [[] for _ in self.plan.groups]
+        for ki, k in enumerate(kinds):
+            found = blocks[ki]
+            assert found is not None
+            keep = -(-hit // k.block_size) if k.kind == "full" else len(found[0])
+            for g, lst in zip(k.groups, found, strict=True):
+                per_group[g] = lst[:keep]
+        uncached = longest - hit
+        return hit, per_group, hit + uncached if uncached else 0
+
+    def cached_prefix_tokens(self, req: Request, tokens: int | None = None) -> int:
+        """vLLM's `get_computed_blocks`: the hit every kind agrees on, capped at the tokens
+        to prefill less one (a resumed request's output included)."""
+        self._flush()
+        tokens = req.prompt if tokens is None else tokens
+        hit, ids, boundary = self._find(req, tokens - 1)
+        self._lookup = (req.rid, self._version, hit, ids, boundary)
+        self._boundary[req.rid] = boundary
+        return hit
+
+    def _looked_up(self, req: Request, tokens: int) -> tuple[int, list[list[int]], int]:
+        got = self._lookup
+        if got is not None and got[0] == req.rid and got[1] == self._version and got[2] < tokens:
+            return got[2], got[3], got[4]
+        hit, ids, boundary = self._find(req, tokens - 1)
+        self._boundary[req.rid] = boundary
+        return hit, ids, boundary
+
+    def _need_new(self, tokens: int, ids: list[list[int]], hit: int, cap: bool) -> int:
+        """vLLM's `get_num_blocks_to_allocate` for a request not running yet: blocks past
+        the hit (and past a sliding window's skipped ones), plus hit ids nobody holds."""
+        ref, need = self._st.pool.ref, 0
+        for g, found in enumerate(ids):
+            m = self.managers[self._manager_of[g]]
+            k = self._kinds[self._manager_of[g]]
+            required = -(-tokens // m.block_size)
+            if cap and m.cap is not None:
+                required = min(required, m.cap)
+            skipped = k.skipped(hit)
+            need += max(required - max(skipped, len(found)), 0)
+            need += sum(1 for b in found[skipped:] if b and not ref[b])
+        return need
+
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """vLLM's full-sequence gate with the hit: each group's blocks for the whole sequence
+        (sliding ones capped) past the hit, the idle hit blocks revived, plus the pool's
+        unusable tail (see `HybridAllocator.admission_bytes`)."""
+        self._flush()
+        found, ids, _ = self._looked_up(req, hit + 1)
+        tail = (self.capacity - self.num_blocks * self.page) // self.page
+        need = self._need_new(min(tokens, self.max_model_len), ids, found, cap=True)
+        return (need + tail) * self.page
+
+    def idle_cached_blocks(self) -> int:
+        self._flush()
+        return len(self._st.pool.idle)
+
+    def take_evictions(self) -> list[int]:
+        self._flush()
+        evicted = self._st.pool.evicted
+        self._st.pool.evicted = []
+        return evicted
+
+    # --------------------------------------------------------------- caching
+    def _reachable(self, req: Request, k: Kind, j: int) -> bool:
+        """Whether a sliding-window block can serve a hit (vLLM's `reachable_block_mask`,
+        retention 0): it is among the blocks a hit at the replay boundary or at the
+        request's shared-prefix junction needs."""
+        need, bs, a = k.need(), k.block_size, self.plan.scheduler_block_size
+        bounds = [req.prompt - 1]
+        junction = self._st.boundary.get(req.rid, 0)
+        if junction:
+            bounds.append(junction)
+        for x in bounds:
+            end = x // a * a // bs
+            if end - need <= j < end:
+                return True
+        return False
+
+    def _cache(self, st: PrefixState, req: Request, tokens: int) -> None:
+        """vLLM's `cache_blocks`: each group's newly full blocks join the cache."""
+        rid = req.rid
+        chain = self._chain(req)
+        done = st.ncached[rid]
+        for g, table in enumerate(st.tables[rid]):
+            k = self._kinds[self._manager_of[g]]
+            full = tokens // k.block_size
+            for j in range(done[g], full):
+                b = table[j]
+                if b and (k.kind == "full" or self._reachable(req, k, j)):
+                    st.pool.insert(self._key(req, chain, j, g), b)
+            done[g] = max(done[g], full)
+
+    # ------------------------------------------------------------ operations
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
+        req = live.req
+        rid = req.rid
+        if req.n > 1:
+            raise ValueError(
+                f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
+            )
+        if self._blocks(tokens, 0) > self.num_blocks:
+            return Refusal(rid, Reason.TOO_LARGE, self._blocks(tokens, 0) * self.page,
+                           self.free_bytes(), "needs more blocks than exist")
+        self._flush()
+        hit, ids, boundary = self._looked_up(req, tokens)
+        st = self._st
+        need = self._need_new(tokens, ids, hit, cap=False)
+        if need > st.pool.free_count():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
+        self.lookups += (tokens - 1) // self.block_size
+        self.hit_blocks += hit // self.block_size
+        st.boundary[rid] = boundary
+        tables: list[list[int]] = []
+        for g, found in enumerate(ids):
+            skipped = self._kinds[self._manager_of[g]].skipped(hit)
+            kept = found[skipped:]
+            st.pool.touch(kept)
+            tables.append([0] * skipped + kept)
+        st.tables[rid] = tables
+        st.ncached[rid] = [len(t) for t in tables]
+        new = self._take(st, rid, tokens)
+        self._cache(st, req, tokens)
+        self._proc[rid] = hit
+        live.cached = hit
+        self._changed()
+        return Grant(rid, need * self.page, live.cap, blocks=tuple(new))
+
+    def _take(self, st: PrefixState, rid: int, tokens: int) -> list[int]:
+        """Each group's table grown to `tokens` slots (vLLM's `allocate_new_blocks`)."""
+        new: list[int] = []
+        for g, table in enumerate(st.tables[rid]):
+            more = -(-tokens // self._kinds[self._manager_of[g]].block_size) - len(table)
+            if more > 0:
+                got = st.pool.take(more)
+                table.extend(got)
+                new.extend(got)
+        self.evictions = self._st.pool.evictions
+        return new
+
+    def _wanted(self, st: PrefixState, rid: int, tokens: int) -> int:
+        return sum(max(0, -(-tokens // self._kinds[self._manager_of[g]].block_size) - len(t))
+                   for g, t in enumerate(st.tables[rid]))
+
+    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
+        self._flush()
+        rid, st = live.req.rid, self._st
+        # vLLM frees the skipped blocks before it checks, refused or not.
+        st.remove_skipped(rid, self._kinds, self._manager_of, old)
+        self._changed()
+        need = self._wanted(st, rid, new)
+        if need > st.pool.free_count():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
+        ids = self._take(st, rid, new)
+        self._cache(st, live.req, new)
+        self._proc[rid] = old
+        return Grant(rid, need * self.page, live.cap, blocks=tuple(ids))
+
+    def _release(self, live: Live) -> None:
+        rid = live.req.rid
+        if self._room == self._version and live.base < live.final:
+            # A preemption that makes room for the next decode step: vLLM frees it within
+            # that step, when a decoder first finds too few free blocks.
+            self._pending.append((rid, self._st.detach(rid), live.base))
+        else:
+            self._flush()
+            self._st.release(rid)
+        self._proc.pop(rid, None)
+        self._joined.pop(rid, None)
+        self._boundary.pop(rid, None)
+        self._changed()
+
+    def _cohort_changed(self, live: Live, decoding: bool) -> None:
+        if decoding:
+            self._joined[live.req.rid] = self._clock
+        else:
+            self._joined.pop(live.req.rid, None)
+            if self._room == self._version:  # (a free follows: the room is still wanted)
+                self._room += 1
+        self._changed()
+
+    # ------------------------------------------------------------ decode steps
+    def _step(self, st: PrefixState, clock: int,
+              victims: list[tuple[int, list[list[int]], int]] | None = None) -> int:
+        """Apply the decode step that brings the clock to `clock` to `st`, decoder after
+        decoder in the running order, as vLLM's scheduler does: each frees the blocks its
+        window left, then takes its new ones; one that finds too few free frees the next
+        of `victims` (preempted for this step, newest first) and tries again. Returns -1,
+        or the rank of a decoder that found too few free with no victim left (the step
+        stops there). Counts the ids it freed in `st`."""
+        queue = list(victims or ())
+        before = st.pool.free_count()
+        taken = 0
+        rank = 0
+        for rid, live in self._live.items():
+            if not live.decoding:
+                continue
+            tokens = live.base + clock
+            st.remove_skipped(rid, self._kinds, self._manager_of, tokens - 1)
+            need = self._wanted(st, rid, tokens)
+            while need > st.pool.free_count():
+                if not queue:
+                    st.freed = st.pool.free_count() + taken - before
+                    return rank
+                st.free_tables(queue.pop(0)[1])
+            taken += need
+            self._take(st, rid, tokens)
+            if st.pool.cache is not None:
+                self._cache(st, live.req, tokens)
+            rank += 1
+        self._victims_turn(st, queue)
+        st.freed = st.pool.free_count() + taken - before
+        return -1
+
+    def _victims_turn(self, st: PrefixState, queue: list[tuple[int, list[list[int]], int]]
+                      ) -> None:
+        """The preempted requests no decoder's shortage freed: the oldest of them reaches
+        its turn, frees what its window left, finds too few free and frees the others, then
+        itself (vLLM preempts the newest first)."""
+        if not queue:
+            return
+        rid, tables, processed = queue[-1]
+        st.tables[rid] = tables
+        st.remove_skipped(rid, self._kinds, self._manager_of, processed)
+        del st.tables[rid]
+        for _, tables, _ in queue:
+            st.free_tables(tables)
+
+    def _flush(self) -> None:
+        """Free the preempted requests no decode step freed (every decoder was preempted)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._victims_turn(self._st, pending)
+            self.evictions = self._st.pool.evictions
+            self._changed()
+
+    def _stepped(self) -> None:
+        while self._sim_clock < self._clock:
+            self._sim_clock += 1
+            pending, self._pending = self._pending, []
+            failed = self._step(self._st, self._sim_clock, pending)
+            assert failed < 0, "a decode step past steps_until_full"
+            self._freed_last = bool(self._st.freed)
+        self.evictions = self._st.pool.evictions
+        self._changed()
+
+    def _look_ahead(self) -> tuple[int | None, int | None]:
+        """(steps_until_full, steps_until_shrink) from a copy of the state: the steps that
+        fit (at most HORIZON; every step up to the first decoder's end when that is nearer),
+        and the first step that frees an id (None: none up to there)."""
+        memo = self._ahead
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2], memo[3]
+        done = self.steps_until_done()
+        full: int | None = None
+        shrink: int | None = None
+        if done is not None:
+            st = self._st.light_copy()
+            pending = [(rid, [list(t) for t in ts], p) for rid, ts, p in self._pending]
+            limit = min(done, HORIZON)
+            full = limit
+            for s in range(1, limit + 1):
+                if self._step(st, self._clock + s, pending if s == 1 else None) >= 0:
+                    full = s - 1
+                    break
+                if shrink is None and st.freed:
+                    shrink = s
+            if shrink is None and full < done:
+                shrink = full + 1  # (not looked at: the stretch ends there anyway)
+        self._ahead = (self._clock, self._version, full, shrink)
+        return full, shrink
+
+    def steps_until_full(self) -> int | None:
+        full = self._look_ahead()[0]
+        if full == 0:
+            self._room = self._version
+        return full
+
+    def steps_until_shrink(self) -> int | None:
+        if self._freed_last and self._joined:
+            return 1
+        return self._look_ahead()[1]
+
+    # --------------------------------------------------------------- figures
+    def _figures(self, st: PrefixState, clock: int) -> tuple[int, int, int]:
+        """(ids in use, token_states, reserved) of `st` at `clock`. A held id's tokens count
+        once, as many as its holders' layers read at most: per group, the ids some holder
+        reads whole (a set: shared ones once), the one at a window's edge read in part, and
+        each table's last block, partly written (a request's own)."""
+        groups = len(self.plan.groups)
+        whole: list[set[int]] = [set() for _ in range(groups)]
+        edge: list[dict[int, int]] = [{} for _ in range(groups)]
+        tail = [0] * groups  # tokens in partly written last blocks
+        reserved = 0
+        for rid, tables in st.tables.items():
+            live = self._live[rid]
+            tokens = live.base + clock if live.decoding else live.base
+            for g, table in enumerate(tables):
+                k = self._kinds[self._manager_of[g]]
+                bs = k.block_size
+                lo = max(0, tokens - k.window) if k.kind == "sliding_window" else 0
+                first, full = -(-lo // bs), tokens // bs
+                if first <= full:
+                    whole[g].update(table[first:full])
+                if lo % bs and lo // bs < full:  # the window's edge falls inside a block
+                    b = table[lo // bs]
+                    n = min(tokens, (lo // bs + 1) * bs) - lo
+                    if b and n > edge[g].get(b, 0):
+                        edge[g][b] = n
+                if tokens % bs:
+                    tail[g] += tokens - max(full * bs, lo)
+                reserved += max(0, min(live.final, len(table) * bs) - tokens) * self._tb[g]
+        token_states = 0
+        for g in range(groups):
+            w = whole[g]
+            w.discard(0)
+            n = len(w) * self._kinds[self._manager_of[g]].block_size + tail[g]
+            n += sum(v for b, v in edge[g].items() if b not in w)
+            token_states += n * self._tb[g]
+        return st.held(), token_states, reserved
+
+    def _totals(self) -> tuple[int, ...]:
+        # (no flush: `step` asks the bytes in use between the engine's preemptions for a
+        # step and the step, which frees them)
+        blocks, token_states, reserved = self._figures(self._st, self._clock)
+        internal = blocks * self.page - token_states - reserved
+        return blocks, token_states, reserved, internal, 0, 0
+
+    def free_blocks(self) -> int:
+        self._flush()
+        return self._st.pool.free_count()
+
+    def group_blocks(self) -> tuple[int, ...]:
+        """Per plan group, the ids in the requests' tables (an id two requests hold counts
+        twice, as vLLM's managers count their tables)."""
+        self._flush()
+        out = [0] * len(self.plan.groups)
+        for tables in self._st.tables.values():
+            for g, table in enumerate(tables):
+                out[g] += sum(1 for b in table if b)
+        return tuple(out)
+
+    def blocks_of(self, rid: int) -> int:
+        self._get(rid)
+        return sum(1 for t in self._st.tables.get(rid, ()) for b in t if b)
+
+    def group_tables(self, rid: int) -> list[tuple[int, ...]]:
+        self._get(rid)
+        return [tuple(t) for t in self._st.tables.get(rid, ())]
+
+    def block_table(self, rid: int) -> tuple[int, ...]:
+        self._get(rid)
+        return tuple(b for t in self._st.tables.get(rid, ()) for b in t if b)
+
+    def waste_breakdown(self) -> dict[str, int]:
+        return {"overreservation": 0, "padding": 0, "out_of_window": 0,
+                "rounding": self._totals()[3]}
+
+    def waste_parts(self) -> tuple[int, int]:
+        return 0, 0
+
+    def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def integrals(
+        self, n: int, probe: Request | None, w0: float, w1: float
+    ) -> tuple[float, float, float, float, float, float]:
+        self._flush()
+        st = self._st.light_copy()
+        sums = [0.0, 0.0, 0.0, 0.0]
+        for j in range(1, n + 1):
+            failed = self._step(st, self._clock + j)
+            assert failed < 0, "integrals past steps_until_full"
+            blocks, token_states, reserved = self._figures(st, self._clock + j)
+            w = w0 + w1 * (j - 1)
+            sums[0] += blocks * w
+            sums[1] += token_states * w
+            sums[2] += reserved * w
+            sums[3] += (blocks * self.page - token_states - reserved) * w
+        weight = n * w0 + w1 * n * (n - 1) / 2
+        external = (self.capacity - self.num_blocks * self.page) * weight
+        usable = self.num_blocks * self.page * weight - sums[0] * self.page
+        return (sums[1], sums[2], sums[3], external, usable, 0.0)
+
+    def summary_stats(self) -> dict[str, float | int]:
+        self._flush()
+        stats = super().summary_stats()
+        stats.update({
+            "prefix_lookup_blocks": self.lookups,
+            "prefix_hit_blocks": self.hit_blocks,
+            "prefix_hit_rate_blocks": self.hit_blocks / self.lookups if self.lookups else 0.0,
+            "prefix_evictions": self.evictions,
+            "prefix_cached_blocks": len(self._st.pool.keys),
+        })
+        return stats
+
+
+__all__ = ["HORIZON", "HybridPrefixCaching"]

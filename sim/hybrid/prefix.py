@@ -1,0 +1,215 @@
+"""vLLM 0.33's prefix caching under the hybrid KV-cache manager: the block pool shared by every
+KV-cache group (`v1/core/block_pool.py`) and the cache-hit rules of the coordinator and its
+single-type managers (`kv_cache_coordinator.py`, `single_type_kv_cache_manager.py`), kept
+apart from the allocator (`sim.allocators.hybrid`) as vLLM keeps its block pool apart from its
+managers.
+
+- Keys. A block is cached under (its hash, its group): groups are cached, found and evicted
+  independently. Block j's hash is the request's prefix hash chain through the chunk holding
+  the block's last token (the blocks the workload's prefix ids name, as `prefix-caching`
+  keys them), and the request's own key (rid, j) past them (generated tokens, and prompt
+  tokens the prefix ids do not name): only the request itself, resumed after a preemption,
+  finds those again.
+- The free queue. Every block id nobody holds is free, cached or not: uncached ones are
+  reused first (freed ones go to the queue's front), cached ones last, least recently freed
+  first (they join its back); taking a cached block evicts it (its keys are dropped). A
+  request's blocks are freed last first, group after group, so a prefix's tail goes first.
+- Hits. Full attention matches left to right; a sliding window W right to left, needing
+  ceil((W - 1) / bs) contiguous cached blocks that end at the hit (or a run from block 0);
+  the coordinator asks each kind in turn (full attention first) until every kind accepts the
+  same length (one pass when there are two kinds, full and one other), capped at the
+  request's tokens less one. A hit block nobody holds is revived: taken off the free queue,
+  so an admission counts it against the free blocks as it counts a new one.
+- Caching. Each allocation caches the blocks it filled (every kind's table up to the tokens
+  computed). Sliding-window groups, with `prefix_cache_retention_interval` 0 (vLLM's
+  default), cache only the blocks a later hit can use: the ceil((W - 1) / bs) blocks that
+  end at the replay boundary (the prompt less its last token, aligned down to the scheduler
+  block) and at a shared-prefix junction the lookup found (a prefix another kind had cached
+  longer than the agreed hit); the rest are freed uncached as the window passes them.
+
+`PrefixState` is the whole mutable state (pool, tables), so the allocator can copy it to look
+ahead: decode steps are applied block by block, in the running order, as vLLM's scheduler
+applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Key = tuple  # (hash or ("own", rid), j, group)
+
+
+class BlockPool:
+    """Block ids 1..n, their reference counts, the cache (key -> ids, oldest first) and the
+    free queue (uncached ids first, then cached ones least recently freed first)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.ref: dict[int, int] = {}  # id -> requests holding it (ids in use, idle cached)
+        self.keys: dict[int, list[Key]] = {}  # cached id -> its keys
+        # key -> ids cached under it, oldest first (None in a `light_copy`)
+        self.cache: dict[Key, dict[int, None]] | None = {}
+        self.fresh: list[int] = []  # uncached ids freed, not taken again; the end is the front
+        self.unused = 1  # ids unused..n were never taken (they follow `fresh` in the queue)
+        self.idle: dict[int, None] = {}  # cached free ids, least recently freed first
+        self.evictions = 0
+        self.evicted: list[int] = []  # ids evicted since the allocator last handed them out
+
+    def light_copy(self) -> BlockPool:
+        """A copy that counts ids as this pool does but keeps no cache (`cache` None): what
+        a look-ahead needs, which takes and frees ids but looks nothing up."""
+        other = BlockPool.__new__(BlockPool)
+        other.n, other.unused, other.evictions = self.n, self.unused, self.evictions
+        other.ref, other.keys, other.idle = dict(self.ref), dict(self.keys), dict(self.idle)
+        other.cache, other.fresh, other.evicted = None, list(self.fresh), []
+        return other
+
+    def free_count(self) -> int:
+        return len(self.fresh) + self.n + 1 - self.unused + len(self.idle)
+
+    def take(self, n: int) -> list[int]:
+        """n ids off the queue's front (vLLM's `get_new_blocks`): uncached first, then the
+        least recently freed cached ones, evicted."""
+        out = []
+        for _ in range(n):
+            if self.fresh:
+                b = self.fresh.pop()
+            elif self.unused <= self.n:
+                b = self.unused
+                self.unused += 1
+            else:
+                b = next(iter(self.idle))
+                del self.idle[b]
+                self._uncache(b)
+                self.evictions += 1
+                self.evicted.append(b)
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: list[int]) -> int:
+        """Drop one reference to each id (in eviction order, first evicted first); returns
+        how many became free."""
+        front: list[int] = []
+        freed = 0
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                freed += 1
+                if b in self.keys:
+                    self.idle[b] = None
+                else:
+                    del self.ref[b]
+                    front.append(b)
+        self.fresh.extend(reversed(front))
+        return freed
+
+    def touch(self, blocks: list[int]) -> None:
+        """A hit: one more reference to each id, reviving the idle ones."""
+        for b in blocks:
+            if b:
+                if self.ref[b] == 0:
+                    del self.idle[b]
+                self.ref[b] += 1  # (a hit id is cached: it has a count, maybe 0)
+
+    def lookup(self, key: Key) -> int:
+        """The oldest id cached under `key`, or 0."""
+        assert self.cache is not None
+        ids = self.cache.get(key)
+        return next(iter(ids)) if ids else 0
+
+    def insert(self, key: Key, b: int) -> None:
+        assert self.cache is not None
+        ids = self.cache.setdefault(key, {})
+        if b not in ids:
+            ids[b] = None
+            self.keys.setdefault(b, []).append(key)
+
+    def _uncache(self, b: int) -> None:
+        self.ref.pop(b, None)
+        keys = self.keys.pop(b, ())
+        if self.cache is None:
+            return
+        for key in keys:
+            ids = self.cache[key]
+            del ids[b]
+            if not ids:
+                del self.cache[key]
+
+
+@dataclass
+class Kind:
+    """One attention kind of the plan (vLLM's attention group: groups of one spec), as the
+    lookup walks it: its plan groups, block size and window (0: full attention)."""
+
+    kind: str  # "full" or "sliding_window"
+    groups: tuple[int, ...]
+    block_size: int
+    window: int
+
+    def need(self) -> int:
+        """Contiguous cached blocks a sliding-window hit needs."""
+        return -(-(self.window - 1) // self.block_size)
+
+    def skipped(self, processed: int) -> int:
+        """Leading blocks a request no longer needs once `processed` tokens are computed."""
+        if self.kind == "sliding_window":
+            return max(0, processed - self.window + 1) // self.block_size
+        return 0
+
+
+class PrefixState:
+    """The pool and every live request's block tables (0: the null block) and cached-block
+    counts, per plan group."""
+
+    def __init__(self, n: int, groups: int) -> None:
+        self.pool = BlockPool(n)
+        self.groups = groups
+        self.tables: dict[int, list[list[int]]] = {}
+        self.ncached: dict[int, list[int]] = {}
+        self.boundary: dict[int, int] = {}  # rid -> shared-prefix junction its lookup found
+        self.freed = 0  # ids the last decode step freed
+
+    def light_copy(self) -> PrefixState:
+        """A copy to look ahead with (`BlockPool.light_copy`: nothing is cached in it)."""
+        other = PrefixState.__new__(PrefixState)
+        other.pool, other.groups, other.freed = self.pool.light_copy(), self.groups, 0
+        other.tables = {rid: [list(t) for t in ts] for rid, ts in self.tables.items()}
+        other.ncached = {rid: list(n) for rid, n in self.ncached.items()}
+        other.boundary = dict(self.boundary)
+        return other
+
+    def held(self) -> int:
+        """Ids in use (held by some request)."""
+        return self.pool.n - self.pool.free_count()
+
+    def remove_skipped(self, rid: int, kinds: list[Kind], kind_of: list[int],
+                       processed: int) -> int:
+        """vLLM's `remove_skipped_blocks`: each group's blocks before the window freed (last
+        first) and replaced by the null block. Returns the ids that became free."""
+        freed = 0
+        for g, table in enumerate(self.tables[rid]):
+            skip = min(kinds[kind_of[g]].skipped(processed), len(table))
+            gone = []
+            for i in range(skip - 1, -1, -1):
+                if table[i] == 0:
+                    break
+                gone.append(table[i])
+                table[i] = 0
+            if gone:
+                freed += self.pool.free(gone)
+        return freed
+
+    def release(self, rid: int) -> None:
+        """Free every block of the request, group after group, each table last first."""
+        self.free_tables(self.detach(rid))
+
+    def detach(self, rid: int) -> list[list[int]]:
+        """The request's tables, taken out of the state (their ids still held)."""
+        self.ncached.pop(rid, None)
+        self.boundary.pop(rid, None)
+        return self.tables.pop(rid, [])
+
+    def free_tables(self, tables: list[list[int]]) -> None:
+        for table in tables:
+            self.pool.free([b for b in reversed(table) if b])
