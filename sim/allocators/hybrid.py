@@ -1,5 +1,7 @@
 """vLLM 0.33's hybrid KV-cache manager for full, MLA, sliding-window and chunked-local
-attention and Mamba state (`mamba_cache_mode` "none"), without prefix caching.
+attention and Mamba state (`mamba_cache_mode` "none"). This class models it without prefix
+caching; with `prefix_caching=True` it builds `kvfrag.sim.hybrid.caching.HybridPrefixCaching`
+(vLLM's block pool kept block by block), for models without Mamba layers.
 
 The plan (`kvfrag.sim.hybrid.planner.plan`) cuts the budget into `num_blocks` block ids of one
 page size; block 0 is the pool's null block, the other `usable_blocks` are shared by every
@@ -21,8 +23,8 @@ their coordinator. Mamba's "align" mode (the current state block, the previous o
 next step, checkpoint blocks, chunks scheduled on block boundaries) is refused: vLLM 0.33
 reaches it only with prefix caching (`MambaModelConfig.verify_and_update_config` turns
 "align" into "none" without it, and a Mamba block size other than max_model_len needs
-`--enable-prefix-caching`), which this allocator does not model yet. (vLLM 0.33 turns prefix
-caching on by default for hybrid models, so "none" is a server run with
+`--enable-prefix-caching`), which is not modelled with Mamba layers yet. (vLLM 0.33 turns
+prefix caching on by default for hybrid models, so "none" is a server run with
 `--no-enable-prefix-caching`.)
 
 P is what vLLM's `allocate_slots` frees by: the tokens computed before this allocation. An
@@ -145,7 +147,8 @@ class HybridAllocator(Allocator):
         if mamba_cache_mode == "align":
             raise ValueError(
                 "mamba_cache_mode 'align' needs prefix caching (vLLM 0.33 turns it into "
-                "'none' without it), which the hybrid allocator does not model yet"
+                "'none' without it), which the hybrid allocator does not model with Mamba "
+                "groups yet"
             )
         if self.bytes_per_token != stack.full_bytes_per_token:
             raise ValueError(

@@ -22,9 +22,9 @@ token; sliding window W: the last W tokens of its holder); reserved the slots of
 last block its request will still write; internal the rest of the held ids' pages. The split
 of internal into padding and out-of-window tokens is not made here (`waste_split` off).
 
-Modelled: full attention, MLA and sliding-window groups with the hybrid manager on, one block
-size (the hash block size), `prefix_cache_retention_interval` 0 (vLLM's default). Refused
-(one line): chunked local attention, Mamba groups, the manager off, sample groups (n > 1).
+Modelled: full attention, MLA, sliding-window and chunked-local groups with the hybrid manager
+on, one block size (the hash block size), `prefix_cache_retention_interval` 0 (vLLM's
+default). Refused (one line): Mamba groups, the manager off, sample groups (n > 1).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class HybridPrefixCaching(HybridAllocator):
                              "hybrid_kv_cache_manager true")
         kinds: list[Kind] = []
         for m in self.managers:
-            if m.kind not in ("full", "sliding_window"):
+            if m.kind not in ("full", "sliding_window", "chunked_local"):
                 raise ValueError(f"the hybrid allocator does not model prefix caching with "
                                  f"{m.kind} groups yet")
             if m.block_size != p.hash_block_size or m.block_size != p.scheduler_block_size:
@@ -116,6 +116,18 @@ class HybridPrefixCaching(HybridAllocator):
                 for lst, b in zip(out, ids, strict=True):
                     lst.append(b)
             return out, len(out[0]) * bs
+        if k.kind == "chunked_local":
+            # The chunks before max_len's are past every window: hit without a lookup
+            # (null blocks), then the blocks of its chunk left to right.
+            start = max(0, max_len) // k.window * k.window // bs
+            chunked: list[list[int]] = [[0] * start for _ in k.groups]
+            for j in range(start, max_len // bs):
+                ids = [pool.lookup(self._key(req, chain, j, g)) for g in k.groups]
+                if not all(ids):
+                    break
+                for lst, b in zip(chunked, ids, strict=True):
+                    lst.append(b)
+            return chunked, len(chunked[0]) * bs
         need, top = k.need(), max_len // bs
         comp = [[0] * top for _ in k.groups]
         run, found = 0, False
@@ -250,7 +262,7 @@ class HybridPrefixCaching(HybridAllocator):
             full = tokens // k.block_size
             for j in range(done[g], full):
                 b = table[j]
-                if b and (k.kind == "full" or self._reachable(req, k, j)):
+                if b and (k.kind != "sliding_window" or self._reachable(req, k, j)):
                     st.pool.insert(self._key(req, chain, j, g), b)
             done[g] = max(done[g], full)
 
@@ -461,7 +473,7 @@ class HybridPrefixCaching(HybridAllocator):
             for g, table in enumerate(tables):
                 k = self._kinds[self._manager_of[g]]
                 bs = k.block_size
-                lo = max(0, tokens - k.window) if k.kind == "sliding_window" else 0
+                lo = k.read_from(tokens)
                 first, full = -(-lo // bs), tokens // bs
                 if first <= full:
                     whole[g].update(table[first:full])

@@ -15,7 +15,8 @@ for its whole life (skipped tokens, n - 1, never reach a whole block). "align" i
 only with prefix caching: `MambaModelConfig.verify_and_update_config` turns "align" into
 "none" when prefix caching is off, and `VllmConfig.validate_mamba_block_size` refuses a Mamba
 block size other than max_model_len without it; the hybrid allocator does not model prefix
-caching yet, so "align" is refused there.
+caching with Mamba groups yet, so "align" is refused there. (Prefix caching for the other
+kinds keeps vLLM's block pool block by block: `kvfrag.sim.hybrid.caching`.)
 """
 
 from __future__ import annotations

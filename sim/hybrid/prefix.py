@@ -16,6 +16,8 @@ managers.
   request's blocks are freed last first, group after group, so a prefix's tail goes first.
 - Hits. Full attention matches left to right; a sliding window W right to left, needing
   ceil((W - 1) / bs) contiguous cached blocks that end at the hit (or a run from block 0);
+  chunked local attention C hits every chunk before the last one of the lookup's length
+  without looking (no layer reads them), then matches left to right from that chunk;
   the coordinator asks each kind in turn (full attention first) until every kind accepts the
   same length (one pass when there are two kinds, full and one other), capped at the
   request's tokens less one. A hit block nobody holds is revived: taken off the free queue,
@@ -142,7 +144,7 @@ class Kind:
     """One attention kind of the plan (vLLM's attention group: groups of one spec), as the
     lookup walks it: its plan groups, block size and window (0: full attention)."""
 
-    kind: str  # "full" or "sliding_window"
+    kind: str  # "full", "sliding_window" or "chunked_local"
     groups: tuple[int, ...]
     block_size: int
     window: int
@@ -155,6 +157,16 @@ class Kind:
         """Leading blocks a request no longer needs once `processed` tokens are computed."""
         if self.kind == "sliding_window":
             return max(0, processed - self.window + 1) // self.block_size
+        if self.kind == "chunked_local":
+            return processed // self.window * self.window // self.block_size
+        return 0
+
+    def read_from(self, tokens: int) -> int:
+        """The first token a request of `tokens` tokens still reads in these groups."""
+        if self.kind == "sliding_window":
+            return max(0, tokens - self.window)
+        if self.kind == "chunked_local":
+            return max(0, tokens - 1) // self.window * self.window
         return 0
 
 

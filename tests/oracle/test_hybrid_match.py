@@ -7,9 +7,12 @@ engine settings (vLLM's CPU scheduler runs one batch at a time: `concurrent_batc
 Iterations take 1 s in kvfrag, so iteration k is vLLM's step k. Pools are tight enough to
 preempt. Every iteration must agree exactly: tokens scheduled, requests running and waiting,
 preemptions, admissions, blocks in use per KV-cache group and free blocks; and every request
-its first-token step, finishing step and preemptions. Mamba hybrids (Qwen3-Next, Jamba) run
-in mamba_cache_mode "none", the mode vLLM 0.33 uses without prefix caching. Each case prints
-its iterations compared and preemptions (`pytest -s`).
+its first-token step, finishing step and preemptions; with prefix caching (the `prefix`
+cases: shared system prompts, repeated questions) also the tokens found cached, the idle
+cached blocks evicted and those left idle, and each request's hits. Mamba hybrids
+(Qwen3-Next, Jamba) run in mamba_cache_mode "none", the mode vLLM 0.33 uses without prefix
+caching. Each case prints
+its iterations compared, preemptions, prefix-hit tokens and evictions (`pytest -s`).
 """
 
 from __future__ import annotations
@@ -236,6 +239,10 @@ CASES = {
                                      n=120, system_blocks=80),
     "gemma-3-27b-prefix-chunked": Case(shapes.gemma_3_27b(), True, 2 * GiB, 512, 1200, 200,
                                        n=120, system_blocks=80),
+    # Llama-4's 8,192-token chunks: system prompts up to 9,600 tokens, so that hits start
+    # past a chunk boundary (the chunks before are hit without a lookup).
+    "llama-4-scout-prefix-chunked": Case(shapes.llama_4_scout(), True, 2 * GiB, 2048, 4000,
+                                         300, n=60, system_blocks=600),
 }
 #: What prefix caching adds to every iteration's comparison.
 PREFIX = ("prefix_hit_tokens", "evictions", "idle_cached_blocks")
