@@ -253,10 +253,13 @@ class HybridPrefixCaching(HybridAllocator):
         return False
 
     def _cache(self, st: PrefixState, req: Request, tokens: int) -> None:
-        """vLLM's `cache_blocks`: each group's newly full blocks join the cache."""
+        """vLLM's `cache_blocks`: each group's newly full blocks join the cache. Blocks the
+        prefix ids name count as a free for the engine (`frees`): a waiting request refused
+        for memory may now find more cached and need fewer blocks."""
         rid = req.rid
         chain = self._chain(req)
         done = st.ncached[rid]
+        named = False
         for g, table in enumerate(st.tables[rid]):
             k = self._kinds[self._manager_of[g]]
             full = tokens // k.block_size
@@ -264,7 +267,10 @@ class HybridPrefixCaching(HybridAllocator):
                 b = table[j]
                 if b and (k.kind != "sliding_window" or self._reachable(req, k, j)):
                     st.pool.insert(self._key(req, chain, j, g), b)
+                    named = named or j < len(chain)
             done[g] = max(done[g], full)
+        if named and st is self._st:
+            self.frees += 1
 
     # ------------------------------------------------------------ operations
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
