@@ -133,6 +133,12 @@ class EngineConfig:
     admission: str = "fcfs"  # or "skip"
     lookahead: int = 64  # with admission="skip": how deep into the queue to look
     watermark: float = 0.0  # fraction of the budget an admission leaves free while others run
+    # vLLM's cap on one request's prefill tokens in a step (0: none), waived when a single
+    # request runs or waits; it chunks prompts even with chunked_prefill off, as in vLLM.
+    long_prefill_token_threshold: int = 0
+    # vLLM's admission gate: the whole prompt (less its cached prefix) must fit, not only the
+    # first chunk (vLLM's scheduler_reserve_full_isl, on by default).
+    reserve_full_isl: bool = True
     step_time: IterationTime = field(default_factory=StepTime)
     max_time_s: float | None = None  # stop the simulation here (None: run to the end)
     log_allocations: bool = False  # record every allocation for `validate` (costs O(running))
@@ -148,6 +154,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
 
 
 @dataclass
@@ -354,6 +362,12 @@ class Engine:
         self.running: dict[_Req, None] = {}
         self.seqs = 0  # sequences running (a request with n samples counts n)
         self.prefilling: list[_Req] = []  # admitted, prompt not fully stored yet
+        self.long_cap = 0  # this iteration's long-prefill cap (0: none)
+        self.dropped = 0  # decoders preempted by this iteration's prefill chunks (weight)
+        # A memory refusal of the FCFS head holds until something is freed (`blocked_head`)
+        self.head_stays = config.reserve_full_isl or not (
+            config.chunked_prefill or config.long_prefill_token_threshold
+        )
         self.prefilled: list[_Req] = []  # prompt fully stored this iteration
         self.batch_done: list[_Req] = []  # static batching: finished, still holding memory
         self.held_done_tokens = 0
@@ -492,6 +506,7 @@ class Engine:
             if decoders:
                 self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
             prefill_tokens = self._schedule(decoders)
+            decoders -= self.dropped  # decoders a prefill chunk preempted take no token
             if not prefill_tokens and not decoders:
                 if (self.running or self.queue) and not self.preempted_now:
                     raise RuntimeError("engine stalled: requests wait but none can run")
@@ -533,9 +548,11 @@ class Engine:
         while alloc.n_decoding and alloc.steps_until_full() == 0:
             self._preempt(next(reversed(self.running)))
 
-    def _preempt(self, r: _Req) -> None:
+    def _preempt(self, r: _Req, unstepped: bool = False) -> None:
+        """Free `r` and queue it first; `unstepped`: a decoder this iteration advanced before
+        its turn came (vLLM's order), whose token it never computed."""
         alloc, rid = self.alloc, r.req.rid
-        stored = alloc.tokens(rid)
+        stored = alloc.tokens(rid) - unstepped
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
         decoded = alloc.is_decoding(rid)
         self._log_free(r)
@@ -562,6 +579,11 @@ class Engine:
         """Admit and prefill for this iteration; returns the prefill tokens it processes."""
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens - decoders
+        # vLLM waives the long-prefill cap when one request runs or waits: nobody to starve.
+        cap = cfg.long_prefill_token_threshold
+        if cap and len(self.running) + len(self.queue) < 2:
+            cap = 0
+        self.long_cap = cap
         used = self._continue_prefills(budget)
         if self.preempted_now:
             return used  # as vLLM: no admissions in a step that had to preempt
@@ -584,6 +606,8 @@ class Engine:
             # Prefix caching: not computed again (a resumed request's output included).
             hit = self.alloc.cached_prefix_tokens(r.req, r.prefill)
             work = r.prefill - hit
+            if 0 < cap < work:
+                work = cap  # (vLLM caps before it checks the budget: it chunks even unchunked)
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
             reason: Reason | None
             if chunk > budget - used and r.req.prompt >= self.alloc.max_model_len:
@@ -600,7 +624,9 @@ class Engine:
                 continue
             if i == 0:
                 self.head_reason = reason  # None: waiting for token budget, not memory
-                if reason is not None and cfg.admission == "fcfs":
+                # (What it needs must not shrink by itself: a first chunk alone, as the
+                # gate counts it without reserve_full_isl, shrinks with the budget left.)
+                if reason is not None and cfg.admission == "fcfs" and self.head_stays:
                     self.blocked_head = (r.idx, *self._released())
             i += 1
             if cfg.admission == "fcfs" or i >= cfg.lookahead:
@@ -619,6 +645,7 @@ class Engine:
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
         used = 0
+        self.dropped = 0
         if not self.prefilling:
             return used
         for r in list(self.prefilling):
@@ -626,7 +653,8 @@ class Engine:
                 break
             if r.status != "running":
                 continue  # preempted by an earlier chunk this iteration
-            chunk = min(r.prefill_left, budget - used)
+            cap = self.long_cap
+            chunk = min(r.prefill_left, budget - used, cap if cap else r.prefill_left)
             last = chunk == r.prefill_left
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
                 self.prefill_attn_s += self.st.prefill_s(chunk, r.prefill - r.prefill_left)
@@ -634,7 +662,13 @@ class Engine:
                 grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0)), Refusal
             ):
                 victim = next(reversed(self.running))
-                self._preempt(victim)
+                # vLLM schedules running requests in admission order: a decoder after this
+                # one had not taken its token yet, nor its share of the budget.
+                unstepped = victim is not r and self.alloc.is_decoding(victim.req.rid)
+                if unstepped:
+                    self.dropped += victim.req.n
+                    budget += victim.req.n
+                self._preempt(victim, unstepped)
                 if victim is r:
                     break
             else:
@@ -652,13 +686,15 @@ class Engine:
         whole = hit + chunk == r.prefill
         tokens = hit + chunk + (r.lead if whole else 0)
         # vLLM's admission gate: the whole prompt (less its cached prefix) must fit, with the
-        # watermark kept free while anybody else runs, even when only a first chunk is taken.
+        # watermark kept free while anybody else runs, even when only a first chunk is taken
+        # (`reserve_full_isl`; off, only the first chunk and the watermark must fit).
         keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and self.running else 0
-        if cfg.chunked_prefill or keep:
-            pool = alloc.watermark_bytes(1.0)  # (all of it)
+        if cfg.chunked_prefill or keep or self.long_cap:
+            pool = alloc.pool_bytes()  # (all of it a request can take)
             if alloc.too_large(r.req) or alloc.bytes_for(r.req, r.prefill + r.lead) > pool:
                 return Reason.TOO_LARGE  # (beams hold more at their fork than at their end)
-            need = alloc.admission_bytes(r.req, r.prefill + r.lead, hit)
+            full = r.prefill + r.lead if cfg.reserve_full_isl else tokens
+            need = alloc.admission_bytes(r.req, full, hit)
             if need + keep > alloc.free_bytes():
                 return Reason.OUT_OF_MEMORY
         grant = alloc.admit(r.req, tokens, decoding=False)

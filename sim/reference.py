@@ -90,8 +90,8 @@ def reference(
     def seqs():
         return sum(r["req"].n for r in running)
 
-    def preempt(r):
-        stored = alloc.tokens(r["rid"])
+    def preempt(r, unstepped=False):
+        stored = alloc.tokens(r["rid"]) - unstepped  # (a decoder stepped before its turn)
         r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
         decoding = alloc.is_decoding(r["rid"])
         alloc.free(r["rid"])
@@ -132,6 +132,8 @@ def reference(
         if decoders:
             assert alloc.step(1)
         budget = cfg.max_num_batched_tokens - decoders
+        # vLLM's long-prefill cap, waived when one request runs or waits
+        cap = cfg.long_prefill_token_threshold if len(running) + len(queue) > 1 else 0
         used = 0
         attention = 0.0  # prefill chunks' attention, when the step time counts it apart
         done_prefill = []
@@ -140,13 +142,18 @@ def reference(
                 break
             if r["status"] != "running":
                 continue
-            chunk = min(r["left"], budget - used)
+            chunk = min(r["left"], budget - used, cap or r["left"])
             last = chunk == r["left"]
             attention += st_.prefill_s(chunk, r["prefill"] - r["left"])
             ok = True
             while not alloc.grow(r["rid"], chunk + r["lead"] * last):
                 victim = running[-1]
-                preempt(victim)
+                # a decoder after r in admission order: no token this iteration
+                unstepped = victim is not r and alloc.is_decoding(victim["rid"])
+                if unstepped:
+                    decoders -= victim["req"].n
+                    budget += victim["req"].n
+                preempt(victim, unstepped)
                 if victim is r:
                     ok = False
                     break
@@ -169,16 +176,21 @@ def reference(
                 break
             hit = alloc.cached_prefix_tokens(r["req"], r["prefill"])
             work = r["prefill"] - hit
-            chunk = min(work, budget - used) if cfg.chunked_prefill else work
+            want = cap if 0 < cap < work else work
+            chunk = min(want, budget - used) if cfg.chunked_prefill else want
             whole = chunk == work
-            full = alloc.admission_bytes(r["req"], r["prefill"] + r["lead"], hit)
+            # the whole sequence (reserve_full_isl) or the first chunk must fit
+            first = hit + chunk + r["lead"] * whole
+            full = alloc.admission_bytes(
+                r["req"], r["prefill"] + r["lead"] if cfg.reserve_full_isl else first, hit
+            )
             keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and running else 0
-            gate = cfg.chunked_prefill or keep
+            gate = cfg.chunked_prefill or keep or cap
             if chunk > budget - used:
                 reason = Reason.PROMPT_TOO_LONG if r["req"].prompt >= alloc.max_model_len else None
             elif gate and (
                 alloc.too_large(r["req"])
-                or alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) > alloc.watermark_bytes(1.0)
+                or alloc.bytes_for(r["req"], r["prefill"] + r["lead"]) > alloc.pool_bytes()
             ):
                 reason = Reason.TOO_LARGE
             elif gate and full + keep > alloc.free_bytes():

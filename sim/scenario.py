@@ -334,6 +334,11 @@ class EngineSpec(_Frozen):
     admission: str = "fcfs"
     lookahead: whole(1, MAX_REQUESTS) = 64
     watermark: number(0, 1, below=True) = 0.0
+    # vLLM's per-request cap on a step's prefill tokens (0: off, vLLM's default); at most
+    # max_model_len, as vLLM requires
+    long_prefill_token_threshold: whole(0, MAX_TOKENS) = 0
+    # vLLM's full-sequence admission gate (on by default in vLLM 0.33)
+    scheduler_reserve_full_isl: bool = True
     # None: the roofline of `hardware` when the scenario names one, else a flat 20 ms
     step_time: StepTimeForm | None = None
     max_time_s: number(0, MAX_TIME_S, above=True, unit="seconds") | None = None
@@ -412,6 +417,8 @@ def _check_option(name: str, value: Any) -> None:
     that `true`, 1e30 or 2.5 is one clear line. Raises ValueError("must be ...")."""
     if name in _WHOLE_OPTIONS:
         check_number(value, *_WHOLE_OPTIONS[name], whole=True)
+    elif name == "prefix_cache_retention_interval" and value is not None:
+        check_number(value, 0, MAX_MODEL_LEN, whole=True, unit="tokens")
     elif name in _BOOL_OPTIONS and not isinstance(value, bool):
         raise ValueError(f"must be true or false, not {show(value)}")
     elif name == "bandwidth":
@@ -582,6 +589,10 @@ class Scenario(_Frozen):
     def _engine(self) -> Scenario:
         seqs, tokens = self._batch_limits()
         e = self.engine
+        if e.long_prefill_token_threshold > self.max_model_len:
+            raise FieldError(("engine", "long_prefill_token_threshold"),
+                             f"{e.long_prefill_token_threshold:,} must be at most max_model_len "
+                             f"({self.max_model_len:,}), as vLLM requires")
         if seqs > tokens:  # (at the one given, max_num_seqs when both are)
             which = "max_num_seqs" if e.max_num_seqs else "max_num_batched_tokens"
             raise FieldError(("engine", which), f"max_num_seqs ({seqs:,}) must be at most "
@@ -745,6 +756,8 @@ class Scenario(_Frozen):
             admission=e.admission,
             lookahead=e.lookahead,
             watermark=e.watermark,
+            long_prefill_token_threshold=e.long_prefill_token_threshold,
+            reserve_full_isl=e.scheduler_reserve_full_isl,
             step_time=self.step_time(tokens),
             max_time_s=e.max_time_s,
         )

@@ -198,7 +198,7 @@ class Refusal(_Value):
         rid: int,
         reason: Reason,
         needed: int,  # bytes the operation needed
-        free: int,  # bytes free at the time (capacity - allocated, as in `free_bytes()`)
+        free: int,  # bytes free at the time (`free_bytes()`)
         detail: str = "",
     ) -> None:
         self.rid: Final = rid
@@ -502,7 +502,12 @@ class Allocator(ABC):
         refuses as TOO_LARGE): an admission gate that looks at its prompt alone asks this
         first, so that its verdict does not depend on the free memory of the moment."""
         final = min(req.final, self.reservation_tokens(req), self.max_model_len)
-        return self.bytes_for(req, final) > self.watermark_bytes(1.0)
+        return self.bytes_for(req, final) > self.pool_bytes()
+
+    def pool_bytes(self) -> int:
+        """The most one request could ever hold (an empty pool's usable bytes): the whole
+        budget as the watermark counts it, less a paged pool's null block."""
+        return self.watermark_bytes(1.0)
 
     def defer_block_ids(self) -> None:
         """The caller will not read the block ids of grants (`Grant.blocks`) nor of evictions
@@ -678,6 +683,7 @@ class Allocator(ABC):
         return nbytes
 
     def free_bytes(self) -> int:
+        """Capacity less what requests hold (a paged pool: less its null block too)."""
         return self.capacity - self._allocated_total()
 
     def saved_by_sharing(self) -> int:

@@ -1,9 +1,13 @@
 """Paged KV cache (vLLM's PagedAttention): fixed-size blocks, a free list, a block table.
 
-The budget is cut into `capacity // (block_size * bytes_per_token)` blocks. A request takes
-blocks as it grows, one per `block_size` tokens, from any place in the pool: no reservation,
-no holes. Its only waste is the unfilled tail of its last block (internal fragmentation, at
-most block_size - 1 tokens) and the budget's tail too small for one block (external).
+The budget is cut into `capacity // (block_size * bytes_per_token)` blocks, vLLM's
+`num_gpu_blocks`. As vLLM's `BlockPool` does, block 0 is the pool's null block (a placeholder
+no request holds: never handed out, never free), so requests share `usable_blocks`, one fewer;
+the watermark is int(w x num_blocks), the null block counted, as vLLM rounds it. A request
+takes blocks as it grows, one per `block_size` tokens, from any place in the pool: no
+reservation, no holes. Its only waste is the unfilled tail of its last block (internal
+fragmentation, at most block_size - 1 tokens); the null block and the budget's tail too small
+for one block are bytes no request can take (external).
 
 Sharing (a request with n sequences, generated in lockstep):
 - parallel sampling keeps the prompt's S full blocks once, by reference; each sample copies
@@ -41,7 +45,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from heapq import heappop
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 from kvfrag.sim.allocators.base import (
@@ -365,6 +369,9 @@ class PagedAllocator(Allocator):
     """Fixed-size KV blocks taken on demand."""
 
     kind = "paged"
+    #: Blocks the pool keeps for itself: vLLM's null block (block 0). A subclass that models
+    #: another pool (vAttention's pages) keeps none.
+    null_blocks: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -401,17 +408,22 @@ class PagedAllocator(Allocator):
         self._deferred = False  # `defer_block_ids`: a single sequence's ids wait to be asked
 
     def _set_pool(self, block_bytes: int) -> None:
-        """Cut the budget into blocks of `block_bytes`, all free."""
+        """Cut the budget into blocks of `block_bytes`, all free but the null block(s)."""
         self.block_bytes = block_bytes
-        self.num_blocks = self.capacity // block_bytes
+        self.num_blocks = self.capacity // block_bytes  # vLLM's num_gpu_blocks
+        null = min(self.null_blocks, self.num_blocks)
+        self.usable_blocks = self.num_blocks - null  # what requests can hold
         self._stack = FreeIds(self.num_blocks)  # free ids; pop() gives 0 first
+        for _ in range(null):
+            self._stack.pop()  # block 0: the null block, never handed out
 
     def defer_block_ids(self) -> None:
         self._deferred = True
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
-        return self.num_blocks - self._blocks_total()
+        """vLLM's `get_num_free_blocks()`: usable blocks nobody holds (never the null block)."""
+        return self.usable_blocks - self._blocks_total()
 
     def blocks_of(self, rid: int) -> int:
         live = self._get(rid)
@@ -424,7 +436,17 @@ class PagedAllocator(Allocator):
         return self._count_blocks(req, tokens, req.prompt // self.block_size) * self.block_bytes
 
     def watermark_bytes(self, fraction: float) -> int:
+        # vLLM: int(watermark x KVCacheConfig.num_blocks), a count that includes the null block.
         return int(fraction * self.num_blocks) * self.block_bytes
+
+    def pool_bytes(self) -> int:
+        return self.usable_blocks * self.block_bytes
+
+    def free_bytes(self) -> int:
+        """Capacity less what requests hold and the null block (never free, as in vLLM's
+        free block queue): whole free blocks and the budget's tail."""
+        null = self.num_blocks - self.usable_blocks
+        return self.capacity - self._allocated_total() - null * self.block_bytes
 
     def saved_by_sharing(self) -> int:
         saved = self._fixed_saved + self._saved.value(self._clock)
@@ -646,7 +668,7 @@ class PagedAllocator(Allocator):
         rid, bs = live.req.rid, self.block_size
         live.shared = live.req.prompt // bs * bs  # full prompt blocks, kept once
         most = self._peak_blocks(live, tokens)
-        if most > self.num_blocks:
+        if most > self.usable_blocks:
             need = most * self.block_bytes
             return Refusal(
                 rid, Reason.TOO_LARGE, need, self.free_bytes(), "needs more blocks than exist"
@@ -788,5 +810,5 @@ class PagedAllocator(Allocator):
     def _integrate_free(
         self, probe: Request | None, weight: float, allocated: float
     ) -> tuple[float, float]:
-        pool = self.num_blocks * self.block_bytes
+        pool = self.usable_blocks * self.block_bytes
         return pool * weight - allocated, (self.capacity - pool) * weight

@@ -784,7 +784,7 @@ class PrefixCachingAllocator(PagedAllocator):
         req, bs = live.req, self.block_size
         live.shared = req.prompt // bs * bs  # full prompt blocks, kept once by a group
         most = self._peak_blocks(live, tokens)
-        if most > self.num_blocks:
+        if most > self.usable_blocks:
             need = most * self.block_bytes
             return Refusal(
                 req.rid, Reason.TOO_LARGE, need, self.free_bytes(), "needs more blocks than exist"
@@ -955,7 +955,7 @@ class PrefixCachingAllocator(PagedAllocator):
             # needed more blocks than the last, and idle blocks went at that peak.
             total = self._blocks_total() - self._blocks.value(self._clock)
             while self._idle_blocks:
-                room = self.num_blocks - self._idle_blocks - total - self._blocks.value(start)
+                room = self.usable_blocks - self._idle_blocks - total - self._blocks.value(start)
                 fits = self._blocks.steps_within(start, room)
                 if fits is None or start + fits >= self._clock:
                     break
@@ -966,7 +966,7 @@ class PrefixCachingAllocator(PagedAllocator):
         """Drop least recently freed idle blocks until the ones in use (and `extra` blocks
         about to join the cache) fit, or `over` of them."""
         if over is None:
-            over = self._blocks_total() + extra + self._idle_blocks - self.num_blocks
+            over = self._blocks_total() + extra + self._idle_blocks - self.usable_blocks
         runs, evicted = self._runs, self._evicted
         while over > 0:
             run = runs[0]

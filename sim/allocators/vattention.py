@@ -53,6 +53,7 @@ class VAttentionAllocator(PagedAllocator):
     """Per-buffer physical pages of `page_size` bytes mapped on demand (vAttention-style)."""
 
     kind = "vattention"
+    null_blocks = 0  # a pool of mapped pages: no placeholder block
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.oracle
 
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
-from kvfrag.sim.allocators import make_allocator  # noqa: E402
+from kvfrag.sim.allocators import Request, make_allocator  # noqa: E402
 from kvfrag.sim.engine import EngineConfig, StepTime, run  # noqa: E402
 from kvfrag.sim.reference import reference  # noqa: E402
 from kvfrag.workloads import load_trace  # noqa: E402
@@ -143,9 +143,12 @@ def own_sampled_tokens():
 
 def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chunked: bool,
          max_model_len: int, watermark: float = 0.0, kind: str = "paged",
-         options: dict | None = None, own_tokens: bool = True):
+         options: dict | None = None, own_tokens: bool = True, long_prefill: int = 0,
+         reserve_full_isl: bool = True):
     """(vLLM's run, kvfrag's per-iteration trace and requests, kvfrag's fast-engine result).
-    kind "prefix-caching": vLLM's prefix caching on, kvfrag's prefix-caching allocator."""
+    kind "prefix-caching": vLLM's prefix caching on, kvfrag's prefix-caching allocator.
+    `num_blocks` usable blocks: both pools hold one more, the null block (vLLM's
+    num_gpu_blocks, kvfrag's budget // block bytes)."""
     caching = kind == "prefix-caching"
     chunk = int(wl.attrs.get("hash_block_tokens", 0)) if caching else 0
     with own_sampled_tokens() if caching and own_tokens else contextlib.nullcontext():
@@ -167,6 +170,8 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
             prefix_caching=caching,
             max_model_len=max_model_len,
             watermark=watermark,
+            long_prefill_token_threshold=long_prefill,
+            reserve_full_isl=reserve_full_isl,
             record_slots=False,
         )
     cfg = EngineConfig(
@@ -174,13 +179,15 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
         max_num_batched_tokens=budget,
         chunked_prefill=chunked,
         watermark=watermark,
+        long_prefill_token_threshold=long_prefill,
+        reserve_full_isl=reserve_full_isl,
         step_time=StepTime(base_s=1.0),
     )
 
     def fresh():
         return make_allocator(
             kind,
-            capacity=num_blocks * BS * BYTES_PER_TOKEN,
+            capacity=(num_blocks + 1) * BS * BYTES_PER_TOKEN,
             bytes_per_token=BYTES_PER_TOKEN,
             max_model_len=max_model_len,
             block_size=BS,
@@ -206,7 +213,8 @@ def assert_same(oracle, trace, ref, compared=COMPARED) -> int:
         if it is None:  # kvfrag was idle: nothing to run
             assert s["scheduled_tokens"] == 0 and s["running"] == 0, k
             continue
-        mine = {**it, "blocks_used": it["allocated_bytes"] // (BS * BYTES_PER_TOKEN)}
+        # (capacity - free_bytes(): the null block too, as vLLM's num_gpu_blocks - free)
+        mine = {**it, "blocks_used": it["allocated_bytes"] // (BS * BYTES_PER_TOKEN) - 1}
         theirs = {c: s[c] for c in compared}
         assert {c: mine[c] for c in compared} == theirs, f"step {k}"
     assert set(ours) <= set(steps)
@@ -271,15 +279,17 @@ def test_many_decoders_and_a_small_token_budget(chunked):
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
-def test_watermark(chunked):
-    """vLLM keeps int(w x blocks) blocks free for admissions while anything runs; its pool
-    has one more block (its null block), so w is chosen where both round alike."""
+@pytest.mark.parametrize(("num_blocks", "watermark"), [(150, 0.05), (159, 0.05)])
+def test_watermark(chunked, num_blocks, watermark):
+    """vLLM keeps int(w x blocks) blocks free for admissions while anything runs, blocks
+    counted with its null block: 159 usable blocks (a pool of 160) keep 8, where rounding
+    over the usable blocks alone would keep 7."""
     wl = synthetic(300, 3)
     oracle, trace, ref, fast = both(
-        wl, num_blocks=150, max_num_seqs=24, budget=1024 if not chunked else 256,
-        chunked=chunked, max_model_len=1024, watermark=0.05,
+        wl, num_blocks=num_blocks, max_num_seqs=24, budget=1024 if not chunked else 256,
+        chunked=chunked, max_model_len=1024, watermark=watermark,
     )
-    assert oracle.config["watermark_blocks"] == int(0.05 * 150) == 7
+    assert oracle.config["watermark_blocks"] == int(watermark * (num_blocks + 1))
     assert assert_same(oracle, trace, ref) > 300
     assert_fast_engine_agrees(ref, fast)
 
@@ -372,16 +382,98 @@ def test_generated_blocks_of_equal_text_are_shared_by_vllm_only():
         assert_same(oracle, trace, ref, COMPARED + PREFIX)
 
 
-def test_watermark_rounding_differs_by_the_null_block():
-    """Pins a documented difference: vLLM rounds int(w x blocks) over a pool that includes
-    its null block, kvfrag over the usable blocks; at 159 blocks and w = 0.05 that is 8 blocks
-    against 7."""
-    oracle = run_vllm(
-        [OracleRequest(0, 0, tuple(range(1, 21)), 2)], block_size=BS, num_blocks=159,
-        max_num_seqs=4, max_num_batched_tokens=1024, chunked_prefill=False,
-        prefix_caching=False, max_model_len=1024, watermark=0.05,
+def test_pool_counts_equal_vllms_over_a_grid():
+    """For every (watermark, pool): vLLM's watermark blocks, free blocks of an empty pool and
+    after a request takes some, and usage equal kvfrag's paged and prefix-caching pools of the
+    same budget (the null block is kept by both: never free, never held)."""
+    grid = [(w, n) for w in (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 0.99)
+            for n in (2, 7, 20, 99, 159, 999, 1000)]
+    for w, n in grid:
+        sched, _ = vllm_driver.make_scheduler(
+            block_size=BS, num_blocks=n - 1, max_num_seqs=4, max_num_batched_tokens=1024,
+            chunked_prefill=True, prefix_caching=False, max_model_len=1024, watermark=w,
+        )
+        kvm = sched.kv_cache_manager
+        pool = kvm.block_pool
+        for kind in ("paged", "prefix-caching"):
+            a = make_allocator(kind, capacity=n * BS * BYTES_PER_TOKEN + 5,
+                               bytes_per_token=BYTES_PER_TOKEN, max_model_len=1024,
+                               block_size=BS)
+            case = (w, n, kind)
+            assert a.num_blocks == pool.num_gpu_blocks == n, case
+            assert a.watermark_bytes(w) == kvm.watermark_blocks * a.block_bytes, case
+            assert a.free_blocks() == pool.get_num_free_blocks() == n - 1, case
+            taken = min(n - 1, 3)
+            if taken:
+                req = Request(0, taken * BS - 1, 1)  # (taken blocks to its last slot)
+                assert a.admit(req, taken * BS - 1, decoding=False), case
+            got = pool.get_new_blocks(taken)
+            assert a.free_blocks() == pool.get_num_free_blocks(), case
+            assert a.free_blocks() / (n - 1) == 1 - pool.get_usage(), case
+            assert 0 not in {b.block_id for b in got}, case  # block 0: the null block
+            if taken:
+                assert 0 not in a.block_table(0), case
+            pool.free_blocks(got)
+            acc = a.account()
+            acc.check()
+            assert acc.usable_free == a.free_blocks() * a.block_bytes, case
+            assert acc.external == a.block_bytes + 5, case  # the null block and the tail
+
+
+@pytest.mark.parametrize(
+    ("chunked", "budget", "threshold"),
+    [(False, 1024, 256), (True, 512, 128), (True, 256, 64)],
+    ids=["whole-256", "chunked-128", "chunked-64"],
+)
+def test_long_prefill_token_threshold(chunked, budget, threshold):
+    """vLLM caps a request's prefill tokens in a step at long_prefill_token_threshold, for
+    running and waiting requests alike, unless only one request runs or waits; with chunked
+    prefill off it chunks prompts all the same."""
+    wl = synthetic(300, 0)
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=budget, chunked=chunked,
+        max_model_len=1024, long_prefill=threshold,
     )
-    alloc = make_allocator("paged", capacity=159 * BS * BYTES_PER_TOKEN,
-                           bytes_per_token=BYTES_PER_TOKEN, max_model_len=1024, block_size=BS)
-    assert oracle.config["watermark_blocks"] == 8
-    assert alloc.watermark_bytes(0.05) // (BS * BYTES_PER_TOKEN) == 7
+    assert sum(s["preempted"] for s in oracle.steps) > 0, "the pool should be tight"
+    capped = [it["scheduled_tokens"] for it in trace if it["scheduled_tokens"] > threshold]
+    assert capped, "some iterations take several capped chunks or a chunk beside decoders"
+    assert assert_same(oracle, trace, ref) > 300
+    assert_fast_engine_agrees(ref, fast)
+
+
+@pytest.mark.parametrize(("chunked", "threshold", "watermark"),
+                         [(True, 0, 0.0), (True, 128, 0.05), (False, 128, 0.0)],
+                         ids=["chunked", "chunked-128-watermark", "whole-128"])
+def test_without_reserve_full_isl(chunked, threshold, watermark):
+    """scheduler_reserve_full_isl off: a request is admitted when its first chunk (and the
+    watermark) fits; more admissions, more preemptions."""
+    wl = synthetic(300, 1)
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=256 if chunked else 1024, chunked=chunked,
+        max_model_len=1024, long_prefill=threshold, watermark=watermark,
+        reserve_full_isl=False,
+    )
+    assert sum(s["preempted"] for s in oracle.steps) > 50, "the pool should thrash"
+    assert assert_same(oracle, trace, ref) > 300
+    assert_fast_engine_agrees(ref, fast)
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False], ids=["reserve", "first-chunk"])
+def test_prefix_caching_with_threshold(reserve_full_isl):
+    """Shared prefixes with a 64-token cap on prefill chunks, with and without the
+    full-sequence gate: every iteration equal, tokens found cached included. Pins the one
+    difference left: a decoder after an in-progress chunk in admission order, preempted by
+    that chunk, took its next block before the chunk in kvfrag (it may evict an idle cached
+    block vLLM keeps), where vLLM never reached it: one eviction in 9,000-11,000."""
+    wl = shared_prefixes(300, 1)
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=256, chunked=True, max_model_len=1024,
+        kind="prefix-caching", long_prefill=64, reserve_full_isl=reserve_full_isl,
+    )
+    assert sum(s["preempted"] for s in oracle.steps) > 20
+    assert assert_same(oracle, trace, ref, (*COMPARED, "prefix_hit_tokens")) > 3000
+    assert_fast_engine_agrees(ref, fast)
+    s = fast.summary
+    assert s["prefill_tokens_skipped"] == sum(x["prefix_hit_tokens"] for x in oracle.steps)
+    evicted = sum(x["evictions"] for x in oracle.steps)
+    assert evicted > 5000 and 0 <= s["prefix_evictions"] - evicted <= 1

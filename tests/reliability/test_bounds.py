@@ -80,6 +80,7 @@ CASES: list[tuple[str, list[str], type[BaseModel] | str, str]] = [
     ("engine.max_num_batched_tokens", [], sc.EngineSpec, "max_num_batched_tokens"),
     ("engine.lookahead", [], sc.EngineSpec, "lookahead"),
     ("engine.watermark", [], sc.EngineSpec, "watermark"),
+    ("engine.long_prefill_token_threshold", [], sc.EngineSpec, "long_prefill_token_threshold"),
     ("engine.max_time_s", [], sc.EngineSpec, "max_time_s"),
     ("engine.step_time.base_s", LINEAR, sc.StepTimeSpec, "base_s"),
     ("engine.step_time.per_batched_token_s", LINEAR, sc.StepTimeSpec, "per_batched_token_s"),

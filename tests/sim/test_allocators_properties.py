@@ -191,7 +191,8 @@ def check_invariants(a: Allocator, m: Model, probe: Request | None, tables: bool
         min(held[r], b * m.reservation(m.reqs[r])) - written[r] for r in m.reqs
     )
     assert a.overreserved_bytes() == over and 0 <= over <= internal
-    assert a.free_bytes() == free
+    null = (a.num_blocks - a.usable_blocks) * a.block_bytes if m.paged else 0
+    assert a.free_bytes() == free - null  # never the null block (paged's block 0)
     hole = largest_hole(a, m)
     for p in (None, probe):
         acc = a.account(p)
@@ -233,14 +234,14 @@ def check_invariants(a: Allocator, m: Model, probe: Request | None, tables: bool
             if k < top_order:
                 assert (off ^ (1 << k), k) not in free, "two free buddies were not merged"
     else:
-        assert a.free_blocks() == a.num_blocks - sum(held.values()) // a.block_bytes
+        assert a.free_blocks() == a.usable_blocks - sum(held.values()) // a.block_bytes
         assert a.free_blocks() >= 0
         if tables:
             seen: set[int] = set()
             for rid in m.reqs:
                 table = a.block_table(rid)
                 assert len(table) == m.blocks(m.tokens[rid])
-                assert all(0 <= i < a.num_blocks for i in table)
+                assert all(a.num_blocks - a.usable_blocks <= i < a.num_blocks for i in table)
                 assert seen.isdisjoint(table), "two requests share a block"
                 seen.update(table)
 
@@ -461,7 +462,7 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
                 if too_long:
                     assert result.reason is Reason.PROMPT_TOO_LONG
                 elif m.paged:
-                    if m.blocks(final) > a.num_blocks:
+                    if m.blocks(final) > a.usable_blocks:
                         assert result.reason is Reason.TOO_LARGE
                     else:
                         assert result.reason is Reason.OUT_OF_MEMORY
@@ -557,18 +558,19 @@ def run_ops(kind: str, opts: dict, geometry, tables: bool, ops) -> None:
         assert a.free_blocks() == m.top_blocks() == fresh.free_blocks()
         assert empty.usable_free == (capacity // b) * b
     else:
-        assert a.free_blocks() == a.num_blocks
-        assert empty.usable_free == a.num_blocks * a.block_bytes
+        assert a.free_blocks() == a.usable_blocks  # (paged: less the null block, id 0)
+        assert empty.usable_free == a.usable_blocks * a.block_bytes
         # Every block id is back: requests filling the pool get each id exactly once (unless
         # no request of two tokens fits the pool: one page, rows straddling pages).
         ids: list[int] = []
         rid = 10**6
-        while a.free_blocks() and m.blocks(2) <= a.num_blocks:
+        while a.free_blocks() and m.blocks(2) <= a.usable_blocks:
             tokens = min(mml, m.tokens_in(a.free_blocks()))
             assert a.admit(Request(rid, 1, max(tokens - 1, 1)), tokens=tokens, decoding=False)
             ids.extend(a.block_table(rid))
             rid += 1
-        assert sorted(ids) == list(range(a.num_blocks - a.free_blocks()))
+        null = a.num_blocks - a.usable_blocks
+        assert sorted(ids) == list(range(null, a.num_blocks - a.free_blocks()))
 
 
 @by_config
@@ -606,6 +608,7 @@ def test_paged_integrate_and_full(kind, opts, phases, clock, extra_blocks, w0, w
     need = sum(m.blocks(p) for p, _, _ in phases)
     longest = max([clock + 2] + [p + o for p, o, _ in phases])  # no request is TOO_LARGE
     blocks = max(need + extra_blocks, m.blocks(longest))
+    blocks += kind == "paged"  # and the null block
     m.capacity = blocks * m.block_bytes + 1
     a = build(kind, opts, m.capacity, b, mml)
     # Move the clock with a throwaway decoder first, so phases are not aligned to 0.

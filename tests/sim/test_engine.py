@@ -102,14 +102,17 @@ TABLE = TableTime(
     beams=st.booleans(),
     max_seqs=st.sampled_from([8, 8, 2]),  # 2: groups of 3 never fit a batch
     watermark=st.sampled_from([0.0, 0.0, 0.1]),
+    long_prefill=st.sampled_from([0, 0, 16, 48]),
+    reserve=st.sampled_from([True, True, False]),
 )
 # Beams hold more blocks at their fork than at their end: a prompt whose fork exceeds the pool
 # must be rejected, not wait forever (the engine stalled here once).
 @example(seed=54, which=0, n=5, capacity_tokens=64, chunked=True, skip=False, linear=False,
-         table=False, samples=3, beams=True, max_seqs=8, watermark=0.0)
+         table=False, samples=3, beams=True, max_seqs=8, watermark=0.0, long_prefill=0,
+         reserve=True)
 def test_fast_engine_matches_per_iteration_reference(
     seed, which, n, capacity_tokens, chunked, skip, linear, table, samples, beams, max_seqs,
-    watermark,
+    watermark, long_prefill, reserve,
 ):
     kind, opts = ALLOCATORS[which]
     if kind == "vattention" and opts["page_size"] % 24:
@@ -126,6 +129,8 @@ def test_fast_engine_matches_per_iteration_reference(
         admission="skip" if skip else "fcfs",
         lookahead=3,
         watermark=watermark,
+        long_prefill_token_threshold=long_prefill,
+        reserve_full_isl=reserve,
         step_time=TABLE if table else StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
     )
 
@@ -328,7 +333,7 @@ def test_deferred_block_ids_are_named_when_asked():
     a, b = Request(0, 20, 10), Request(1, 40, 10)
     grant = alloc.admit(a)
     assert grant and grant.blocks == ()  # (counted, not named)
-    assert alloc.admit(b) and alloc.free_blocks() == 40 - 5
+    assert alloc.admit(b) and alloc.free_blocks() == 40 - 1 - 5  # (less the null block)
     alloc.free(0)
     table = alloc.block_table(1)
     assert len(table) == 3 and len(set(table)) == 3
@@ -403,8 +408,8 @@ def test_static_batch_ends_when_its_last_runner_is_preempted():
     """A static batch whose only running member is preempted is over: its finished members
     free their memory, and the preempted one starts the next batch (no stall)."""
     alloc = make_allocator(
-        "paged", capacity=30 * 8, bytes_per_token=8, max_model_len=64, block_size=1
-    )
+        "paged", capacity=31 * 8, bytes_per_token=8, max_model_len=64, block_size=1
+    )  # 30 blocks and the null block
     wl = pd.DataFrame(
         {
             "request_id": [0, 1],
@@ -533,7 +538,8 @@ def test_every_request_rejected_at_t0_reports_the_empty_allocator(
 def test_empty_workload_reports_the_empty_allocator():
     alloc = make_allocator("paged", capacity=1024 * 8, bytes_per_token=8, max_model_len=256)
     s = run(at_once(0, 1, 1), alloc, EngineConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    assert _parts(s.summary) == [0.0, 0.0, 0.0, 0.0, 1.0]  # 64 whole blocks: all usable
+    # 64 whole blocks: all usable but the null block, which is external
+    assert _parts(s.summary) == [0.0, 0.0, 0.0, 1 / 64, 63 / 64]
     assert s.summary["rejected"] == 0
     assert all(s.summary[f"rejected_{why}"] == 0 for why in REJECT_REASONS)
 

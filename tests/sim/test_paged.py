@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, Request, make_allocator
 from kvfrag.sim.allocators.paged import FloorSum
+from kvfrag.sim.geometry import preset
 
 
 def brute_value(terms: list[tuple[int, int]], bs: int, k: int) -> int:
@@ -162,3 +163,40 @@ def test_integrate_with_numpy_is_bit_identical(coefs, k, n, w0, w1) -> None:
         looped += count * (whole * weight + w0 * u1 + w1 * (p2 - m0 * u1))
     assert f._integrate_vector(f.q * weight, k, n, w0, w1, weight) == looped
     assert f.integrate(k, n, w0, w1, weight) == looped
+
+
+def test_null_block_is_never_held_nor_free() -> None:
+    """Block 0 is the pool's null block, as in vLLM's BlockPool: a budget of 10 blocks (and a
+    tail) gives 9 to requests, block ids 1-9, the watermark rounds over all 10, and the null
+    block's bytes are external with the tail, so the five parts still sum to the budget.
+    vAttention's pages keep no null block."""
+    b, bs = 4, 16
+    for kind in ("paged", "prefix-caching"):
+        a = make_allocator(kind, capacity=10 * bs * b + 7, bytes_per_token=b,
+                           max_model_len=1000, block_size=bs)
+        assert (a.num_blocks, a.usable_blocks, a.free_blocks()) == (10, 9, 9)
+        assert a.watermark_bytes(0.15) == 1 * bs * b  # int(0.15 x 10), not int(0.15 x 9)
+        assert a.pool_bytes() == 9 * bs * b
+        assert a.too_large(Request(0, 9 * bs, 1))  # 9 blocks and one slot more
+        assert not a.too_large(Request(0, 9 * bs - 1, 1))
+        acc = a.account()
+        acc.check()
+        assert (acc.usable_free, acc.external) == (9 * bs * b, bs * b + 7)
+        assert a.admit(Request(1, 5 * bs, 1), 5 * bs - 1, decoding=False)
+        assert a.admit(Request(2, 4 * bs, 1), 4 * bs - 1, decoding=False)
+        assert a.free_blocks() == 0
+        assert sorted(a.block_table(1) + a.block_table(2)) == list(range(1, 10))
+        refused = a.admit(Request(3, 1, 1), 1, decoding=False)
+        assert not refused and refused.reason.value == "out_of_memory"
+        acc = a.account()
+        acc.check()
+        assert (acc.usable_free, acc.external) == (0, bs * b + 7)
+        # free_bytes() is vLLM's free block count (and the tail): never the null block.
+        assert a.free_bytes() == 7
+        a.free(2)
+        assert a.free_bytes() == 4 * bs * b + 7
+        assert a.admission_bytes(Request(5, 4 * bs, 1), 4 * bs + 1, 0) > a.free_bytes()
+    geo = preset("llama-3-8b")
+    v = make_allocator("vattention", capacity=1 << 30, bytes_per_token=geo.bytes_per_token,
+                       max_model_len=1000, page_size="2MiB", geometry=geo)
+    assert v.usable_blocks == v.num_blocks == v.free_blocks() > 0

@@ -19,7 +19,7 @@ B = 8
 def cache(blocks: int, bs: int = 16):
     return make_allocator(
         "prefix-caching",
-        capacity=blocks * bs * B,
+        capacity=(blocks + 1) * bs * B,  # `blocks` blocks and the null block
         bytes_per_token=B,
         max_model_len=4096,
         block_size=bs,
@@ -65,8 +65,8 @@ def check_blocks(a, live: dict[int, Request]) -> None:
         assert len(set(a._held.get(r, ()))) == len(a._held.get(r, ()))
     assert all(a._refs[b] == sum(b in a._held.get(r, ()) for r in live) for b in a._refs)
     own = {r: own_blocks(a, q, a.tokens(r)) for r, q in live.items()}
-    assert a.num_blocks - a.free_blocks() == sum(own.values()) + len(a._refs)
-    assert sum(own.values()) + len(a._refs) + len(a._idle) <= a.num_blocks
+    assert a.usable_blocks - a.free_blocks() == sum(own.values()) + len(a._refs)
+    assert sum(own.values()) + len(a._refs) + len(a._idle) <= a.usable_blocks
     saved = sum((q.n - 1) * kept(q, a.tokens(r), bs) for r, q in live.items())
     saved += sum(users - 1 for users in a._refs.values())
     assert a.saved_by_sharing() == saved * a.block_bytes
@@ -87,7 +87,7 @@ def check_blocks(a, live: dict[int, Request]) -> None:
     assert sorted(listed) == sorted(a._key) and all(ids for ids in a._cached.values())
     assert all(a._key[b] == key for key, ids in a._cached.items() for b in ids)
     ids = private + list(a._key) + a._stack
-    assert sorted(ids) == list(range(a.num_blocks))
+    assert sorted(ids) == list(range(1, a.num_blocks))  # (block 0: the null block)
 
 
 def cache_state(a) -> tuple:
@@ -315,7 +315,7 @@ def test_identity_refcounts_and_no_leaks(bs, ops):
         assert a.parts() == twin.parts()
     for r in list(live):
         a.free(r)
-    assert a.free_blocks() == a.num_blocks and not a._refs
+    assert a.free_blocks() == a.usable_blocks and not a._refs
     assert a.account().token_states == 0 and a.saved_by_sharing() == 0
 
 

@@ -21,7 +21,8 @@ B = 64  # bytes per token
 
 def paged(blocks: int, bs: int = 16):
     return make_allocator(
-        "paged", capacity=blocks * bs * B + 7, bytes_per_token=B, max_model_len=512, block_size=bs
+        "paged", capacity=(blocks + 1) * bs * B + 7, bytes_per_token=B, max_model_len=512,
+        block_size=bs,  # `blocks` blocks and the null block
     )
 
 
@@ -49,7 +50,7 @@ def test_samples_share_the_prompt_full_blocks():
     assert a.allocated_bytes(0) == expected_blocks(4, 40, 53, 16) * 16 * B
     a.account().check()
     a.free(0)
-    assert a.free_blocks() == a.num_blocks and a.saved_by_sharing() == 0
+    assert a.free_blocks() == a.usable_blocks and a.saved_by_sharing() == 0
 
 
 def test_slab_samples_each_store_their_own_copy():
@@ -128,7 +129,7 @@ def test_group_accounting_matches_its_closed_form(beam, bs, groups, steps, w):
         acc.check()
         tokens = {r: a.tokens(r) for r in live}
         blocks = sum(expected_blocks(n, p, tokens[r], bs, beam) for r, (n, p) in live.items())
-        assert a.num_blocks - a.free_blocks() == blocks
+        assert a.usable_blocks - a.free_blocks() == blocks
         stored = sum(
             n * tokens[r] - (n - 1) * kept(beam, p, tokens[r], bs) * bs
             for r, (n, p) in live.items()
@@ -138,7 +139,7 @@ def test_group_accounting_matches_its_closed_form(beam, bs, groups, steps, w):
         assert a.saved_by_sharing() == saved * bs * B
     for rid in list(live):
         a.free(rid)
-    assert a.free_blocks() == a.num_blocks
+    assert a.free_blocks() == a.usable_blocks
     assert a.account().token_states == 0
 
 
@@ -278,11 +279,11 @@ def test_block_tables_follow_the_sequences(beam, bs, ops):
         name(rid)
         ids = set(a.block_table(rid))
         assert seen.isdisjoint(ids), "a block in two requests"
-        assert all(0 <= b < a.num_blocks for b in ids)
+        assert all(1 <= b < a.num_blocks for b in ids)  # (block 0: the null block)
         seen |= ids
     for rid in list(live):
         a.free(rid)
-    assert sorted(a._stack) == list(range(a.num_blocks))
+    assert sorted(a._stack) == list(range(1, a.num_blocks))
 
 
 def _by_rid(copies):
@@ -295,29 +296,29 @@ def _by_rid(copies):
 def test_samples_copy_the_partial_prompt_block_at_the_fork():
     a = paged(100)
     a.admit(Request(0, prompt=40, output=30, n=3), 30, decoding=False)  # chunked prefill
-    assert a.block_tables(0) == [(0, 1)] and not a.take_copies()
+    assert a.block_tables(0) == [(1, 2)] and not a.take_copies()
     a.grow(0, 11)  # the prompt's last 10 tokens and the first output token's slot
     tables = a.block_tables(0)
-    assert tables == [(0, 1, 2), (0, 1, 3), (0, 1, 4)]
-    assert a.take_copies() == [(0, 2, 3), (0, 2, 4)]
+    assert tables == [(1, 2, 3), (1, 2, 4), (1, 2, 5)]
+    assert a.take_copies() == [(0, 3, 4), (0, 3, 5)]
     a.set_decoding(0, True)
     a.step(8)  # 49 tokens: each sample takes its own fourth block
-    assert [t[3] for t in a.block_tables(0)] == [5, 6, 7] and not a.take_copies()
+    assert [t[3] for t in a.block_tables(0)] == [6, 7, 8] and not a.take_copies()
 
 
 def test_beams_prune_back_to_beam_zero():
     a = paged(100)
     a.admit(Request(0, prompt=40, output=30, n=3, beam=True), 41)
-    assert a.block_tables(0) == [(0, 1, 2), (0, 1, 3), (0, 1, 4)]
-    assert a.take_copies() == [(0, 2, 3), (0, 2, 4)]
+    assert a.block_tables(0) == [(1, 2, 3), (1, 2, 4), (1, 2, 5)]
+    assert a.take_copies() == [(0, 3, 4), (0, 3, 5)]
     a.step(7)  # 48 tokens: beam 0's block 2 joins the trunk, the other copies go back
-    assert a.block_tables(0) == [(0, 1, 2)] * 3
+    assert a.block_tables(0) == [(1, 2, 3)] * 3
     a.step(1)  # 49: a fresh private block each, nothing to copy
-    assert a.block_tables(0) == [(0, 1, 2, 3), (0, 1, 2, 4), (0, 1, 2, 5)]
+    assert a.block_tables(0) == [(1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3, 6)]
     assert not a.take_copies()
     a.step(20)  # 69: two boundaries crossed between namings
     tables = a.block_tables(0)
-    assert tables[0][:4] == (0, 1, 2, 3) and len({t[4] for t in tables}) == 3
+    assert tables[0][:4] == (1, 2, 3, 4) and len({t[4] for t in tables}) == 3
     assert all(t[:4] == tables[0][:4] for t in tables)
     assert len(set(a.block_table(0))) == a.blocks_of(0) == 4 + 3
 
@@ -329,7 +330,7 @@ def test_blocks_pruned_while_unnamed_are_named_again_when_needed():
     assert a.free_blocks() == 6
     assert a.admit(Request(1, prompt=95, output=1), 96)  # takes all 6 free blocks
     ids = set(a.block_table(0)) | set(a.block_table(1))
-    assert len(ids) == 9 == a.num_blocks - a.free_blocks()
+    assert len(ids) == 9 == a.usable_blocks - a.free_blocks()
 
 
 @pytest.mark.parametrize("beam", [False, True])

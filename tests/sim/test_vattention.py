@@ -32,6 +32,13 @@ from kvfrag.sim.scenario import run as run_scenario
 from kvfrag.sim.units import parse_size
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
+
+
+class NoNullBlock(PagedAllocator):
+    """The paged pool without vLLM's null block, as vAttention's pages have none."""
+
+    null_blocks = 0
+
 LENGTHS = [1, 100, 1023, 1024, 1025, 2047, 2048, 2049, 3000, 8000]
 # 10 KiB rows (opt-13b, llama-2-13b): 6.4 tokens a 64 KiB page, 204.8 a 2 MiB page.
 STRADDLING = [2, 6, 7, 12, 13, 32, 33, 204, 205, 409, 410, 1023, 1024, 1025, 4096, 4097]
@@ -180,7 +187,7 @@ def test_sample_groups_need_whole_rows_per_page():
     assert a.live == 0 and a.free_blocks() == a.num_blocks  # refused before anything changed
     geo = preset("llama-3-8b")
     v = build("llama-3-8b", "64KiB", capacity=GIB)  # 32 tokens a page
-    p = PagedAllocator(GIB, geo.bytes_per_token, 8192, block_size=32)
+    p = NoNullBlock(GIB, geo.bytes_per_token, 8192, block_size=32)
     for req in (Request(0, 40, 70, n=3), Request(1, 33, 90, n=2, beam=True)):
         assert v.admit(req, tokens=41) == p.admit(req, tokens=41)
     for n in (7, 20, 31):
@@ -276,7 +283,7 @@ def test_same_as_paged_with_page_blocks(rows, extra, ops):
         "vattention", capacity=capacity, bytes_per_token=b, max_model_len=mml,
         geometry=TINY, page_size=page,
     )
-    p = PagedAllocator(capacity, b, mml, block_size=rows)
+    p = NoNullBlock(capacity, b, mml, block_size=rows)
     assert v.block_bytes == p.block_bytes == 2 * TINY.layers * page
     rid = 0
     for op, x, y in ops:
