@@ -55,6 +55,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "hybrid": (
         "block_size", "hybrid_kv_cache_manager", "stack", "max_num_batched_tokens",
         "concurrent_batches", "prefix_caching", "mamba_cache_mode",
+        "prefix_cache_retention_interval",
     ),
 }
 #: Kinds whose constructor also takes the model's KV shape (`geometry=`).

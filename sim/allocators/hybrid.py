@@ -118,6 +118,7 @@ class HybridAllocator(Allocator):
         concurrent_batches: object = 2,
         prefix_caching: object = False,
         mamba_cache_mode: object = "none",
+        prefix_cache_retention_interval: object = 0,
         geometry: KVGeometry | None = None,
     ) -> None:
         super().__init__(capacity, bytes_per_token, max_model_len)
@@ -136,6 +137,14 @@ class HybridAllocator(Allocator):
         if prefix_caching and type(self) is HybridAllocator:
             raise ValueError("prefix caching is modelled by HybridPrefixCaching "
                              "(make_allocator builds it)")
+        retention = prefix_cache_retention_interval
+        if retention is not None and (not isinstance(retention, int) or isinstance(retention, bool)
+                                      or retention < 0):
+            raise ValueError("prefix_cache_retention_interval must be a whole number of tokens "
+                             f"(0 or more) or null, not {retention!r}")
+        if retention != 0 and not prefix_caching:
+            raise ValueError("prefix_cache_retention_interval needs prefix_caching true")
+        self.retention: int | None = retention
         if prefix_caching and stack.mamba_layers:
             raise ValueError("the hybrid allocator does not model prefix caching with Mamba "
                              "groups yet")

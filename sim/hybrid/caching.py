@@ -23,8 +23,9 @@ last block its request will still write; internal the rest of the held ids' page
 of internal into padding and out-of-window tokens is not made here (`waste_split` off).
 
 Modelled: full attention, MLA, sliding-window and chunked-local groups with the hybrid manager
-on, one block size (the hash block size), `prefix_cache_retention_interval` 0 (vLLM's
-default). Refused (one line): Mamba groups, the manager off, sample groups (n > 1).
+on, one block size (the hash block size), and `prefix_cache_retention_interval` (0, vLLM's
+default; a multiple of the block size; or None, every block kept). Refused (one line): Mamba
+groups, the manager off, sample groups (n > 1).
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ class HybridPrefixCaching(HybridAllocator):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         p = self.plan
+        retention = self.retention  # (its type checked by the base)
+        if retention and retention % p.scheduler_block_size:
+            raise ValueError(f"prefix_cache_retention_interval ({retention}) must be a multiple "
+                             f"of the scheduler block size ({p.scheduler_block_size})")
+        if retention and not any(g.kind == "sliding_window" for g in p.groups):
+            raise ValueError("prefix_cache_retention_interval has no effect without sliding "
+                             "window groups: leave it 0")
+        # (`retention`, vLLM's `prefix_cache_retention_interval`: 0 keeps a sliding group's
+        # blocks only at replay boundaries and junctions, R > 0 also one window's blocks per
+        # R tokens, None every block a hit can use)
         if not p.hybrid_manager:
             raise ValueError("the hybrid allocator models prefix caching only with "
                              "hybrid_kv_cache_manager true")
@@ -238,10 +249,20 @@ class HybridPrefixCaching(HybridAllocator):
 
     # --------------------------------------------------------------- caching
     def _reachable(self, req: Request, k: Kind, j: int) -> bool:
-        """Whether a sliding-window block can serve a hit (vLLM's `reachable_block_mask`,
-        retention 0): it is among the blocks a hit at the replay boundary or at the
-        request's shared-prefix junction needs."""
+        """Whether a sliding-window block can serve a hit (vLLM's `reachable_block_mask`): it
+        is among the blocks a hit at the end of a retained segment needs (every scheduler
+        block with retention None, every R tokens with R > 0, none with 0), or, unless
+        retention is None, a hit at the replay boundary or at the request's shared-prefix
+        junction."""
         need, bs, a = k.need(), k.block_size, self.plan.scheduler_block_size
+        retention = self.retention
+        segment = a if retention is None else retention
+        if segment:
+            per = segment // bs
+            if need >= per or j % per >= per - need:
+                return True
+            if retention is None:
+                return False
         bounds = [req.prompt - 1]
         junction = self._st.boundary.get(req.rid, 0)
         if junction:

@@ -284,6 +284,7 @@ def make_hybrid_scheduler(
     max_model_len: int,
     hybrid_manager: bool = True,
     prefix_caching: bool = False,
+    retention: int | None = 0,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """vLLM's scheduler over the KV cache its own planner lays out, as EngineCore builds it.
 
@@ -302,7 +303,8 @@ def make_hybrid_scheduler(
             max_model_len=max_model_len,
             dtype="bfloat16",
         ),
-        cache_config=v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching),
+        cache_config=v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching,
+                                      prefix_cache_retention_interval=retention),
         scheduler_config=v["SchedulerConfig"](
             max_model_len=max_model_len,
             is_encoder_decoder=False,
@@ -402,6 +404,7 @@ def run_vllm_hybrid(
     hybrid_manager: bool = True,
     max_model_len: int | None = None,
     prefix_caching: bool = False,
+    retention: int | None = 0,
 ) -> HybridRun:
     """Replay ``requests`` through vLLM's scheduler over a hybrid model's KV cache.
 
@@ -412,7 +415,9 @@ def run_vllm_hybrid(
     null block included). ``max_model_len`` defaults to the longest prompt + output rounded up
     to 16 tokens (it sizes vLLM's memory check and its sliding-window admission reserve).
     ``chunked``: vLLM's chunked prefill with ``max_num_batched_tokens`` per step; without it
-    ``max_num_batched_tokens`` must cover ``max_model_len``.
+    ``max_num_batched_tokens`` must cover ``max_model_len``. ``prefix_caching``: vLLM's
+    prefix caching, with ``retention`` its ``prefix_cache_retention_interval`` (0 by default,
+    vLLM's; None: dense).
 
     Returns ``HybridRun``; ``steps, per_request = run_vllm_hybrid(...)``. ``steps``: one
     record per ``schedule()`` call with ``vllm_driver.STEP_FIELDS`` (``blocks_used`` and
@@ -437,6 +442,7 @@ def run_vllm_hybrid(
         max_model_len=max_model_len,
         hybrid_manager=hybrid_manager,
         prefix_caching=prefix_caching,
+        retention=retention,
     )
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     extra: list[dict] = []

@@ -65,6 +65,7 @@ class Case:
     #: blocks (0: off, `mixed`'s workload).
     system_blocks: int = 0
     seed: int = 0
+    retention: int | None = 0  # prefix_cache_retention_interval (None: every block kept)
 
 
 class Trace(list):
@@ -132,6 +133,7 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
             max_model_len=mml, stack=case.stack, block_size=BS,
             hybrid_kv_cache_manager=case.manager, max_num_batched_tokens=budget,
             concurrent_batches=1, prefix_caching=caching,
+            **({"prefix_cache_retention_interval": case.retention} if caching else {}),
         )
 
     budget_bytes = case.pool if case.pool >= 100_000 else case.pool * hybrid(2**50).page
@@ -142,6 +144,7 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
             reqs, case.stack, budget_bytes=budget_bytes, max_num_seqs=SEQS,
             max_num_batched_tokens=budget, chunked=case.chunk is not None,
             hybrid_manager=case.manager, max_model_len=mml, prefix_caching=caching,
+            retention=case.retention,
         )
     alloc = hybrid(budget_bytes)
     assert alloc.plan.num_blocks == oracle.plan["num_blocks"]
@@ -235,6 +238,12 @@ CASES = {
                                       system_blocks=8),
     "gpt-oss-120b-prefix-chunked": Case(gpt_oss(), True, 300, 256, 480, 250, n=200,
                                         system_blocks=8),
+    # vLLM's prefix_cache_retention_interval: a window's blocks kept every 64 tokens too, or
+    # every block a hit can use (None).
+    "gpt-oss-120b-prefix-retention-64-chunked": Case(gpt_oss(), True, 300, 256, 480, 250,
+                                                     n=200, system_blocks=8, retention=64),
+    "gpt-oss-120b-prefix-dense-whole": Case(gpt_oss(), True, 300, None, 480, 250, n=200,
+                                            system_blocks=8, retention=None),
     "gemma-3-27b-prefix-whole": Case(shapes.gemma_3_27b(), True, 4 * GiB, None, 1200, 200,
                                      n=120, system_blocks=80),
     "gemma-3-27b-prefix-chunked": Case(shapes.gemma_3_27b(), True, 2 * GiB, 512, 1200, 200,

@@ -46,10 +46,12 @@ STACKS = [
 ]
 
 
-def make(stack: LayerStack, capacity: int, bs: int = BS, tokens: int = MML):
+def make(stack: LayerStack, capacity: int, bs: int = BS, tokens: int = MML,
+         retention: int | None = 0):
     return make_allocator("hybrid", capacity=capacity, bytes_per_token=stack.full_bytes_per_token,
                           max_model_len=MML, stack=stack, block_size=bs,
-                          max_num_batched_tokens=tokens, prefix_caching=True)
+                          max_num_batched_tokens=tokens, prefix_caching=True,
+                          prefix_cache_retention_interval=retention)
 
 
 def req(rid: int, prompt: int, ids: list[int], output: int = 4) -> Request:
@@ -185,21 +187,28 @@ def shared(seed: int, n: int, max_question: int, max_output: int) -> pd.DataFram
     extra_blocks=st.sampled_from([0, 2, 5, 10, 20, 60]),  # small pools: evictions, preemptions
     chunked=st.booleans(),
     timing=st.sampled_from(["flat", "linear"]),
+    retention=st.sampled_from([0, 0, None, 16]),
 )
 def test_fast_engine_matches_per_iteration_reference_with_prefix_caching(
-    seed, which, n, extra_blocks, chunked, timing,
+    seed, which, n, extra_blocks, chunked, timing, retention,
 ):
     stack = STACKS[which]
     tokens = 40 if chunked else MML
+    if not any(isinstance(layer, SlidingWindow) for layer in stack.layers):
+        retention = 0  # (it applies to sliding windows only: refused elsewhere)
     probe = make(stack, 10**9, tokens=tokens)
     capacity = (probe.plan.max_request_blocks + 1 + extra_blocks) * probe.page + 37
+
+    def fresh():
+        return make(stack, capacity, tokens=tokens, retention=retention)
+
     wl = shared(seed, n, 100, 60)
     step = {"flat": StepTime(0.05), "linear": StepTime(0.05, 1e-3, 1e-4)}
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=tokens, chunked_prefill=chunked,
                        step_time=step[timing])
-    fast = run(wl, make(stack, capacity, tokens=tokens), cfg)
+    fast = run(wl, fresh(), cfg)
     trace: list[dict] = []
-    slow = reference(wl, make(stack, capacity, tokens=tokens), cfg, trace)
+    slow = reference(wl, fresh(), cfg, trace)
     rows = fast.requests.set_index("request_id")
     for rid, r in slow["requests"].items():
         row = rows.loc[rid]
@@ -217,3 +226,42 @@ def test_fast_engine_matches_per_iteration_reference_with_prefix_caching(
     assert s["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
     for p in PARTS:
         assert s[f"{p}_frac"] == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+
+
+def test_retention_interval_keeps_more_of_a_windows_blocks():
+    """vLLM's `prefix_cache_retention_interval`: None keeps every block a hit can use, so the
+    first sibling sharing a shorter prefix hits already; 0 (the default) does not (above)."""
+    a = make_allocator("hybrid", capacity=10**6, bytes_per_token=STACKS[0].full_bytes_per_token,
+                       max_model_len=MML, stack=STACKS[0], block_size=BS, prefix_caching=True,
+                       prefix_cache_retention_interval=None)
+    assert a.admit(req(0, 80, list(range(1, 11))), 80)
+    a.free(0)
+    full, sliding = groups(a, "full"), groups(a, "sliding_window")
+    assert a.idle_cached_blocks() == 10 * full + 10 * sliding
+    assert a.cached_prefix_tokens(req(1, 80, [*range(1, 7), 20, 21, 22, 23]), 80) == 48
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    ("prefix_caching: 1", "prefix_caching must be true or false, not 1"),
+    ("prefix_caching: true, prefix_cache_retention_interval: -16",
+     "prefix_cache_retention_interval must be a whole number from 0 to"),
+    ("prefix_caching: true, prefix_cache_retention_interval: 24",
+     "prefix_cache_retention_interval (24) must be a multiple of the scheduler block size"),
+    ("prefix_cache_retention_interval: 64",
+     "prefix_cache_retention_interval needs prefix_caching true"),
+])
+def test_bad_prefix_caching_options_are_one_line(capsys, tmp_path, option, said):
+    from kvfrag.cli import main
+
+    out = tmp_path / "out"
+    code = main(["run", str(ROOT / "scenarios" / "gpt-oss-120b-h100.yaml"), "--set",
+                 f"allocators=[{{label: a, kind: hybrid, {option}}}]", "--set",
+                 "workload.transforms.first_n=5", "-o", str(out), "-q", "--no-plots"])
+    lines = capsys.readouterr().err.splitlines()
+    lines = [x for x in lines if "UserWarning" not in x and "import" not in x]
+    assert code == 2 and len(lines) == 1, lines
+    assert "allocator 'a'" in lines[0] and said in lines[0], lines[0]
+    assert not out.exists()
