@@ -331,8 +331,9 @@ class HybridPrefixCaching(HybridAllocator):
     def _take(self, st: PrefixState, rid: int, tokens: int) -> list[int]:
         """Each group's table grown to `tokens` slots (vLLM's `allocate_new_blocks`)."""
         new: list[int] = []
+        sizes = [-(-tokens // k.block_size) for k in self._kinds]
         for g, table in enumerate(st.tables[rid]):
-            more = -(-tokens // self._kinds[self._manager_of[g]].block_size) - len(table)
+            more = sizes[self._manager_of[g]] - len(table)
             if more > 0:
                 got = st.pool.take(more)
                 table.extend(got)
@@ -341,8 +342,14 @@ class HybridPrefixCaching(HybridAllocator):
         return new
 
     def _wanted(self, st: PrefixState, rid: int, tokens: int) -> int:
-        return sum(max(0, -(-tokens // self._kinds[self._manager_of[g]].block_size) - len(t))
-                   for g, t in enumerate(st.tables[rid]))
+        sizes = [-(-tokens // k.block_size) for k in self._kinds]
+        kind_of = self._manager_of
+        need = 0
+        for g, t in enumerate(st.tables[rid]):
+            more = sizes[kind_of[g]] - len(t)
+            if more > 0:
+                need += more
+        return need
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         self._flush()
@@ -539,12 +546,12 @@ class HybridPrefixCaching(HybridAllocator):
         out = [0] * len(self.plan.groups)
         for tables in self._st.tables.values():
             for g, table in enumerate(tables):
-                out[g] += sum(1 for b in table if b)
+                out[g] += len(table) - table.count(0)
         return tuple(out)
 
     def blocks_of(self, rid: int) -> int:
         self._get(rid)
-        return sum(1 for t in self._st.tables.get(rid, ()) for b in t if b)
+        return sum(len(t) - t.count(0) for t in self._st.tables.get(rid, ()))
 
     def group_tables(self, rid: int) -> list[tuple[int, ...]]:
         self._get(rid)

@@ -200,8 +200,11 @@ class PrefixState:
         """vLLM's `remove_skipped_blocks`: each group's blocks before the window freed (last
         first) and replaced by the null block. Returns the ids that became free."""
         freed = 0
+        skips = [k.skipped(processed) for k in kinds]
         for g, table in enumerate(self.tables[rid]):
-            skip = min(kinds[kind_of[g]].skipped(processed), len(table))
+            skip = min(skips[kind_of[g]], len(table))
+            if not skip or not table[skip - 1]:
+                continue  # (nothing left to free: the usual)
             gone = []
             for i in range(skip - 1, -1, -1):
                 if table[i] == 0:
