@@ -204,9 +204,11 @@ class HybridAllocator(Allocator):
         # const + slope x K; `_dec_const` and `_dec_slope` sum those over the cohort, and
         # `_seg_heap` holds (hi + 1, rid) so that `_stepped` renews the segments the clock
         # has passed (lazily: an entry counts while `_seg[rid][0]` is still its hi).
-        self._fixed = [0] * 6
-        self._dec_const = [0] * 6
-        self._dec_slope = [0] * 6
+        # After the six parts, each manager's held blocks per group (`group_blocks`).
+        self._width = 6 + len(self.managers)
+        self._fixed = [0] * self._width
+        self._dec_const = [0] * self._width
+        self._dec_slope = [0] * self._width
         # `_integrals6`'s last answer: the engine asks the parts, then the waste, of a stretch
         self._integrals_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
         self._seg: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
@@ -235,12 +237,15 @@ class HybridAllocator(Allocator):
                 for ls in layers]
 
     def _parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
-        """(blocks, token_states, reserved, internal, padding, out_of_window) of one request:
-        internal = padding + out_of_window + rounding (slots past F)."""
+        """(blocks, token_states, reserved, internal, padding, out_of_window, then each
+        manager's held blocks per group) of one request: internal = padding + out_of_window +
+        rounding (slots past F)."""
         blocks = token_states = reserved = padding = out = 0
+        per_manager = []
         for m, view in zip(self.managers, self._reads, strict=True):
             bs = m.block_size
             held = m.held(tokens, processed)
+            per_manager.append(held)
             blocks += m.groups * held
             # tokens its layers read: all, less those out of their window (`needed` for the
             # manager's own kind; promoted layers by their real kind)
@@ -251,7 +256,7 @@ class HybridAllocator(Allocator):
             padding += held * (m.groups * self.page - bs * m.token_bytes) - m.state_bytes
             out += unread - m.skipped_blocks(processed) * bs * m.token_bytes
         internal = blocks * self.page - token_states - reserved
-        return blocks, token_states, reserved, internal, padding, out
+        return (blocks, token_states, reserved, internal, padding, out, *per_manager)
 
     def waste_breakdown(self) -> dict[str, int]:
         """Internal bytes now, split: padding (a block's page beyond its groups' real slots
@@ -297,7 +302,7 @@ class HybridAllocator(Allocator):
 
     def _add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
         f = self._fixed
-        for i in range(6):
+        for i in range(self._width):
             f[i] += sign * parts[i]
 
     def _next_start(self, tokens: int) -> int:
@@ -319,7 +324,7 @@ class HybridAllocator(Allocator):
         tokens = live.base + k
         if self._joined[rid] == k:  # its prefill's state, for this clock only
             base = self._parts_of(tokens, self._proc[rid], final)
-            slope: tuple[int, ...] = (0,) * 6
+            slope: tuple[int, ...] = (0,) * self._width
             hi = k
         else:
             base = self._parts_of(tokens, tokens - 1, final)
@@ -328,12 +333,12 @@ class HybridAllocator(Allocator):
                 after = self._parts_of(tokens + 1, tokens, final)
                 slope = tuple(y - x for x, y in zip(base, after, strict=True))
             else:
-                slope = (0,) * 6
+                slope = (0,) * self._width
             hi = k + end - tokens
         const = tuple(x - sl * k for x, sl in zip(base, slope, strict=True))
         self._seg[rid] = (hi, const, slope)
         dc, ds = self._dec_const, self._dec_slope
-        for i in range(6):
+        for i in range(self._width):
             dc[i] += const[i]
             ds[i] += slope[i]
         heapq.heappush(self._seg_heap, (hi + 1, rid))
@@ -342,7 +347,7 @@ class HybridAllocator(Allocator):
         """Take a decoder's segment out of the cohort's sums."""
         _, const, slope = self._seg.pop(rid)
         dc, ds = self._dec_const, self._dec_slope
-        for i in range(6):
+        for i in range(self._width):
             dc[i] -= const[i]
             ds[i] -= slope[i]
 
@@ -365,11 +370,9 @@ class HybridAllocator(Allocator):
     def group_blocks(self) -> tuple[int, ...]:
         """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
         managers' tables, nulls left out), summed over live requests."""
-        per_manager = [0] * len(self.managers)
-        for live in self._live.values():
-            tokens, processed = self._state(live)
-            for mi, m in enumerate(self.managers):
-                per_manager[mi] += m.held(tokens, processed)
+        k = self._clock
+        f, c, sl = self._fixed, self._dec_const, self._dec_slope
+        per_manager = [f[i] + c[i] + sl[i] * k for i in range(6, self._width)]
         return tuple(per_manager[self._manager_of[g]] for g in range(len(self.plan.groups)))
 
     def blocks_of(self, rid: int) -> int:
