@@ -74,6 +74,21 @@ def test_a_sweep_over_models_gives_each_point_its_own(tmp_path):
     assert [p.max_model_len for _, p in load(tmp_path, text).scenario.points()] == [1024, 1024]
 
 
+def test_the_resolved_copy_of_a_sweep_over_models_runs_the_same_points(tmp_path):
+    """The resolved scenario saved beside the results leaves max_model_len to each point's
+    model (null), so running it again gives every point its own length, not the first's."""
+    import yaml
+
+    text = SCENARIO.replace("MODEL", "llama-3-8b") + "sweep:\n  model: [llama-3-8b, opt-13b]\n"
+    resolved = load(tmp_path, text).resolved()
+    assert resolved["max_model_len"] is None
+    resolved.pop("kvfrag_version")
+    again = load(tmp_path, yaml.safe_dump(resolved)).scenario
+    assert [p.max_model_len for _, p in again.points()] == [8192, 2048]
+    single = load(tmp_path, SCENARIO.replace("MODEL", "opt-13b")).resolved()
+    assert single["max_model_len"] == 2048  # (no sweep over models: the value used)
+
+
 def test_a_custom_model_still_needs_it(tmp_path):
     custom = "{name: tiny, layers: 2, kv_heads: 2, head_dim: 64}"
     with pytest.raises(ScenarioError, match=r"max_model_len: required for a model that is not "
