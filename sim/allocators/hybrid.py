@@ -615,14 +615,15 @@ class HybridAllocator(Allocator):
         if not any(m.frees for m in self.managers):
             return self._steps_until_full_growing(done, self.num_blocks - total)
         decoders = self._decoders()
+        held = [self._blocks(tokens, processed) for _, tokens, processed in decoders]
         # Then a finer one: the most each decoder could hold by its end.
         bound = total
-        for _, tokens, processed in decoders:
+        for (_, tokens, _), now in zip(decoders, held, strict=True):
             end = tokens + done
             most = 0
             for m in self.managers:
                 most += m.groups * m.most_blocks(end)
-            bound += max(0, most - self._blocks(tokens, processed))
+            bound += max(0, most - now)
         if bound <= self.num_blocks:
             return done
         # Walk the block boundaries in step order: held counts change only there. vLLM
@@ -636,7 +637,6 @@ class HybridAllocator(Allocator):
         # fails early costs only the decoders' first points.
         heap = [(1, rank[live.req.rid], i) for i, (live, _, _) in enumerate(decoders)]
         heapq.heapify(heap)
-        held = [self._blocks(tokens, processed) for _, tokens, processed in decoders]
         n = self.num_blocks
         while heap and heap[0][0] <= done:
             t = heap[0][0]
