@@ -59,9 +59,7 @@ class LoadedScenario:
         """The fully resolved input: every default filled in, paths absolute, the version."""
         data = self.scenario.model_dump(mode="json")
         _absolute_paths(data.get("workload", {}), self.base_dir)
-        sweep = self.scenario.sweep
-        if self.scenario.model_len_default and any(k == "model" or k.startswith("model.")
-                                                   for k in sweep):
+        if self.scenario.model_len_per_point:
             data["max_model_len"] = None  # (each point's model gives its own: as written)
         if not self.scenario.sweep:  # the batch limits the hardware class gave (a sweep may
             cfg = self.scenario.engine_config()  # vary them: its points resolve their own)

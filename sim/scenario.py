@@ -652,6 +652,13 @@ class Scenario(_Frozen):
         return self._model_len_default
 
     @property
+    def model_len_per_point(self) -> bool:
+        """Whether each sweep point takes its own model's context length: the scenario left
+        `max_model_len` out and sweeps the model."""
+        return self._model_len_default and any(
+            k == "model" or k.startswith("model.") for k in self.sweep)
+
+    @property
     def stack(self) -> LayerStack | None:
         """The model as typed layers, where it is given so (a layered preset, a layered model,
         a config.json); None for a full-attention preset or `layers: N` model, whose
@@ -773,7 +780,7 @@ class Scenario(_Frozen):
             return
         keys = list(self.sweep)
         base = self.model_dump(mode="python", exclude={"sweep"}, exclude_unset=False)
-        if self._model_len_default and any(k == "model" or k.startswith("model.") for k in keys):
+        if self.model_len_per_point:
             del base["max_model_len"]  # (each point's model gives its own)
         product = itertools.product(*(self.sweep[k] for k in keys))
         for index, combo in enumerate(product, start=1):
