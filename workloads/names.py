@@ -11,5 +11,5 @@ Format = Literal["auto", "azure", "mooncake", "sarathi", "kvfrag", "csv", "jsonl
 FORMATS: tuple[str, ...] = get_args(Format)
 #: Request fields a column mapping may name, in the order problems are reported.
 FIELDS: tuple[str, ...] = (
-    "arrival", "prompt_tokens", "output_tokens", "max_tokens", "n", "hash_ids",
+    "arrival", "prompt_tokens", "output_tokens", "max_tokens", "n", "hash_ids", "priority",
 )

@@ -2,7 +2,8 @@
 
 A trace is a container (CSV, JSONL or Parquet, optionally gzip-compressed for CSV/JSONL) plus a
 *layout*: which column holds the arrival time (and in which unit), the prompt and output
-lengths, and optionally max_tokens, samples per prompt and prefix block hashes. Known layouts:
+lengths, and optionally max_tokens, samples per prompt, prefix block hashes and priorities.
+Known layouts:
 
 - `azure`: Azure LLM inference trace 2023 (`TIMESTAMP` datetime, `ContextTokens`,
   `GeneratedTokens`).
@@ -83,6 +84,7 @@ class Layout:
     n: str | None = None
     hash_ids: str | None = None
     hash_block_tokens: int | None = None
+    priority: str | None = None
     optional: frozenset[str] = frozenset()
 
     def fields(self) -> dict[str, str]:
@@ -102,8 +104,8 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "kvfrag": Layout(
         "kvfrag", "prompt_tokens", "output_tokens", "arrival_s", "s",
-        max_tokens="max_tokens", n="n", hash_ids="hash_ids",
-        optional=frozenset({"arrival", "max_tokens", "n", "hash_ids"}),
+        max_tokens="max_tokens", n="n", hash_ids="hash_ids", priority="priority",
+        optional=frozenset({"arrival", "max_tokens", "n", "hash_ids", "priority"}),
     ),
 }
 
@@ -542,6 +544,25 @@ def _parse_counts(raw: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     return np.where(bad, 0, numbers).astype(np.int64), bad
 
 
+def _parse_priorities(raw: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Priorities: whole numbers of any sign (vLLM serves the lowest first)."""
+    if raw.dtype.kind in "iu":
+        return raw.to_numpy(dtype=np.int64), np.zeros(len(raw), dtype=bool)
+    numbers = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(numbers) | (numbers != np.floor(numbers)) | (np.abs(numbers) > 2**62)
+    if raw.dtype.kind == "b" or raw.dtype == object:
+        bad |= raw.map(lambda v: isinstance(v, (bool, np.bool_))).to_numpy(dtype=bool)
+    return np.where(bad, 0, numbers).astype(np.int64), bad
+
+
+def _priority_problem(value: object) -> str:
+    value = _plain(value)
+    if _missing(value):
+        return "missing priority (empty, null or NaN; leave the column out for priority 0)"
+    return f"{show(value)} is not a whole number (a priority is an integer, lowest served first)"
+
+
 def _parse_times(raw: pd.Series, unit: str) -> tuple[np.ndarray, np.ndarray]:
     """Datetimes -> int64 ns since the epoch; numbers -> float64 in `unit`."""
     if unit == "datetime":
@@ -651,6 +672,9 @@ class _ChunkParser:
             if name == "arrival":
                 typed[name], bad[name] = _parse_times(raw, unit)
                 describe[name] = lambda i, raw=raw: _time_problem(raw.iloc[i], unit)
+            elif name == "priority":
+                typed[name], bad[name] = _parse_priorities(raw)
+                describe[name] = lambda i, raw=raw: _priority_problem(raw.iloc[i])
             elif name == "hash_ids":
                 typed[name], bad[name] = _parse_hashes(raw)
                 describe[name] = lambda i, raw=raw: f"{show(raw.iloc[i])} is not a list of integers"
@@ -724,7 +748,7 @@ def load_trace(
     `path` may be `sample:NAME` (a shipped sample). `format` is "auto", a layout name
     (azure, mooncake, sarathi, kvfrag) or a container (csv, jsonl, parquet) used with `columns`,
     a mapping from request field (arrival, prompt_tokens, output_tokens, max_tokens, n,
-    hash_ids) to source column. `time_unit` overrides or supplies the arrival unit.
+    hash_ids, priority) to source column. `time_unit` overrides or supplies the arrival unit.
     """
     if format not in FORMATS:
         raise WorkloadError(f"{path}: unknown format {format!r}; formats: {', '.join(FORMATS)}")
@@ -812,6 +836,8 @@ def _assemble(path: Path, layout: Layout, out: _Columns) -> Workload:
             table[name] = take(name)
     if layout.hash_ids is not None:
         table["hash_ids"] = pd.Series(out.hashes, dtype=object)
+    if "priority" in out.counts:
+        table["priority"] = take("priority")
     df = pd.DataFrame(table, copy=False)
     if layout.hash_ids is not None:
         df.attrs["hash_block_tokens"] = layout.hash_block_tokens

@@ -17,6 +17,8 @@ pandas DataFrame with these columns, in this order:
   block size in tokens is `requests.attrs["hash_block_tokens"]` (512 for Mooncake), so a request
   has at most ceil(prompt_tokens / hash_block_tokens) ids. Equal ids at the same leading
   positions mean a reusable prefix.
+- optional `priority` int64, any sign (0 where absent): vLLM's request priority, read by
+  `engine.policy: priority` (a lower value is served first).
 - closed loop only: `user_id` int64 and `think_s` float64. Request i belongs to user
   `user_id[i]`; a user's requests are issued in `request_id` order. `arrival_s` holds the
   arrival of each user's FIRST request (staggered, or 0) and is NaN for the user's later
@@ -35,12 +37,13 @@ import numpy as np
 import pandas as pd
 
 REQUIRED = ("request_id", "arrival_s", "prompt_tokens", "output_tokens")
-OPTIONAL = ("max_tokens", "n", "beam_width", "hash_ids")
+OPTIONAL = ("max_tokens", "n", "beam_width", "hash_ids", "priority")
 CLOSED_LOOP = ("user_id", "think_s")
 #: The full column order; a table holds a subsequence of it.
 COLUMN_ORDER = REQUIRED + OPTIONAL + CLOSED_LOOP
 _INT_COLUMNS = (
-    "request_id", "prompt_tokens", "output_tokens", "max_tokens", "n", "beam_width", "user_id"
+    "request_id", "prompt_tokens", "output_tokens", "max_tokens", "n", "beam_width", "user_id",
+    "priority",
 )
 _FLOAT_COLUMNS = ("arrival_s", "think_s")
 
