@@ -1,4 +1,4 @@
-"""The capacity figure (`kvfrag.plots.capacity_figure`): how many requests each allocator
+"""The capacity figure (`kvfrag.plots` draws it): how many requests each allocator
 holds at once, its throughput and latency, and what a scenario is about where its runs show
 it (prefix-cache hits, memory saved by sharing, compaction stall); bars per allocator, or for
 a sweep, lines against the swept value (two keys and more: `kvfrag.sweep_plots`)."""
@@ -15,26 +15,31 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from kvfrag.plots import (
+from kvfrag.captions import _new_figure, _swept_keys
+from kvfrag.figure_kit import (
     _MAX_TICKS,
     BAR_COLOR,
     MAX_ALLOCATORS,
     MAX_LINE_POINTS,
     _allocators_note,
-    _axis_name,
     _bars,
     _columns,
     _finish_axes,
     _label_style,
     _labels,
-    _new_figure,
     _notes_text,
     _points_note,
-    _swept_keys,
     _with_keys,
     format_bytes,
     spread,
+)
+from kvfrag.sweep_plots import (
+    GROUP_STYLES,
+    _axis_name,
+    fit_text,
+    line_split,
     sweep_axis,
+    tick_layout,
 )
 
 
@@ -217,8 +222,6 @@ def _capacity_sweep(
     the swept value, named from `full`. A sweep over two keys or more puts its first key on x
     and draws a line per value of the others (`kvfrag.sweep_plots.line_split`), each in a
     style of its own; where they take too many values, a point per tick, named in lines."""
-    from kvfrag.sweep_plots import GROUP_STYLES, fit_text, line_split, tick_layout
-
     split = line_split(full, _swept_keys(full))
     if split is None:
         xlabel, xs, text, numeric = sweep_axis(full)

@@ -101,7 +101,7 @@ _IGNORED_KEYS = {"kvfrag_version"}
 #: The widest the terminal table gets, and the most characters a scenario value shows.
 MAX_WIDTH = 160
 _VALUE_CHARS = 48
-#: Bar colours of the folders in the capacity figure (kvfrag.plots' colours for labels).
+#: Bar colours of the folders in the capacity figure (kvfrag.figure_kit's colours for labels).
 FOLDER_COLORS = ("#1f77b4", "#8c564b", "#e377c2", "#17becf", "#393b79", "#7f7f7f", "#bcbd22")
 
 _ABSENT = object()  # a key one scenario does not have
@@ -190,8 +190,8 @@ def read_folder(path: Path, name: str) -> Folder:
     that is not one raises a one-line ValueError naming it."""
     import yaml
 
-    from kvfrag.plots import read_summary
     from kvfrag.results import SCHEMA_VERSION, check_schema, error_reason, folder_schema
+    from kvfrag.results_io import read_summary
 
     path = Path(path)
     if not path.exists():
@@ -916,7 +916,9 @@ def breakdown_figure(doc: dict[str, Any], folders: list[Folder]) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from kvfrag.plots import FRAC, HATCH, INTERNAL_SPLIT, PALETTE, PART_NAMES, PARTS, _bars
+    from kvfrag.breakdown_plots import INTERNAL_SPLIT
+    from kvfrag.figure_kit import FRAC, HATCH, PALETTE, PART_NAMES, _bars
+    from kvfrag.sim.allocators.base import PARTS
 
     rows = doc["rows"]
     names = [f["name"] for f in doc["folders"]]
@@ -1002,7 +1004,7 @@ def capacity_figure(doc: dict[str, Any]) -> Figure:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from kvfrag.plots import _bars
+    from kvfrag.figure_kit import _bars
 
     rows = doc["rows"]
     names = [f["name"] for f in doc["folders"]]

@@ -18,17 +18,17 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvfrag.plots import (
+from kvfrag.captions import _new_figure
+from kvfrag.figure_kit import (
     MAX_PANELS,
     MAX_SEGMENTS,
     _finish_axes,
     _labels,
-    _new_figure,
     _notes_text,
-    _point_title,
     _with_keys,
-    resample,
 )
+from kvfrag.sweep_plots import _point_title
+from kvfrag.timeline_plots import resample
 
 #: The prefix of the time series' per-group-kind columns.
 PREFIX = "blocks_"

@@ -759,8 +759,8 @@ def write_plan(plan: _Plan, probes: pd.DataFrame, answers: pd.DataFrame) -> Path
             write_csv(probes, tmp / "plan.csv")
             write_csv(answers, tmp / "answer.csv")
             if not plan.args.no_plots and len(probes):
+                from kvfrag.figure_kit import save_figure
                 from kvfrag.plan_plots import plan_figure
-                from kvfrag.plots import save_figure
 
                 fig = plan_figure(probes, answers, plan.targets, plan.settings[0].variable.key)
                 save_figure(fig, tmp / "plan")

@@ -17,8 +17,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from kvfrag.figure_kit import LABEL_COLORS, LABEL_MARKERS
 from kvfrag.plan_search import Target, format_seconds
-from kvfrag.plots import LABEL_COLORS, LABEL_MARKERS
 
 TARGET_COLOR = "#d62728"
 #: Allocators drawn at most (the first ones, in the scenario's order).

@@ -12,12 +12,12 @@ times).
 The page needs no network and stays under about 3 MB: plotly.js (4.8 MB) and the maps' data
 are embedded gzipped, only when there is an address map to draw, and unpacked by the page
 (`maps_script`). The map reuses the static address map's data preparation
-(`kvfrag.plots.slab_polygons`, `_slabs`, `_slab_labels`), sent as a few whole-number columns
-per slab (`compact`) that the page turns back into polygons: each part (stored tokens,
-reserved, internal) is one filled scatter trace of all slabs, separated by gaps, not one
-shape per slab, so thousands of slabs stay fast. The maps share REPORT_SLABS slabs (the first
-by admission in each; at most `MAX_SLABS` per map), at most `MAX_PANELS` maps and
-`MAX_ALLOCATORS` allocators, as the PNG; each is drawn when it scrolls into view.
+(`kvfrag.address_map_plots.slab_polygons`, `_slabs`, `_slab_labels`), sent as a few
+whole-number columns per slab (`compact`) that the page turns back into polygons: each part
+(stored tokens, reserved, internal) is one filled scatter trace of all slabs, separated by
+gaps, not one shape per slab, so thousands of slabs stay fast. The maps share REPORT_SLABS
+slabs (the first by admission in each; at most `MAX_SLABS` per map), at most `MAX_PANELS`
+maps and `MAX_ALLOCATORS` allocators, as the PNG; each is drawn when it scrolls into view.
 
 The page says what it leaves out, and why: a missing Parquet file or figure (which one, and
 what is not shown for it: `write_report` tells these on stderr too), and the allocators and
@@ -41,7 +41,7 @@ REPORT = "report.html"
 _HOVER_STEPS = 80
 
 #: Slabs the page's interactive maps hold in all, shared out evenly between them (each at most
-#: `kvfrag.plots.MAX_SLABS`, at least MIN_SLABS, the first by admission; a slab compaction
+#: `kvfrag.figure_kit.MAX_SLABS`, at least MIN_SLABS, the first by admission; a slab compaction
 #: moved counts once per place): what keeps the page under 3 MB and quick to open. The
 #: address map figure (plots/address_map.png) draws up to MAX_SLABS each.
 REPORT_SLABS = 8_000
@@ -91,7 +91,7 @@ def summary_html(summary: pd.DataFrame) -> str:
     in a collapsed `<details>`, each in a box of its own that scrolls sideways when the
     window is narrower than the table (a sweep over two keys adds two columns), so the
     page itself never does."""
-    from kvfrag.plots import sweep_columns
+    from kvfrag.sweep_plots import sweep_columns
 
     cols = [c for c in _TABLE if c[0] in summary.columns]
     sweeps = sweep_columns(summary)
@@ -186,29 +186,31 @@ def address_maps(
     shown (panels left out, panels that cannot be drawn)."""
     import pandas as pd
 
-    from kvfrag import plots as P
+    from kvfrag.address_map_plots import _row, _slab_labels
+    from kvfrag.figure_kit import MAX_PANELS, MAX_SLABS, _panel_keep, _with_keys
+    from kvfrag.sweep_plots import point_names
 
-    requests = P._with_keys(requests)
-    summary = P._with_keys(summary)
+    requests = _with_keys(requests)
+    summary = _with_keys(summary)
     if "offset_bytes" not in requests.columns:
         return [], ["No allocator of this run places slabs (paged only): no address map."]
     points = sorted(int(p) for p in pd.unique(requests["point"]))
-    labels = P._slab_labels(requests, summary)
+    labels = _slab_labels(requests, summary)
     if not labels:
         return [], ["No allocator of this run places slabs (paged only): no address map."]
     every = labels
-    labels, keep = P._panel_keep(every, points)
+    labels, keep = _panel_keep(every, points)
     if max_slabs is None:  # the page's slabs shared out between its maps
-        max_slabs = min(P.MAX_SLABS, max(REPORT_SLABS // (len(labels) * len(keep)), MIN_SLABS))
+        max_slabs = min(MAX_SLABS, max(REPORT_SLABS // (len(labels) * len(keep)), MIN_SLABS))
     notes = []
     if len(labels) < len(every):
         notes.append(f"Maps of the first {len(labels)} of {len(every):,} slab allocators only "
                      "(in the scenario's order).")
     if len(keep) < len(points):
         notes.append(f"Maps of sweep points {keep[0]}..{keep[-1]} only ({len(points)} points; "
-                     f"at most {P.MAX_PANELS} maps): `kvfrag plot --point N` draws another.")
+                     f"at most {MAX_PANELS} maps): `kvfrag plot --point N` draws another.")
     swept = summary["point"].nunique() > 1
-    names = P.point_names(summary) if swept else {}
+    names = point_names(summary) if swept else {}
     sums = summary.assign(label=summary["label"].astype(str)).drop_duplicates(["label", "point"])
     sums = sums.set_index(["label", "point"])
     maps = []
@@ -216,7 +218,7 @@ def address_maps(
         for pt in keep:
             title = f"{label} · {names[pt]}" if swept and pt in names else label
             req = requests[(requests["point"] == pt) & (requests["label"].astype(str) == label)]
-            fig, data, why = _map(req, P._row(sums, label, pt), summary, timeseries, label,
+            fig, data, why = _map(req, _row(sums, label, pt), summary, timeseries, label,
                                   pt, max_slabs, title)
             if fig is None:
                 notes.append(f"{title}: {why}")
@@ -239,25 +241,33 @@ def _map(
     import pandas as pd
     import plotly.graph_objects as go
 
-    from kvfrag import plots as P
+    from kvfrag.address_map_plots import (
+        SLAB_OFFSETS,
+        _row_value,
+        _slabs,
+        moves_known,
+        slab_pieces,
+        slab_polygons,
+    )
+    from kvfrag.figure_kit import PALETTE, _with_keys, byte_unit
     from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
 
-    bpt = P._row_value(row, "bytes_per_token", summary, "bytes_per_token") or 0.0
+    bpt = _row_value(row, "bytes_per_token", summary, "bytes_per_token") or 0.0
     kind = str(row["kind"]) if row is not None and "kind" in row.index else ""
     compactions = row.get("compactions") if row is not None else None
     if (compactions is not None and pd.notna(compactions) and compactions > 0
-            and not P.moves_known(req)):  # (results from before moves were recorded)
+            and not moves_known(req)):  # (results from before moves were recorded)
         return None, {}, (f"not drawn: {int(compactions):,} compactions moved slabs, and "
                       "requests.parquet keeps only the offset each slab had when it was freed.")
     placed = req[req["admitted_s"].notna() & req["offset_bytes"].notna()]
     if not len(placed):
         return None, {}, "nothing to draw: no request was admitted."
-    cap = (P._row_value(row, "kv_budget_bytes", summary, "kv_budget_bytes")
-           or P._row_value(row, "capacity_bytes", summary, "capacity_bytes") or 0.0)
-    unit, scale = P.byte_unit(cap or float(placed["peak_bytes"].max() or 1))
+    cap = (_row_value(row, "kv_budget_bytes", summary, "kv_budget_bytes")
+           or _row_value(row, "capacity_bytes", summary, "capacity_bytes") or 0.0)
+    unit, scale = byte_unit(cap or float(placed["peak_bytes"].max() or 1))
     end_s = None
     if timeseries is not None and len(timeseries):
-        tsl = P._with_keys(timeseries)
+        tsl = _with_keys(timeseries)
         tsl = tsl[(tsl["point"] == point) & (tsl["label"].astype(str) == label)]
         if len(tsl):
             end_s = float((tsl["t_s"] + tsl["dt_s"]).max())
@@ -270,16 +280,16 @@ def _map(
         placed = placed.iloc[:keep]
         notes.append(f"first {keep:,} of {total:,} slabs by admission time "
                      f"(up to t = {right:.0f} s)")
-    slabs, most = P._slabs(placed)
-    if most > 1 and P.SLAB_OFFSETS not in placed.columns:
+    slabs, most = _slabs(placed)
+    if most > 1 and SLAB_OFFSETS not in placed.columns:
         notes.append(f"only each request's 1st of {most} slabs")
     base = 0.0
     if kind == "torch-caching":
         base = float(ADDRESS_BASE)
         notes.append("virtual addresses from the first segment")
-    slabs = P.slab_pieces(slabs)  # (compaction: a piece per place a slab was held at)
+    slabs = slab_pieces(slabs)  # (compaction: a piece per place a slab was held at)
     slabs = slabs[slabs["admitted_s"].notna() & slabs["offset_bytes"].notna()]
-    polys = P.slab_polygons(slabs, bpt, end_s, scale=scale, base=base)
+    polys = slab_polygons(slabs, bpt, end_s, scale=scale, base=base)
     fig = go.Figure()
     for part, name, alpha in (
         ("token_states", "token states (stored)", 1.0),
@@ -288,7 +298,7 @@ def _map(
     ):
         fig.add_trace(go.Scatter(
             mode="lines", fill="toself", name=name, hoverinfo="skip",
-            line={"width": 0}, fillcolor=_rgba(P.PALETTE[part], alpha),
+            line={"width": 0}, fillcolor=_rgba(PALETTE[part], alpha),
         ))
     fig.add_trace(go.Scatter(
         mode="lines", name="slab outline", hoverinfo="skip", showlegend=False,
@@ -349,9 +359,9 @@ def _map(
 
 #: Each part's polygon corners as (x, y) indices into `compact`'s columns: X = admitted,
 #: first token, finished, released; Y = offset, stored height at those four times, the end
-#: of what was stored, the slab's top (`kvfrag.plots.slab_polygons`' corners, in its order).
-#: The page rebuilds the polygons from this table and the columns (_JS); the outline is
-#: closed (a line, not a fill).
+#: of what was stored, the slab's top (`kvfrag.address_map_plots.slab_polygons`' corners, in
+#: its order). The page rebuilds the polygons from this table and the columns (_JS); the
+#: outline is closed (a line, not a fill).
 CORNERS: dict[str, tuple[tuple[int, int], ...]] = {
     "token_states": ((0, 0), (0, 1), (1, 2), (2, 3), (3, 4), (3, 0)),
     "reserved": ((0, 1), (1, 2), (2, 3), (3, 4), (3, 5), (0, 5)),
@@ -390,7 +400,7 @@ def compact(polys: dict[str, Any], hover: list[tuple[Any, int]]) -> dict[str, An
 
 def corners(data: dict[str, Any]) -> dict[str, Any]:
     """`compact`'s columns back into (slabs, corners, 2) polygons, as the page rebuilds them
-    (a test holds the two to `kvfrag.plots.slab_polygons`)."""
+    (a test holds the two to `kvfrag.address_map_plots.slab_polygons`)."""
     import numpy as np
 
     x = np.array(data["X"], float) * data["sx"]
@@ -510,18 +520,18 @@ _JS = """
 def _rectangles_keep(placed: pd.DataFrame, most: int) -> int:
     """How many of `placed`'s requests (in admission order) a map draws so that it holds at
     most `most` rectangles: a slab is one, one per place it was held at where compaction
-    moved it (`kvfrag.plots.slab_pieces`)."""
+    moved it (`kvfrag.address_map_plots.slab_pieces`)."""
     import numpy as np
 
-    from kvfrag import plots as P
+    from kvfrag.address_map_plots import MOVE_T
 
-    if P.MOVE_T not in placed.columns:
+    if MOVE_T not in placed.columns:
         return min(len(placed), most)
 
     def places(times: Any) -> int:
         return max(len(times), 1) if isinstance(times, list | tuple | np.ndarray) else 1
 
-    rects = np.cumsum([places(t) for t in placed[P.MOVE_T]])
+    rects = np.cumsum([places(t) for t in placed[MOVE_T]])
     return int(np.searchsorted(rects, most, side="right"))
 
 
@@ -557,15 +567,16 @@ def missing_files(
     there: a Parquet file (None) or one without rows, with the figures and the map drawn from
     it; and the figures plots/ should hold for the files that are there. The file is relative
     to `folder`."""
-    from kvfrag import plots as P
+    from kvfrag.address_map_plots import _slab_labels
+    from kvfrag.plots import FIGURES, drawn_from, figures_text
 
-    there = {f for f in P.FIGURES if (folder / "plots" / f"{f}.png").is_file()}
+    there = {f for f in FIGURES if (folder / "plots" / f"{f}.png").is_file()}
     expected = {"breakdown", "capacity"}
     out: list[tuple[str, str]] = []
     for name, frame in (("timeseries.parquet", timeseries), ("requests.parquet", requests)):
-        figures = P.drawn_from(name, summary)
+        figures = drawn_from(name, summary)
         if frame is not None and len(frame):
-            slabs = "offset_bytes" in frame.columns and P._slab_labels(frame, summary)
+            slabs = "offset_bytes" in frame.columns and _slab_labels(frame, summary)
             expected |= {f for f in figures if f != "address_map" or slabs}
             continue
         lacks = []
@@ -573,26 +584,26 @@ def missing_files(
             lacks.append("the interactive address map")
         gone = [f for f in figures if f not in there]
         if gone:
-            lacks.append(P.figures_text(gone))
+            lacks.append(figures_text(gone))
         kept = [f for f in figures if f in there]
         what = "is missing" if frame is None else "has no rows"
         if lacks:
             what += ": " + " and ".join(lacks) + (" are" if len(lacks) > 1 else " is")
-            what += " left out" + (f" ({P.figures_text(kept)} below: as drawn earlier)"
+            what += " left out" + (f" ({figures_text(kept)} below: as drawn earlier)"
                                    if kept else "")
         else:
-            what += f": {P.figures_text(kept)} below is as drawn earlier"
+            what += f": {figures_text(kept)} below is as drawn earlier"
         out.append((name, what))
-    absent = [f for f in P.FIGURES if f in expected and f not in there]
+    absent = [f for f in FIGURES if f in expected and f not in there]
     draw = "kvfrag plot draws"  # (no path: the page may be written in a staging folder)
     if not there:
         out.append(("plots/", f"holds no figures (written with --no-plots? {draw} them)"))
     elif len(absent) == 1:
         out.append((f"plots/{absent[0]}.png",
-                    f"is missing: {P.figures_text(absent)} is left out ({draw} it)"))
+                    f"is missing: {figures_text(absent)} is left out ({draw} it)"))
     elif absent:
         out.append(("plots/", f"lacks {', '.join(f'{f}.png' for f in absent)}: "
-                    f"{P.figures_text(absent)} are left out ({draw} them)"))
+                    f"{figures_text(absent)} are left out ({draw} them)"))
     return out
 
 
@@ -605,16 +616,19 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
     `say`, a line each (`kvfrag report`: on stderr)."""
     import pandas as pd
 
-    from kvfrag import plots as P
+    from kvfrag.captions import caption_parts
+    from kvfrag.figure_kit import MAX_PANELS, MAX_SLABS
+    from kvfrag.plots import left_out, load_meta
     from kvfrag.results import check_schema, folder_schema, timeseries_names, upgrade_timeseries
+    from kvfrag.results_io import read_summary
 
     folder = Path(folder)
     version = folder_schema(folder)[0]
     check_schema(version, folder, "report on")
-    summary = P.read_summary(folder / "summary.csv", version)
+    summary = read_summary(folder / "summary.csv", version)
     scenario_path = folder / "scenario.resolved.yaml"
     scenario_text = scenario_path.read_text(encoding="utf-8") if scenario_path.exists() else ""
-    meta = P.load_meta(folder)
+    meta = load_meta(folder)
     name = str(meta.get("scenario") or folder.name)  # (written in staging: not its folder)
     requests = timeseries = None
     if (folder / "requests.parquet").exists():
@@ -638,15 +652,15 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
                 for i, m in enumerate(maps)]
     if maps:
         map_html.append(maps_script(maps))
-    caption = " · ".join(P.caption_parts(meta, summary))
+    caption = " · ".join(caption_parts(meta, summary))
     intro = ("<p class='note'>One rectangle per slab, from admission to release, at its "
              "address: stored tokens green, reserved (not yet written) orange, internal "
              "fragmentation red, holes white. Drag to zoom (double-click resets), scroll to "
-             f"zoom, hover a slab for its request. At most {P.MAX_PANELS} maps, with "
-             f"{REPORT_SLABS:,} slabs in all shared between them (up to {P.MAX_SLABS:,} "
+             f"zoom, hover a slab for its request. At most {MAX_PANELS} maps, with "
+             f"{REPORT_SLABS:,} slabs in all shared between them (up to {MAX_SLABS:,} "
              "each, the first by admission: a map's title says when it holds fewer than its "
              "run placed; plots/address_map.png in the results folder draws up to "
-             f"{P.MAX_SLABS:,} each). A map is drawn when it scrolls into view.</p>"
+             f"{MAX_SLABS:,} each). A map is drawn when it scrolls into view.</p>"
              ) if maps else ""
     note_html = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
     missing_html = "".join(
@@ -657,7 +671,7 @@ def render(folder: Path | str, say: Callable[[str], None] | None = None) -> str:
         missing_html = f"<div class='left-out'>{missing_html}</div>"
     figure_notes = "".join(
         f"<p class='note left-out'>{html.escape(n[:1].upper() + n[1:])}.</p>"
-        for n in P.left_out(summary, requests if requests is not None and len(requests) else None)
+        for n in left_out(summary, requests if requests is not None and len(requests) else None)
     )
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvfrag import plots
+from kvfrag import breakdown_plots, figure_kit
 from kvfrag.cli import main
 from kvfrag.group_plots import group_figure
 from kvfrag.results import TABLE, format_table
@@ -59,10 +59,10 @@ def _breakdown_summary(padding: float, out: float) -> pd.DataFrame:
 
 
 def test_the_breakdown_draws_padding_and_out_of_window_as_segments_of_internal():
-    fig = plots.breakdown_figure(_breakdown_summary(0.04, 0.06), {})
+    fig = breakdown_plots.breakdown_figure(_breakdown_summary(0.04, 0.06), {})
     ax = fig.axes[0]
     names = [c.get_label() for c in ax.collections]
-    assert names == [plots.PART_NAMES[p] for p in (
+    assert names == [figure_kit.PART_NAMES[p] for p in (
         "token_states", "reserved", "internal_overreservation", "internal_padding",
         "internal_out_of_window", "internal_rounding", "external", "usable_free")]
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
@@ -74,7 +74,7 @@ def test_the_breakdown_draws_padding_and_out_of_window_as_segments_of_internal()
     # full-attention results (both 0) draw internal as before: over-reservation, rounding
     zero = _breakdown_summary(0.0, 0.0)
     zero.loc[1, "internal_out_of_window_frac"] = 0.0
-    names = [c.get_label() for c in plots.breakdown_figure(zero, {}).axes[0].collections]
+    names = [c.get_label() for c in breakdown_plots.breakdown_figure(zero, {}).axes[0].collections]
     assert "internal: padding" not in names and "internal: out of window" not in names
 
 

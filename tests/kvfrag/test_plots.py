@@ -14,9 +14,21 @@ import pandas as pd
 import pytest
 import yaml
 from kvfrag.sim.allocators import make_allocator
+from kvfrag.sim.allocators.base import PARTS
 from kvfrag.sim.engine import EngineConfig, run
 
-from kvfrag import plots
+from kvfrag import (
+    address_map_plots,
+    breakdown_plots,
+    capacity_plots,
+    captions,
+    figure_kit,
+    lengths_plots,
+    plots,
+    results_io,
+    sweep_plots,
+    timeline_plots,
+)
 from kvfrag.outdir import MANIFEST
 
 BPT = 819_200  # OPT-13B: bytes per token
@@ -149,26 +161,26 @@ def test_load_meta_tolerates_missing_and_broken_files(tmp_path):
 def test_sweep_results(tmp_path):
     folder = _write_results(tmp_path / "sweep", ALLOCATORS[::2], budgets=(CAP, 2 * CAP))
     summary = pd.read_csv(folder / "summary.csv")
-    assert plots.sweep_columns(summary) == ["kv_budget"]
-    xlabel, xs, _, numeric = plots.sweep_axis(summary)
+    assert sweep_plots.sweep_columns(summary) == ["kv_budget"]
+    xlabel, xs, _, numeric = sweep_plots.sweep_axis(summary)
     assert numeric and xlabel == "KV budget (GiB)" and xs == {0: 4.0, 1: 8.0}
-    fig = plots.capacity_figure(summary, META)
+    fig = capacity_plots.capacity_figure(summary, META)
     assert fig.axes[0].get_xlabel() == "KV budget (GiB)"
     assert len(fig.axes[1].get_lines()) == 2  # a throughput line per allocator
     paths = plots.plot_results(folder, svg=True)
     assert {p.name for p in paths} >= {"capacity.png", "capacity.svg", "breakdown.png"}
     for p in paths:
         _assert_drawn(p)
-    assert "KV budget: swept (4–8 GiB)" in plots.caption(None, summary)
+    assert "KV budget: swept (4–8 GiB)" in captions.caption(None, summary)
     # One allocator swept: the timeline gets a panel per point, the breakdown a bar per point.
     ts = pd.read_parquet(folder / "timeseries.parquet")
     paged, paged_sum = ts[ts["label"] == "paged-16"], summary[summary["label"] == "paged-16"]
-    fig = plots.timeline_figure(paged, paged_sum)
+    fig = timeline_plots.timeline_figure(paged, paged_sum)
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == [
         "kv_budget=4 GiB",
         "kv_budget=8 GiB",
     ]
-    fig = plots.breakdown_figure(paged_sum)
+    fig = breakdown_plots.breakdown_figure(paged_sum)
     ax, *zoom = fig.axes  # (and the zoom on the parts that hold no tokens, when they are small)
     names = zoom[0] if zoom else ax  # the bars' names go under the lowest row
     assert names.get_xlabel() == "KV budget (GiB)" and ax.get_title() == "paged-16"
@@ -193,10 +205,10 @@ def test_sweep_of_one_allocator_option():
                 }
             )
     summary = pd.DataFrame(rows)
-    assert plots.sweep_columns(summary) == ["allocators.paged.block_size"]
-    _, xs, text, numeric = plots.sweep_axis(summary)
+    assert sweep_plots.sweep_columns(summary) == ["allocators.paged.block_size"]
+    _, xs, text, numeric = sweep_plots.sweep_axis(summary)
     assert numeric and xs == {0: 8.0, 1: 16.0, 2: 32.0} and text[0] == "8"
-    fig = plots.breakdown_figure(summary)
+    fig = breakdown_plots.breakdown_figure(summary)
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     assert titles[:3] == ["block_size=8", "block_size=16", "block_size=32"]
 
@@ -212,23 +224,23 @@ def test_breakdown_stacks_the_palette_in_order(results):
     """A collection per part, bottom up in the palette's colours, a rectangle per allocator in
     each; the stacks fill the budget."""
     summary = pd.read_csv(results / "summary.csv")
-    fig = plots.breakdown_figure(summary, META)
+    fig = breakdown_plots.breakdown_figure(summary, META)
     ax = fig.axes[0]
     assert not ax.patches and not ax.containers  # no artist per bar
     # internal fragmentation is drawn as its two parts: over-reservation, then rounding
     drawn = ["token_states", "reserved", "internal_overreservation", "internal_rounding",
              "external", "usable_free"]
-    assert [c.get_label() for c in ax.collections] == [plots.PART_NAMES[p] for p in drawn]
+    assert [c.get_label() for c in ax.collections] == [figure_kit.PART_NAMES[p] for p in drawn]
     for collection, part in zip(ax.collections, drawn, strict=True):
         assert len(collection.get_paths()) == len(summary)  # one rectangle per allocator
         face = collection.get_facecolor()
-        assert len(face) == 1 and np.allclose(face[0][:3], matplotlib_rgb(plots.PALETTE[part]))
+        assert len(face) == 1 and np.allclose(face[0][:3], matplotlib_rgb(figure_kit.PALETTE[part]))
     assert ax.collections[3].get_hatch() == "///"
     # Results written before the split draw internal whole.
-    split = [plots.FRAC[p] for p in plots.INTERNAL_SPLIT]
-    old = plots.breakdown_figure(summary.drop(columns=split), META)
-    assert len(old.axes[0].collections) == len(plots.PARTS)
-    assert plots.PALETTE["token_states"] == "#2ca02c"
+    split = [figure_kit.FRAC[p] for p in breakdown_plots.INTERNAL_SPLIT]
+    old = breakdown_plots.breakdown_figure(summary.drop(columns=split), META)
+    assert len(old.axes[0].collections) == len(PARTS)
+    assert figure_kit.PALETTE["token_states"] == "#2ca02c"
     # Each bar is annotated with its token-states share.
     texts = [t.get_text() for t in ax.texts]
     expected = [f"{100 * v:.0f}%" for v in summary["token_states_frac"]]
@@ -236,7 +248,7 @@ def test_breakdown_stacks_the_palette_in_order(results):
     # Each part sits on the one below, at its share; the stacks add up to the whole budget.
     rects = np.array([_rectangles(c) for c in ax.collections])  # (part, bar, ltrb)
     assert np.allclose(rects[1:, :, 1], rects[:-1, :, 3])
-    shares = [summary[plots.FRAC[p]].to_numpy(float) * 100 for p in drawn]
+    shares = [summary[figure_kit.FRAC[p]].to_numpy(float) * 100 for p in drawn]
     assert np.allclose(rects[..., 3] - rects[..., 1], shares, atol=1e-9)
     assert np.allclose(rects[:, :, 2] - rects[:, :, 0], 0.7)
     assert np.allclose(rects[-1, :, 3], 100, atol=1e-6)
@@ -252,7 +264,7 @@ def test_address_map_geometry_and_truncation(results):
     requests = pd.read_parquet(results / "requests.parquet")
     summary = pd.read_csv(results / "summary.csv")
     slab = requests[requests["label"] == "slab-oracle"]
-    polys = plots.slab_polygons(slab, BPT)
+    polys = address_map_plots.slab_polygons(slab, BPT)
     n = len(slab)
     for part in ("token_states", "reserved", "internal", "outline"):
         assert polys[part].shape == (n, 6 if part in ("token_states", "reserved") else 4, 2)
@@ -266,11 +278,12 @@ def test_address_map_geometry_and_truncation(results):
     # Oracle slabs fit their request exactly: no internal fragmentation.
     assert np.allclose(area(polys["internal"]), 0)
     # Only contiguous and buddy labels get a panel; a cap on slabs says so in the title.
-    fig = plots.address_map_figure(requests, summary, META, max_slabs=5)
+    fig = address_map_plots.address_map_figure(requests, summary, META, max_slabs=5)
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert [t.split(":")[0] for t in titles] == ["slab-oracle", "buddy-pow2"]
     assert all(f"first 5 of {n} slabs" in t for t in titles)
-    assert plots.address_map_figure(requests[requests["label"] == "paged-16"], summary) is None
+    paged = requests[requests["label"] == "paged-16"]
+    assert address_map_plots.address_map_figure(paged, summary) is None
 
 
 def test_address_map_draws_every_slab_in_one_collection_per_part(results):
@@ -278,7 +291,7 @@ def test_address_map_draws_every_slab_in_one_collection_per_part(results):
     reserved, internal, outline): as many as the run's records have slabs, no more artists."""
     requests = pd.read_parquet(results / "requests.parquet")
     summary = pd.read_csv(results / "summary.csv")
-    fig = plots.address_map_figure(requests, summary, META)
+    fig = address_map_plots.address_map_figure(requests, summary, META)
     for ax in fig.axes:
         label = ax.get_title(loc="left")
         rows = requests[requests["label"] == label]
@@ -288,25 +301,25 @@ def test_address_map_draws_every_slab_in_one_collection_per_part(results):
         assert [len(c.get_paths()) for c in ax.collections] == [slabs] * 4, label
         colors = [tuple(c.get_facecolor()[0][:3]) for c in ax.collections[:3]]
         expected = ["token_states", "reserved", "internal"]
-        assert np.allclose(colors, [matplotlib_rgb(plots.PALETTE[p]) for p in expected])
+        assert np.allclose(colors, [matplotlib_rgb(figure_kit.PALETTE[p]) for p in expected])
 
 
 def test_timeline_resampling_keeps_areas(results):
     ts = pd.read_parquet(results / "timeseries.parquet")
     one = ts[ts["label"] == "paged-16"]
-    columns = [*plots.BYTES.values(), "running"]
-    coarse = plots.resample(one, 7, columns)
+    columns = [*figure_kit.BYTES.values(), "running"]
+    coarse = timeline_plots.resample(one, 7, columns)
     assert len(coarse) == 7
     for col in columns:
         assert np.isclose((coarse[col] * coarse["dt_s"]).sum(), (one[col] * one["dt_s"]).sum())
-    fig = plots.timeline_figure(ts, None, META, max_segments=20)
+    fig = timeline_plots.timeline_figure(ts, None, META, max_segments=20)
     assert "time-averaged in 20 steps" in fig._suptitle.get_text()
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == [a[0] for a in ALLOCATORS]
 
 
 def test_lengths_use_one_label(results):
     requests = pd.read_parquet(results / "requests.parquet")
-    fig = plots.lengths_figure(requests, META)
+    fig = lengths_plots.lengths_figure(requests, META)
     ax = fig.axes[0]
     assert "(40 requests)" in ax.get_title()
     assert len(ax.get_lines()) == 2
@@ -317,15 +330,15 @@ def test_frames_without_label_or_point(results):
     """A single run's frames (no label, no point columns) can be drawn as they are."""
     ts = pd.read_parquet(results / "timeseries.parquet")
     one = ts[ts["label"] == "paged-16"].drop(columns=["label", "point"])
-    fig = plots.timeline_figure(one)
+    fig = timeline_plots.timeline_figure(one)
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["run"]
 
 
 def test_format_bytes_and_caption():
-    assert plots.format_bytes(12 * 2**30) == "12 GiB"
-    assert plots.format_bytes(819_200) == "800 KiB"
-    assert plots.format_bytes(1.5 * 2**40) == "1.5 TiB"
-    text = plots.caption(
+    assert figure_kit.format_bytes(12 * 2**30) == "12 GiB"
+    assert figure_kit.format_bytes(819_200) == "800 KiB"
+    assert figure_kit.format_bytes(1.5 * 2**40) == "1.5 TiB"
+    text = captions.caption(
         {
             "model": {"name": "OPT-13B"},
             "kv_budget": "12 GiB",
@@ -355,7 +368,7 @@ def test_slab_polygons_of_a_request_still_running_at_the_end():
             "tokens_at_end": [120],
         }
     )
-    polys = plots.slab_polygons(req, BPT, end_s=3.0)
+    polys = address_map_plots.slab_polygons(req, BPT, end_s=3.0)
     stored = polys["token_states"][0]
     assert np.allclose(stored[:, 0], [0, 0, 1, 3, 3, 3])
     assert np.allclose(stored[:, 1] * tokens_per_gib, [0, 100, 100, 120, 120, 0])
@@ -377,7 +390,7 @@ def test_static_batching_slabs_are_held_until_their_batch_ends():
             "tokens_at_end": [0],
         }
     )
-    polys = plots.slab_polygons(req, BPT)
+    polys = address_map_plots.slab_polygons(req, BPT)
     assert polys["outline"][0][:, 0].max() == 5.0
     stored = polys["token_states"][0]
     assert np.allclose(stored[:, 0], [0, 0, 1, 2, 5, 5])
@@ -470,7 +483,7 @@ def test_damaged_summary_is_a_clear_error(written, tmp_path, capsys, damage):
     folder = _copy(written, tmp_path / "damaged")
     path = folder / "summary.csv"
     path.write_bytes(make(path.read_bytes()))
-    with pytest.raises(plots.ResultsFileError) as caught:
+    with pytest.raises(results_io.ResultsFileError) as caught:
         plots.redraw(folder)
     message = str(caught.value)
     assert isinstance(caught.value, ValueError)
@@ -497,7 +510,7 @@ def test_damaged_parquet_is_a_clear_error(written, tmp_path, capsys, name, damag
     folder = _copy(written, tmp_path / "damaged")
     path = folder / name
     path.write_bytes(make(path))
-    with pytest.raises(plots.ResultsFileError) as caught:
+    with pytest.raises(results_io.ResultsFileError) as caught:
         plots.redraw(folder)
     message = str(caught.value)
     assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
@@ -511,7 +524,7 @@ def test_summary_of_a_run_where_every_point_failed(written, tmp_path):
     folder = _copy(written, tmp_path / "failed")
     (folder / "summary.csv").write_text("\n")
     (folder / "failures.csv").write_text("label,point,error\npaged-16,0,boom\n")
-    with pytest.raises(plots.ResultsFileError, match=r"every run failed: see failures\.csv"):
+    with pytest.raises(results_io.ResultsFileError, match=r"every run failed: see failures\.csv"):
         plots.redraw(folder)
 
 
@@ -520,7 +533,8 @@ def test_parquet_without_the_columns_figures_need(written, tmp_path):
     pd.read_parquet(folder / "timeseries.parquet").drop(columns=["t_s"]).to_parquet(
         folder / "timeseries.parquet"
     )
-    with pytest.raises(plots.ResultsFileError, match=r"timeseries\.parquet: missing columns t_s$"):
+    with pytest.raises(results_io.ResultsFileError,
+                       match=r"timeseries\.parquet: missing columns t_s$"):
         plots.redraw(folder)
 
 
@@ -533,11 +547,11 @@ def test_a_run_that_rejected_everything_is_drawn(written, tmp_path, capsys):
     scenario = written.parent / "tiny.yaml"
     args = ["run", str(scenario), "-o", str(out), "-q", "--set", "kv_budget=1MiB"]
     assert main(args) == 0
-    summary = plots.read_summary(out / "summary.csv")
+    summary = results_io.read_summary(out / "summary.csv")
     assert (summary["requests"] > 0).all() and (summary["completed"] == 0).all()
     assert (summary["rejected"] == summary["requests"]).all()
     assert (summary["rejected_too_large"] == summary["requests"]).all()
-    sums = summary[[plots.FRAC[p] for p in plots.PARTS]].sum(axis=1)
+    sums = summary[[figure_kit.FRAC[p] for p in PARTS]].sum(axis=1)
     assert np.allclose(sums, 1.0, rtol=0, atol=1e-12)
     assert [p.name for p in (out / "plots").glob("breakdown.*")] == ["breakdown.png"]
     capsys.readouterr()
@@ -637,15 +651,15 @@ def test_address_map_of_beams_draws_slabs_where_they_are(beams):
     2, request 0 at 11.74 GB + 1.68 GB in 12 GiB). Now every live slab drawn is one slab where
     it is: no two overlap, none passes the budget, and every point is drawn."""
     requests = pd.read_parquet(beams / "requests.parquet")
-    summary = plots.read_summary(beams / "summary.csv")
+    summary = results_io.read_summary(beams / "summary.csv")
     ts = pd.read_parquet(beams / "timeseries.parquet")
-    fig = plots.address_map_figure(requests, summary, timeseries=ts)
+    fig = address_map_plots.address_map_figure(requests, summary, timeseries=ts)
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert [t.split(":")[0] for t in titles] == [
         f"orca-oracle  ·  beam_width={w}" for w in (2, 4, 6)
     ]
     assert not any("1st of" in t for t in titles)  # every beam's slab is placed
-    assert plots.SLAB_OFFSETS in requests.columns
+    assert address_map_plots.SLAB_OFFSETS in requests.columns
     budget = 12 * 2**30 / 2**30  # GiB, the axis' unit
     for ax, width in zip(fig.axes, (2, 4, 6), strict=True):
         assert ax.get_ylabel() == "address (GiB)" and ax.get_ylim() == (0, budget)
@@ -657,8 +671,8 @@ def test_address_map_of_beams_draws_slabs_where_they_are(beams):
         # Each rectangle is one beam's slab: the request's bytes over its beams.
         point = requests["point"] == width // 2 - 1
         rows = requests[(requests["label"] == "orca-oracle") & point]
-        assert (plots.sequences(rows) == width).all()
-        assert (rows[plots.SLAB_OFFSETS].map(len) == width).all()
+        assert (address_map_plots.sequences(rows) == width).all()
+        assert (rows[address_map_plots.SLAB_OFFSETS].map(len) == width).all()
         heights = np.sort(rects[:, 3] - rects[:, 1])
         expect = np.sort(np.repeat(rows["peak_bytes"].to_numpy() / width / 2**30, width))
         assert np.allclose(heights, expect)
@@ -674,15 +688,15 @@ def test_address_map_draws_every_slab_of_several_sequences_where_results_list_th
             "released_s": [3.0, 4.0], "offset_bytes": [0, 2 * one], "peak_bytes": [2 * one, one],
             "prompt_tokens": [50, 50], "output_tokens": [50, 50], "generated_tokens": [100, 50],
             "final_tokens": [100, 100], "tokens_at_end": [0, 0],
-            plots.SLAB_OFFSETS: [[0, 3 * one], [2 * one]],
+            address_map_plots.SLAB_OFFSETS: [[0, 3 * one], [2 * one]],
         }
     )
     summary = pd.DataFrame({"label": ["slab"], "point": [0], "kind": ["contiguous"],
                             "kv_budget_bytes": [4 * one], "bytes_per_token": [BPT],
-                            **{plots.FRAC[p]: [0.2] for p in plots.PARTS}})
-    fig = plots.address_map_figure(req, summary)
+                            **{figure_kit.FRAC[p]: [0.2] for p in PARTS}})
+    fig = address_map_plots.address_map_figure(req, summary)
     (ax,) = fig.axes
-    unit, size = plots.byte_unit(4 * one)
+    unit, size = figure_kit.byte_unit(4 * one)
     assert ax.get_ylabel() == f"address ({unit})"
     rects = _rectangles(ax.collections[3]) * size / one  # in slabs
     assert np.allclose(sorted(rects[:, 1]), [0, 2, 3])
@@ -698,22 +712,22 @@ def test_every_sweep_point_is_drawn_and_plot_picks_one(tmp_path):
     """The timeline and the address map draw every point of a sweep (a row or column each);
     `point` (kvfrag plot --point N) draws one; a point the sweep lacks is an error."""
     folder = _sweep_results(tmp_path)
-    summary = plots.read_summary(folder / "summary.csv")
+    summary = results_io.read_summary(folder / "summary.csv")
     ts = pd.read_parquet(folder / "timeseries.parquet")
     requests = pd.read_parquet(folder / "requests.parquet")
-    fig = plots.timeline_figure(ts, summary)
+    fig = timeline_plots.timeline_figure(ts, summary)
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles == [f"{lb}  ·  kv_budget={b} GiB" for b in (4, 8) for lb, _, _ in ALLOCATORS]
-    fig = plots.address_map_figure(requests, summary, timeseries=ts)
+    fig = address_map_plots.address_map_figure(requests, summary, timeseries=ts)
     titles = [ax.get_title(loc="left") for ax in fig.axes]
     assert titles == [f"{lb}  ·  kv_budget={b} GiB" for lb in ("slab-oracle", "buddy-pow2")
                       for b in (4, 8)]
     # A panel's budget is its own point's.
     assert [ax.get_ylim()[1] for ax in fig.axes] == [4, 8, 4, 8]
-    one = plots.timeline_figure(ts, summary, point=1)
+    one = timeline_plots.timeline_figure(ts, summary, point=1)
     assert [ax.get_title() for ax in one.axes if ax.get_title()] == [a[0] for a in ALLOCATORS]
     assert "(kv_budget=8 GiB)" in one._suptitle.get_text()
-    one = plots.address_map_figure(requests, summary, point=1)
+    one = address_map_plots.address_map_figure(requests, summary, point=1)
     assert [ax.get_title(loc="left") for ax in one.axes] == ["slab-oracle", "buddy-pow2"]
     with pytest.raises(ValueError, match=r"no sweep point 5 \(its points: 0, 1\)"):
         plots.redraw(folder, point=5)
@@ -725,9 +739,9 @@ def test_every_sweep_point_is_drawn_and_plot_picks_one(tmp_path):
 def test_more_points_than_panels_say_which_are_left_out(results):
     ts = pd.read_parquet(results / "timeseries.parquet")
     paged = ts[ts["label"] == "paged-16"]
-    many = pd.concat([paged.assign(point=p) for p in range(plots.MAX_PANELS + 2)])
-    fig = plots.timeline_figure(many)
-    assert len([ax for ax in fig.axes if ax.get_title()]) == plots.MAX_PANELS
+    many = pd.concat([paged.assign(point=p) for p in range(figure_kit.MAX_PANELS + 2)])
+    fig = timeline_plots.timeline_figure(many)
+    assert len([ax for ax in fig.axes if ax.get_title()]) == figure_kit.MAX_PANELS
     assert "sweep points 16–17 not drawn" in fig._suptitle.get_text()
     assert "--point N" in fig._suptitle.get_text()
 
@@ -758,10 +772,10 @@ def test_swept_mappings_get_short_labels(results):
         part.insert(part.columns.get_loc("point") + 1, "workload", json.dumps(workload))
         rows.append(part.assign(point=point))
     summary = pd.concat(rows, ignore_index=True)
-    assert plots.point_names(summary) == {0: "n=2", 1: "n=4", 2: "beam_width=3"}
-    fig = plots.breakdown_figure(summary)
+    assert sweep_plots.point_names(summary) == {0: "n=2", 1: "n=4", 2: "beam_width=3"}
+    fig = breakdown_plots.breakdown_figure(summary)
     assert [ax.get_title() for ax in fig.axes[:3]] == ["n=2", "n=4", "beam_width=3"]
-    cap = plots.capacity_figure(summary)
+    cap = capacity_plots.capacity_figure(summary)
     assert [t.get_text() for t in cap.axes[-1].get_xticklabels()] == ["n=2", "n=4", "beam_width=3"]
     for figure in (fig, cap):
         assert not [t for t in _texts(figure) if "{" in t or '"' in t]
@@ -769,19 +783,19 @@ def test_swept_mappings_get_short_labels(results):
 
 def test_axes_are_in_units_that_fit_the_budget(tmp_path):
     """A 16 MiB budget is drawn on a MiB axis (0-16), not a GiB one (0.000-0.014)."""
-    assert plots.byte_unit(16 * 2**20) == ("MiB", 2**20)
-    assert plots.byte_unit(12 * 2**30) == ("GiB", 2**30)
+    assert figure_kit.byte_unit(16 * 2**20) == ("MiB", 2**20)
+    assert figure_kit.byte_unit(12 * 2**30) == ("GiB", 2**30)
     folder = _write_results(tmp_path / "small", ALLOCATORS, budgets=(900 * 2**20,))
-    summary = plots.read_summary(folder / "summary.csv")
+    summary = results_io.read_summary(folder / "summary.csv")
     ts = pd.read_parquet(folder / "timeseries.parquet")
     requests = pd.read_parquet(folder / "requests.parquet")
-    fig = plots.timeline_figure(ts, summary)
+    fig = timeline_plots.timeline_figure(ts, summary)
     memory = [ax for ax in fig.axes if ax.get_ylabel().startswith("KV memory")]
     assert memory and memory[0].get_ylabel() == "KV memory (MiB)"
     assert 900 <= memory[0].get_ylim()[1] < 901
-    fig = plots.address_map_figure(requests, summary)
+    fig = address_map_plots.address_map_figure(requests, summary)
     assert fig.axes[0].get_ylabel() == "address (MiB)" and fig.axes[0].get_ylim() == (0, 900)
-    assert "KV budget: 900 MiB" in plots.caption(None, summary)
+    assert "KV budget: 900 MiB" in captions.caption(None, summary)
 
 
 def test_captions_are_the_same_from_run_and_plot(written, tmp_path):
@@ -795,10 +809,10 @@ def test_captions_are_the_same_from_run_and_plot(written, tmp_path):
     drawn = {p.name: p.read_bytes() for p in (out / "plots").glob("*.png")}
     assert main(["plot", str(out)]) == 0
     assert {p.name: p.read_bytes() for p in (out / "plots").glob("*.png")} == drawn
-    summary = plots.read_summary(out / "summary.csv")
+    summary = results_io.read_summary(out / "summary.csv")
     meta = {"kv_budget": {"gpu_memory": 40 * 2**30, "utilization": 0.9}}
-    assert "KV budget: 4 GiB (derived)" in plots.caption(meta, summary)
-    assert "gpu_memory" not in plots.caption(meta, summary)
+    assert "KV budget: 4 GiB (derived)" in captions.caption(meta, summary)
+    assert "gpu_memory" not in captions.caption(meta, summary)
     meta = plots._folder_meta(out, {"workload": "anything the caller says"}, None)
     assert meta["workload"] == "sample:azure-conv"
     assert plots.workload_text({"synthetic": {"count": 5}, "seed": 3}, None, 1500) == (
@@ -814,22 +828,22 @@ def test_small_parts_get_a_zoom(results):
     for part, value in (("token_states", 0.77), ("reserved", 0.058), ("internal", 0.022),
                         ("internal_overreservation", 0.0), ("internal_rounding", 0.022),
                         ("external", 0.0), ("usable_free", 0.15)):
-        paged[plots.FRAC[part]] = value
-    fig = plots.breakdown_figure(paged)
+        paged[figure_kit.FRAC[part]] = value
+    fig = breakdown_plots.breakdown_figure(paged)
     bars, zoom = fig.axes
     assert [t.get_text() for t in zoom.texts] == ["8.0%"]
     assert 8.0 < zoom.get_ylim()[1] <= 12.0 and bars.get_ylim() == (0, 100)
     assert len(zoom.collections) == 4  # reserved, the two internal parts, external
     wasteful = summary.copy()
     wasteful["internal_frac"] = wasteful["internal_rounding_frac"] = 0.5
-    assert len(plots.breakdown_figure(wasteful).axes) == 1
+    assert len(breakdown_plots.breakdown_figure(wasteful).axes) == 1
 
 
 def test_the_capacity_figure_shows_what_a_scenario_is_about(results):
     """Latency always; prefix-cache hits, memory saved by sharing and compaction stall only
     where a run shows them."""
     summary = pd.read_csv(results / "summary.csv")
-    titles = [ax.get_title().split("\n")[0] for ax in plots.capacity_figure(summary).axes
+    titles = [ax.get_title().split("\n")[0] for ax in capacity_plots.capacity_figure(summary).axes
               if ax.get_visible()]
     assert titles == ["Requests running at once", "Throughput", "Latency"]
     special = summary.copy()
@@ -837,7 +851,7 @@ def test_the_capacity_figure_shows_what_a_scenario_is_about(results):
     special["memory_saved_by_sharing_frac"] = [0.0, 0.0, 0.49]
     special["compactions"], special["stall_s"] = [693, 0, 0], [2.27, 0.0, 0.0]
     special["bytes_moved"] = [3.5e12, 0, 0]
-    fig = plots.capacity_figure(special)
+    fig = capacity_plots.capacity_figure(special)
     axes = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_visible()}
     assert list(axes) == ["Requests running at once", "Throughput", "Latency",
                           "Prefix cache hits", "Memory saved by sharing", "Compaction stall"]
@@ -847,7 +861,7 @@ def test_the_capacity_figure_shows_what_a_scenario_is_about(results):
     assert stall[0].startswith("2.27 s\n693 compactions")
     sweep = pd.concat([special.assign(point=0), special.assign(point=1)])
     sweep.insert(sweep.columns.get_loc("point") + 1, "workload.n", [1, 1, 1, 2, 2, 2])
-    axes = [ax for ax in plots.capacity_figure(sweep).axes if ax.get_visible()]
+    axes = [ax for ax in capacity_plots.capacity_figure(sweep).axes if ax.get_visible()]
     assert len(axes) == 6 and all(len(ax.get_lines()) >= len(ALLOCATORS) for ax in axes)
 
 
@@ -857,7 +871,7 @@ def test_panels_with_nothing_to_draw_say_why(results):
     requests = pd.read_parquet(results / "requests.parquet")
     summary = pd.read_csv(results / "summary.csv")
     moved = summary.assign(compactions=[3, 0, 0], bytes_moved=[2**30, 0, 0], stall_s=[0.5, 0, 0])
-    fig = plots.address_map_figure(requests, moved)
+    fig = address_map_plots.address_map_figure(requests, moved)
     first = fig.axes[0]
     assert not first.collections
     assert "3 compactions moved 1 GiB" in first.texts[0].get_text()
@@ -866,12 +880,12 @@ def test_panels_with_nothing_to_draw_say_why(results):
     buddy = none["label"] == "buddy-pow2"
     none.loc[buddy, "admitted_s"] = np.nan
     none.loc[buddy, "reason"] = "too_large"
-    fig = plots.address_map_figure(none, summary.assign(label=summary["label"]))
+    fig = address_map_plots.address_map_figure(none, summary.assign(label=summary["label"]))
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert any("no request was admitted (rejected: too_large 40)" in t for t in texts)
     ts = pd.read_parquet(results / "timeseries.parquet")
     two = pd.concat([ts.assign(point=0), ts[ts["label"] != "paged-16"].assign(point=1)])
-    fig = plots.timeline_figure(two, pd.concat([summary.assign(point=p) for p in (0, 1)]))
+    fig = timeline_plots.timeline_figure(two, pd.concat([summary.assign(point=p) for p in (0, 1)]))
     said = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert len(said) == 1 and "no records" in said[0]
 
@@ -886,7 +900,7 @@ def test_torch_addresses_are_drawn_from_its_first_segment(results):
     slab = requests["label"] == "slab-oracle"
     requests.loc[slab, "offset_bytes"] = requests.loc[slab, "offset_bytes"] + ADDRESS_BASE
     summary.loc[summary["label"] == "slab-oracle", "kind"] = "torch-caching"
-    fig = plots.address_map_figure(requests, summary)
+    fig = address_map_plots.address_map_figure(requests, summary)
     ax = fig.axes[0]
     assert "virtual addresses" in ax.get_title(loc="left")
     assert ax.get_ylabel() == "virtual address (GiB)"
@@ -916,9 +930,9 @@ def test_address_map_draws_slabs_moved_by_compaction_piece_by_piece(compaction):
     """The results record where each slab moved: compacting allocators' slabs are drawn a
     piece per place they were held, all within the budget, none over another."""
     requests = pd.read_parquet(compaction / "requests.parquet")
-    summary = plots.read_summary(compaction / "summary.csv")
-    assert plots.MOVE_T in requests.columns
-    fig = plots.address_map_figure(requests, summary)
+    summary = results_io.read_summary(compaction / "summary.csv")
+    assert address_map_plots.MOVE_T in requests.columns
+    fig = address_map_plots.address_map_figure(requests, summary)
     axes = {ax.get_title(loc="left").split(":")[0]: ax for ax in fig.axes}
     assert list(axes) == ["first-fit", "compact-1.6TBps", "compact-0.8TBps"]
     budget = 8.0  # GiB
@@ -928,13 +942,13 @@ def test_address_map_draws_slabs_moved_by_compaction_piece_by_piece(compaction):
         compacted = summary.loc[summary["label"] == label, "compactions"].iloc[0] > 0
         assert compacted == (label != "first-fit")
         rects = _rectangles(ax.collections[3])
-        pieces = rows[plots.MOVE_T].map(len).sum() if compacted else len(rows)
+        pieces = rows[address_map_plots.MOVE_T].map(len).sum() if compacted else len(rows)
         assert 0 < len(rects) <= pieces and (len(rects) > len(rows)) == compacted
         assert _overlapping_pieces(rects) == 0, label
         assert rects[:, 1].min() >= 0 and rects[:, 3].max() <= budget + 1e-9
     # Results from before moves were recorded: the panel says why it is not drawn.
-    old = plots.address_map_figure(requests.drop(columns=[plots.MOVE_T, plots.MOVE_OFFSET]),
-                                   summary)
+    moves = [address_map_plots.MOVE_T, address_map_plots.MOVE_OFFSET]
+    old = address_map_plots.address_map_figure(requests.drop(columns=moves), summary)
     said = [t.get_text() for ax in old.axes for t in ax.texts]
     assert len(said) == 2 and all("is not known" in " ".join(t.split()) for t in said)
 
@@ -949,14 +963,15 @@ def test_pieces_of_a_moved_slab_keep_its_parts_continuous():
             "finished_s": [5.0], "released_s": [5.0], "offset_bytes": [0],
             "peak_bytes": [one], "prompt_tokens": [19], "final_tokens": [80],
             "tokens_at_end": [0],
-            plots.MOVE_T: [[0.0, 3.0, 4.0]], plots.MOVE_OFFSET: [[2 * one, one, 0]],
+            address_map_plots.MOVE_T: [[0.0, 3.0, 4.0]],
+            address_map_plots.MOVE_OFFSET: [[2 * one, one, 0]],
         }
     )
-    pieces = plots.slab_pieces(req)
+    pieces = address_map_plots.slab_pieces(req)
     assert list(pieces["offset_bytes"]) == [2 * one, one, 0]
-    whole = plots.slab_polygons(req.drop(columns=[plots.MOVE_T, plots.MOVE_OFFSET]), BPT,
-                                scale=one)
-    cut = plots.slab_polygons(pieces, BPT, scale=one)
+    moves = [address_map_plots.MOVE_T, address_map_plots.MOVE_OFFSET]
+    whole = address_map_plots.slab_polygons(req.drop(columns=moves), BPT, scale=one)
+    cut = address_map_plots.slab_polygons(pieces, BPT, scale=one)
     outline = cut["outline"]
     assert np.allclose(outline[:, 0, 0], [0, 3, 4]) and np.allclose(outline[:, 1, 0], [3, 4, 5])
     assert np.allclose(outline[:, 0, 1], [2, 1, 0]) and np.allclose(outline[:, 2, 1], [3, 2, 1])

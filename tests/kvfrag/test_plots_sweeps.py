@@ -15,7 +15,7 @@ import pytest
 from kvfrag.sim.allocators.base import PARTS
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from kvfrag import plots
+from kvfrag import address_map_plots, breakdown_plots, capacity_plots, captions, sweep_plots
 from kvfrag.cli import main
 from kvfrag.outdir import MANIFEST, foreign_files
 from kvfrag.sweep_plots import line_split
@@ -54,10 +54,10 @@ def _no_overlap(boxes) -> bool:
 
 def test_two_keys_a_line_per_value_of_the_second():
     summary = _summary([1, 4, 8], [16, 64, 256])
-    split = line_split(summary, plots.sweep_columns(summary))
+    split = line_split(summary, sweep_plots.sweep_columns(summary))
     assert split is not None and split.key == RATE and split.title == "max_num_seqs"
     assert split.names == ["max_num_seqs=16", "max_num_seqs=64", "max_num_seqs=256"]
-    fig = plots.capacity_figure(summary)
+    fig = capacity_plots.capacity_figure(summary)
     ax = fig.axes[1]  # throughput: a line per allocator and max_num_seqs, through 3 rates
     joined = [ln for ln in ax.get_lines() if ln.get_linestyle() != "None"]
     assert len(joined) == 2 * 3
@@ -74,7 +74,7 @@ def test_two_keys_a_line_per_value_of_the_second():
 def test_many_values_put_the_longer_key_on_x():
     """Six max_num_seqs against two rates: max_num_seqs along x, a line per rate."""
     summary = _summary([1, 8], [8, 16, 32, 64, 128, 256])
-    split = line_split(summary, plots.sweep_columns(summary))
+    split = line_split(summary, sweep_plots.sweep_columns(summary))
     assert split is not None and split.key == SEQS and split.names == ["rate_scale=1",
                                                                        "rate_scale=8"]
 
@@ -83,8 +83,8 @@ def test_too_many_values_keep_ticks_apart():
     """5 x 5 values: no split is readable by line style, so a tick per point, whose names
     (a line per key, turned, thinned) do not collide."""
     summary = _summary([1, 2, 3, 4, 5], [8, 16, 32, 64, 128])
-    assert line_split(summary, plots.sweep_columns(summary)) is None
-    fig = plots.capacity_figure(summary)
+    assert line_split(summary, sweep_plots.sweep_columns(summary)) is None
+    fig = capacity_plots.capacity_figure(summary)
     ax = fig.axes[0]
     labels = ax.get_xticklabels()
     assert 2 <= len(labels) < 25
@@ -101,7 +101,7 @@ def test_too_many_values_keep_ticks_apart():
 
 
 def test_breakdown_titles_of_two_keys_do_not_collide():
-    fig = plots.breakdown_figure(_summary([1, 4], [128, 256]))
+    fig = breakdown_plots.breakdown_figure(_summary([1, 4], [128, 256]))
     titles = [ax.title for ax in fig.axes if ax.get_title()]
     assert len(titles) == 4 and all("\n" in t.get_text() for t in titles)
     assert _no_overlap(_boxes(fig, titles))
@@ -112,12 +112,12 @@ def test_budget_per_point_is_not_called_swept():
     caption says the range per point; `swept` only when kv_budget itself is swept."""
     gib = 2**30
     summary = _summary([1], [128, 256], budgets={128: 55.7 * gib, 256: 54.7 * gib})
-    text = plots.caption(None, summary)
+    text = captions.caption(None, summary)
     assert "KV budget: 54.7–55.7 GiB per point" in text and "swept" not in text
     swept = summary.drop(columns=[RATE]).rename(columns={SEQS: "kv_budget"})
-    assert "KV budget: swept (54.7–55.7 GiB)" in plots.caption(None, swept)
+    assert "KV budget: swept (54.7–55.7 GiB)" in captions.caption(None, swept)
     one = _summary([1], [128, 256])
-    assert "KV budget: 55 GiB" in plots.caption(None, one)
+    assert "KV budget: 55 GiB" in captions.caption(None, one)
 
 
 SCENARIO = """\
@@ -163,7 +163,7 @@ def test_report_stays_light(swept):
     assert len(maps) == 4
     req = requests[(requests["point"] == 0) & (requests["label"] == "slab-max")]
     bpt = float(summary["bytes_per_token"].iloc[0])
-    polys = plots.slab_polygons(req, bpt, scale=2**30)
+    polys = address_map_plots.slab_polygons(req, bpt, scale=2**30)
     rebuilt = report.corners(report.compact(polys, []))
     for part, corners in polys.items():
         got = rebuilt[part][:, : corners.shape[1]]
@@ -190,7 +190,7 @@ def test_plot_point_writes_files_of_its_own(swept):
 
 def test_a_moved_slab_counts_once_per_place():
     """The page's slab budget counts rectangles: compaction's moves add one each."""
-    from kvfrag.plots import MOVE_T
+    from kvfrag.address_map_plots import MOVE_T
     from kvfrag.report import _rectangles_keep
 
     placed = pd.DataFrame({MOVE_T: [None, [0.0, 1.0, 2.0], np.array([0.0, 5.0]), None]})

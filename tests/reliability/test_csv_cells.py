@@ -15,7 +15,7 @@ import pytest
 
 from kvfrag.cli import main
 from kvfrag.csvcells import escape_cell, unescape, unescape_cell, write_csv
-from kvfrag.plots import read_summary
+from kvfrag.results_io import read_summary
 
 SAMPLE = Path(__file__).resolve().parents[2] / "workloads" / "samples" / "azure-conv.csv"
 

@@ -25,8 +25,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from kvfrag.sim.allocators.base import PARTS
 
-from kvfrag import plots
+from kvfrag import (
+    address_map_plots,
+    breakdown_plots,
+    capacity_plots,
+    figure_kit,
+    plots,
+    results_io,
+    timeline_plots,
+)
 from kvfrag.cli import main
 
 HEAD = """\
@@ -47,10 +56,10 @@ SLAB = "{label: LABEL, kind: contiguous, reserve: max_model_len, placement: firs
 PAGED = "{label: LABEL, kind: paged, block_size: 16}"
 #: Past the allocator cap by a few: all but the first two place slabs, past the address map's
 #: own cap too.
-MANY = plots.MAX_ALLOCATORS + 6
+MANY = figure_kit.MAX_ALLOCATORS + 6
 SLABS = MANY - 2
 #: Past the capacity figure's cap by a few (and the breakdown's by more).
-POINTS = plots.MAX_LINE_POINTS + 6
+POINTS = figure_kit.MAX_LINE_POINTS + 6
 
 
 def _write(root: Path, name: str, allocators: list[str], sweep: str = "") -> Path:
@@ -97,7 +106,7 @@ def _notes(err: str) -> list[str]:
 
 
 def _frames(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    return (plots.read_summary(folder / "summary.csv"),
+    return (results_io.read_summary(folder / "summary.csv"),
             pd.read_parquet(folder / "timeseries.parquet"),
             pd.read_parquet(folder / "requests.parquet"))
 
@@ -110,42 +119,42 @@ def test_many_allocators_are_drawn_to_the_cap_and_say_so(many, tmp_path, capsys)
     took = time.monotonic() - started
     out, err = capsys.readouterr()
     assert {Path(p).name for p in out.split()} == {f"{f}.png" for f in plots.FIGURES}
-    first = f"the first {plots.MAX_ALLOCATORS} in the scenario's order"
+    first = f"the first {figure_kit.MAX_ALLOCATORS} in the scenario's order"
     assert _notes(err) == [
-        f"kvfrag: note: the figures show {plots.MAX_ALLOCATORS} of {MANY} allocators (the "
-        f"address map {plots.MAX_ALLOCATORS} of {SLABS} slab allocators): {first}"
+        f"kvfrag: note: the figures show {figure_kit.MAX_ALLOCATORS} of {MANY} allocators (the "
+        f"address map {figure_kit.MAX_ALLOCATORS} of {SLABS} slab allocators): {first}"
     ], err
     assert took < 60, took  # (a cap's worth of panels: about 10 s on a slow shared core)
     # The report says it too.
     assert main(["report", str(folder)]) == 0
     page = (folder / "report.html").read_text(encoding="utf-8")
-    assert f"The figures show {plots.MAX_ALLOCATORS} of {MANY} allocators" in page
-    assert f"Maps of the first {plots.MAX_ALLOCATORS} of {SLABS} slab allocators" in page
-    assert page.count("id=\"map-") == plots.MAX_ALLOCATORS
+    assert f"The figures show {figure_kit.MAX_ALLOCATORS} of {MANY} allocators" in page
+    assert f"Maps of the first {figure_kit.MAX_ALLOCATORS} of {SLABS} slab allocators" in page
+    assert page.count("id=\"map-") == figure_kit.MAX_ALLOCATORS
 
 
 def test_each_figure_shows_the_first_allocators_and_says_how_many_of_all(many):
     summary, ts, requests = _frames(many)
     order = [f"a{i:02d}" for i in range(MANY)]
-    shown = order[: plots.MAX_ALLOCATORS]
-    note = f"(showing {plots.MAX_ALLOCATORS} of {MANY} allocators: the first"
+    shown = order[: figure_kit.MAX_ALLOCATORS]
+    note = f"(showing {figure_kit.MAX_ALLOCATORS} of {MANY} allocators: the first"
 
-    fig = plots.breakdown_figure(summary)
+    fig = breakdown_plots.breakdown_figure(summary)
     assert [t.get_text() for t in fig.axes[-1].get_xticklabels()] == shown
     assert note in fig._suptitle.get_text()
 
-    fig = plots.capacity_figure(summary)
+    fig = capacity_plots.capacity_figure(summary)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == shown
     assert note in fig._suptitle.get_text()
 
-    fig = plots.timeline_figure(ts, summary)
+    fig = timeline_plots.timeline_figure(ts, summary)
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == shown
     assert note in fig._suptitle.get_text()
 
-    fig = plots.address_map_figure(requests, summary)
-    slabs = order[2: 2 + plots.MAX_ALLOCATORS]
+    fig = address_map_plots.address_map_figure(requests, summary)
+    slabs = order[2: 2 + figure_kit.MAX_ALLOCATORS]
     assert [ax.get_title(loc="left") for ax in fig.axes] == slabs
-    assert (f"(showing {plots.MAX_ALLOCATORS} of {SLABS} slab allocators: the first"
+    assert (f"(showing {figure_kit.MAX_ALLOCATORS} of {SLABS} slab allocators: the first"
             in fig._suptitle.get_text())
 
 
@@ -154,18 +163,18 @@ def test_allocators_and_points_together_keep_to_the_bars_a_breakdown_can_name():
     labels, points = [f"alloc-{i}" for i in range(40)], range(30)
     summary = pd.DataFrame(
         [{"label": lb, "point": p, "kv_budget": f"{p + 1} GiB", "model": "m",
-          **{plots.FRAC[part]: 0.2 for part in plots.PARTS}}
+          **{figure_kit.FRAC[part]: 0.2 for part in PARTS}}
          for p in points for lb in labels]
     )
-    fig = plots.breakdown_figure(summary)
+    fig = breakdown_plots.breakdown_figure(summary)
     panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
-    per_point = plots.MAX_BARS // plots.MAX_ALLOCATORS
+    per_point = figure_kit.MAX_BARS // figure_kit.MAX_ALLOCATORS
     assert len(panels) == per_point
     # Evenly spaced, the first and last included.
     assert panels[0].get_title() == "kv_budget=1 GiB" and panels[-1].get_title() == (
         "kv_budget=30 GiB")
     title = fig._suptitle.get_text()
-    assert f"showing {plots.MAX_ALLOCATORS} of 40 allocators" in title
+    assert f"showing {figure_kit.MAX_ALLOCATORS} of 40 allocators" in title
     assert f"showing {per_point} of 30 sweep points: evenly spaced" in title
     assert plots.left_out(summary)[1].startswith(
         f"of 30 sweep points, the breakdown shows {per_point} (evenly spaced")
@@ -173,13 +182,13 @@ def test_allocators_and_points_together_keep_to_the_bars_a_breakdown_can_name():
 
 def test_spread_is_even_deterministic_and_keeps_both_ends():
     points = list(range(1500))
-    kept = plots.spread(points, 50)
+    kept = figure_kit.spread(points, 50)
     assert len(kept) == len(set(kept)) == 50
     assert kept[0] == 0 and kept[-1] == 1499 and kept == sorted(kept)
-    assert kept == plots.spread(points, 50)
+    assert kept == figure_kit.spread(points, 50)
     assert np.ptp(np.diff(kept)) <= 1  # as even as whole steps allow
-    assert plots.spread(points[:7], 50) == points[:7]
-    assert plots.spread(points, 1) == [0]
+    assert figure_kit.spread(points[:7], 50) == points[:7]
+    assert figure_kit.spread(points, 1) == [0]
 
 
 # ------------------------------------------------------------------ caps: sweep points
@@ -188,30 +197,30 @@ def test_many_sweep_points_are_drawn_to_the_cap_and_say_so(swept, tmp_path, caps
     # (--point: one timeline and address-map panel; their own cap is test_plots')
     assert main(["plot", str(folder), "--point", "0"]) == 0
     line = (f"kvfrag: note: of {POINTS} sweep points, the breakdown shows "
-            f"{plots.MAX_POINT_PANELS} and the capacity figure {plots.MAX_LINE_POINTS} (evenly "
-            "spaced, the first and last included)")
+            f"{figure_kit.MAX_POINT_PANELS} and the capacity figure "
+            f"{figure_kit.MAX_LINE_POINTS} (evenly spaced, the first and last included)")
     assert _notes(capsys.readouterr().err) == [line]
     assert main(["report", str(folder)]) == 0
     page = (folder / "report.html").read_text(encoding="utf-8")
-    assert f"Of {POINTS} sweep points, the breakdown shows {plots.MAX_POINT_PANELS}" in page
+    assert f"Of {POINTS} sweep points, the breakdown shows {figure_kit.MAX_POINT_PANELS}" in page
     assert "the timeline and the address map show the first 16" in page
 
 
 def test_each_sweep_figure_spans_the_sweep_and_says_how_many_of_all(swept):
-    summary = plots.read_summary(swept / "summary.csv")
+    summary = results_io.read_summary(swept / "summary.csv")
     budgets = summary.sort_values("point")["kv_budget_bytes"].to_numpy(float) / 2**20
 
-    fig = plots.breakdown_figure(summary)
+    fig = breakdown_plots.breakdown_figure(summary)
     ticks = [float(t.get_text()) for t in fig.axes[-1].get_xticklabels()]
-    assert len(ticks) == plots.MAX_POINT_PANELS
+    assert len(ticks) == figure_kit.MAX_POINT_PANELS
     assert ticks[0] == budgets[0] and ticks[-1] == budgets[-1]
-    assert (f"(showing {plots.MAX_POINT_PANELS} of {POINTS} sweep points: evenly spaced, the "
+    assert (f"(showing {figure_kit.MAX_POINT_PANELS} of {POINTS} sweep points: evenly spaced, the "
             "first and last included)") in fig._suptitle.get_text().replace("\n", " ")
 
-    fig = plots.capacity_figure(summary)
+    fig = capacity_plots.capacity_figure(summary)
     x = fig.axes[0].get_lines()[0].get_xdata()
-    assert len(x) == plots.MAX_LINE_POINTS and x[0] == budgets[0] and x[-1] == budgets[-1]
-    assert f"(showing {plots.MAX_LINE_POINTS} of {POINTS} sweep points" in (
+    assert len(x) == figure_kit.MAX_LINE_POINTS and x[0] == budgets[0] and x[-1] == budgets[-1]
+    assert f"(showing {figure_kit.MAX_LINE_POINTS} of {POINTS} sweep points" in (
         fig._suptitle.get_text().replace("\n", " "))
 
 
