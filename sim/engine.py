@@ -27,6 +27,12 @@ Iteration semantics (the reference the tests hold the fast path to):
 4. At its end, prefilled requests start decoding; a request that stored its final token is
    done and frees its memory (static batching: the batch frees together when all are done).
 
+With `policy="priority"` (vLLM's `SchedulingPolicy.PRIORITY`) the queue is ordered by (priority,
+arrival, workload order), a lower value first, and a preempted request goes back in by that
+key; the victim of a shortage is the running request with the largest (priority, arrival), the
+first of them in admission order (it may have been scheduled already in this iteration: its
+tokens go back to the budget). A stretch then ends at every arrival, which may jump the head.
+
 Requests that can never run (prompt over max_model_len, too large for an empty allocator,
 or more sequences than max_num_seqs) are rejected with the reason, and counted per reason
 (`REJECT_REASONS`). A static batch ends when its last running member finishes or is
@@ -52,6 +58,7 @@ import simpy
 from kvfrag.sim.allocators.base import PARTS, Allocator, Reason, Refusal, Request
 from kvfrag.sim.interrupts import poll
 from kvfrag.sim.units import check_size
+from kvfrag.sim.waiting import PriorityQueue
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Why the engine rejects a request whose n sequences exceed max_num_seqs (it never fits a batch).
@@ -139,6 +146,9 @@ class EngineConfig:
     # vLLM's admission gate: the whole prompt (less its cached prefix) must fit, not only the
     # first chunk (vLLM's scheduler_reserve_full_isl, on by default).
     reserve_full_isl: bool = True
+    # vLLM's scheduling policy: "fcfs", or "priority" (the request table's `priority` column,
+    # lowest first; preemption by priority too)
+    policy: str = "fcfs"
     step_time: IterationTime = field(default_factory=StepTime)
     max_time_s: float | None = None  # stop the simulation here (None: run to the end)
     log_allocations: bool = False  # record every allocation for `validate` (costs O(running))
@@ -148,6 +158,10 @@ class EngineConfig:
             raise ValueError(f"batching must be continuous or static, got {self.batching!r}")
         if self.admission not in ("fcfs", "skip"):
             raise ValueError(f"admission must be fcfs or skip, got {self.admission!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        if self.policy == "priority" and self.admission != "fcfs":
+            raise ValueError("policy priority admits in vLLM's order: admission must be fcfs")
         if self.max_num_seqs < 1 or self.lookahead < 1:
             raise ValueError("max_num_seqs and lookahead must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -214,6 +228,7 @@ class _Req:
         "preemptions",
         "prefill",
         "prefill_left",
+        "priority",
         "reason",
         "recomputed",
         "released",
@@ -251,6 +266,7 @@ class _Req:
         self.final = 0
         self.user = -1
         self.think = 0.0
+        self.priority = 0  # vLLM's request priority (policy "priority": lowest first)
 
 
 class _Arrivals:
@@ -356,7 +372,12 @@ class Engine:
         self.by_rid: dict[int, _Req] = {}  # rid -> state, for the requests made
         self.out = _Outcomes(self.inputs)
         self.reference = self.inputs.reference_request()
-        self.queue: deque[_Req] = deque()
+        # Waiting requests: FCFS, or vLLM's priority order (`sim.waiting`)
+        self.by_priority = config.policy == "priority"
+        self.queue: deque[_Req] = PriorityQueue() if self.by_priority else deque()
+        # policy priority: prefill chunks granted this iteration (tokens, attention seconds),
+        # which a later preemption of their request gives back
+        self.granted: dict[_Req, tuple[int, float]] = {}
         # Running requests in admission order (the last one is the victim): a dict, so that a
         # completion leaves in O(1).
         self.running: dict[_Req, None] = {}
@@ -546,11 +567,22 @@ class Engine:
         """Preempt the newest requests until every decoder can store its next token."""
         alloc = self.alloc
         while alloc.n_decoding and alloc.steps_until_full() == 0:
-            self._preempt(next(reversed(self.running)))
+            self._preempt(self._victim())
 
-    def _preempt(self, r: _Req, unstepped: bool = False) -> None:
-        """Free `r` and queue it first; `unstepped`: a decoder this iteration advanced before
-        its turn came (vLLM's order), whose token it never computed."""
+    def _victim(self) -> _Req:
+        """Whom a shortage preempts: the newest running request (FCFS), or (policy priority)
+        the one with the largest (priority, arrival), the first of them in admission order,
+        as vLLM's max() over its running list. (Preempting them in that order until the
+        decoders fit is what vLLM's walk of its running list comes to: each refusal takes the
+        current largest, and one comes only while those left do not fit.)"""
+        if not self.by_priority:
+            return next(reversed(self.running))
+        return max(self.running, key=_victim_key)
+
+    def _preempt(self, r: _Req, unstepped: int = 0) -> None:
+        """Free `r` and queue it first (policy priority: by its key); `unstepped`: tokens this
+        iteration gave it before vLLM would have (a decoder advanced before its turn came) or
+        that vLLM takes back (a prefill chunk scheduled before it was preempted)."""
         alloc, rid = self.alloc, r.req.rid
         stored = alloc.tokens(rid) - unstepped
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
@@ -648,6 +680,7 @@ class Engine:
         self.dropped = 0
         if not self.prefilling:
             return used
+        granted = self.granted
         for r in list(self.prefilling):
             if used >= budget:
                 break
@@ -656,18 +689,27 @@ class Engine:
             cap = self.long_cap
             chunk = min(r.prefill_left, budget - used, cap if cap else r.prefill_left)
             last = chunk == r.prefill_left
+            attention = 0.0
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
-                self.prefill_attn_s += self.st.prefill_s(chunk, r.prefill - r.prefill_left)
+                attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
+                self.prefill_attn_s += attention
             while isinstance(
                 grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0)), Refusal
             ):
-                victim = next(reversed(self.running))
+                victim = self._victim()
                 # vLLM schedules running requests in admission order: a decoder after this
-                # one had not taken its token yet, nor its share of the budget.
-                unstepped = victim is not r and self.alloc.is_decoding(victim.req.rid)
+                # one had not taken its token yet, nor its share of the budget (policy
+                # priority: one before it gives its token back).
+                unstepped = int(victim is not r and self.alloc.is_decoding(victim.req.rid))
                 if unstepped:
                     self.dropped += victim.req.n
                     budget += victim.req.n
+                elif victim in granted:  # (policy priority) its chunk goes back to the budget
+                    unstepped, seconds = granted.pop(victim)
+                    used -= unstepped
+                    self.prefill_attn_s -= seconds
+                    if victim in self.prefilled:
+                        self.prefilled.remove(victim)
                 self._preempt(victim, unstepped)
                 if victim is r:
                     break
@@ -675,9 +717,12 @@ class Engine:
                 self._log_op("grow", r.req.rid, grant.nbytes, -1, grant.blocks)
                 r.prefill_left -= chunk
                 used += chunk
+                if self.by_priority:
+                    granted[r] = (chunk, attention)
                 if last:
                     self.prefilling.remove(r)
                     self.prefilled.append(r)
+        granted.clear()
         return used
 
     def _try_admit(self, r: _Req, hit: int, chunk: int) -> Reason | None:
@@ -778,7 +823,7 @@ class Engine:
         if evict is not None:  # a waiting group may fit then (see `_released`)
             n = min(n, evict)
         horizon = self.arrivals.next_s
-        if self.queue and self.cfg.admission == "fcfs":
+        if self.queue and self.cfg.admission == "fcfs" and not self.by_priority:
             # Behind a waiting head, strict FCFS admits nobody new before the head, and the
             # head waits for memory or room that only a completion gives back: an arrival now
             # changes nothing but the queue's length. It joins at the next event.
@@ -1301,6 +1346,8 @@ class _Inputs:
             i = int(both[0])
             raise ValueError(f"request {self.rid[i]}: n and beam_width are both above 1")
         self.samples, self.beams = samples, beams
+        self.has_priority = "priority" in workload
+        self.priority = ints("priority", 0)
         self.hashes = workload["hash_ids"].to_numpy() if "hash_ids" in workload else None
         self.chunk = int(workload.attrs.get("hash_block_tokens", 0) or 0)
         self.groups = bool(several.any() or wide.any())
@@ -1320,6 +1367,7 @@ class _Inputs:
             chunk if prefix else 0,
         )
         r = _Req(i, req, self.arrival[i], self.output[i], lead)
+        r.priority = self.priority[i]
         if self.users[i] >= 0:
             r.user = self.users[i]
             r.think = self.think[i] if self.think is not None else 0.0
@@ -1447,6 +1495,8 @@ class _Outcomes:
                 "tpot_s": np.where(per_seq >= 2, tpot, math.nan),
             }
         )
+        if inp.has_priority:  # the workload's priorities, for latency per priority
+            requests["priority"] = col(inp.priority, np.int64)
         if inp.groups:  # where each sequence's slab was (slab allocators; [] for the others)
             requests["slab_offsets_bytes"] = [list(self.offsets.get(i, ())) for i in range(n)]
         if moved:  # each placement of its (first) slab: admissions, then compaction moves
@@ -1455,6 +1505,11 @@ class _Outcomes:
             requests["slab_move_offset_bytes"] = [[int(o) for _, o in m] for m in moves]
         return requests
 
+
+
+def _victim_key(r: _Req) -> tuple[int, float]:
+    """vLLM's victim order under policy priority: (priority, arrival time), the largest."""
+    return (r.priority, r.arrival)
 
 
 def slot_request(

@@ -8,6 +8,11 @@ run workloads. With `trace` (a list), each iteration appends one record: when it
 requests running and waiting after it, preemptions and admissions in it, bytes allocated
 (blocks in use), and for prefix caching the tokens its admissions found cached, the idle
 cached blocks it evicted and those left idle after it.
+
+`cfg.policy == "priority"`: the queue in (priority, arrival, workload order), a preempted
+request back in by that key, and the victim of a shortage the running request with the
+largest (priority, arrival), the first of them in admission order; a victim that already has
+its prefill chunk for this iteration gives it back.
 """
 
 from __future__ import annotations
@@ -59,8 +64,10 @@ def reference(
             "hits": [],  # tokens found cached at each admission (resumptions too)
             "left": 0,
             "peak": 0,
+            "priority": int(getattr(row, "priority", 0)),
+            "order": order,
         }
-        for row in workload.itertuples()
+        for order, row in enumerate(workload.itertuples())
     ]
     by_rid = {r["rid"]: r for r in reqs}
     ref = Request(
@@ -90,6 +97,26 @@ def reference(
     def seqs():
         return sum(r["req"].n for r in running)
 
+    by_priority = cfg.policy == "priority"
+
+    def key(r) -> tuple:
+        return (r["priority"], r["arrival"], r["order"])
+
+    def enqueue(r, front: bool) -> None:
+        """FCFS: at the back (an arrival) or the front (a preemption); priority: by key."""
+        if not by_priority:
+            queue.appendleft(r) if front else queue.append(r)
+            return
+        at = 0
+        while at < len(queue) and key(queue[at]) < key(r):
+            at += 1
+        queue.insert(at, r)
+
+    def victim():
+        if not by_priority:
+            return running[-1]
+        return max(running, key=lambda r: (r["priority"], r["arrival"]))
+
     def preempt(r, unstepped=False):
         stored = alloc.tokens(r["rid"]) - unstepped  # (a decoder stepped before its turn)
         r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
@@ -105,13 +132,13 @@ def reference(
         if decoding:
             r["prefill"] = stored + 1 - r["lead"]  # and the last sampled token, slot-less
         r["status"] = "waiting"
-        queue.appendleft(r)
+        enqueue(r, front=True)
 
     while True:
         while pending and pending[0]["arrival"] <= t:
             r = pending.pop(0)
             r["status"] = "waiting"
-            queue.append(r)
+            enqueue(r, front=False)
         if not running and not queue:
             if not pending:
                 break
@@ -127,7 +154,7 @@ def reference(
         counts.update(preempted=0, admitted=0, prefix_hit_tokens=0)
         evictions = alloc.evictions
         while alloc.n_decoding and alloc.steps_until_full() == 0:
-            preempt(running[-1])
+            preempt(victim())
         decoders = alloc.decoding_weight
         if decoders:
             assert alloc.step(1)
@@ -137,6 +164,7 @@ def reference(
         used = 0
         attention = 0.0  # prefill chunks' attention, when the step time counts it apart
         done_prefill = []
+        granted: dict = {}  # rid -> (chunk, attention) given this iteration
         for r in list(prefilling):
             if used >= budget:
                 break
@@ -144,22 +172,31 @@ def reference(
                 continue
             chunk = min(r["left"], budget - used, cap or r["left"])
             last = chunk == r["left"]
-            attention += st_.prefill_s(chunk, r["prefill"] - r["left"])
+            seconds = st_.prefill_s(chunk, r["prefill"] - r["left"])
+            attention += seconds
             ok = True
             while not alloc.grow(r["rid"], chunk + r["lead"] * last):
-                victim = running[-1]
-                # a decoder after r in admission order: no token this iteration
-                unstepped = victim is not r and alloc.is_decoding(victim["rid"])
+                v = victim()
+                # a decoder after r in admission order: no token this iteration (priority:
+                # one before r gives its token back, and so does a prefill chunk before r)
+                unstepped = int(v is not r and alloc.is_decoding(v["rid"]))
                 if unstepped:
-                    decoders -= victim["req"].n
-                    budget += victim["req"].n
-                preempt(victim, unstepped)
-                if victim is r:
+                    decoders -= v["req"].n
+                    budget += v["req"].n
+                elif v["rid"] in granted:
+                    unstepped, back = granted.pop(v["rid"])
+                    used -= unstepped
+                    attention -= back
+                    if v in done_prefill:
+                        done_prefill.remove(v)
+                preempt(v, unstepped)
+                if v is r:
                     ok = False
                     break
             if ok:
                 r["left"] -= chunk
                 used += chunk
+                granted[r["rid"]] = (chunk, seconds)
                 if last:
                     prefilling.remove(r)
                     done_prefill.append(r)
