@@ -61,6 +61,7 @@ class OracleRequest:
     arrival_step: int  # added to the scheduler just before schedule() of this step
     prompt: tuple[int, ...]  # token ids (equal ids in equal leading blocks -> prefix hits)
     output_tokens: int  # the request ends after sampling this many tokens (ignore_eos)
+    priority: int = 0  # vLLM's request priority (run_vllm's policy "priority": lowest first)
 
 
 @dataclass
@@ -120,6 +121,7 @@ def make_scheduler(
     watermark: float = 0.0,
     long_prefill_token_threshold: int = 0,
     reserve_full_isl: bool = True,
+    policy: str = "fcfs",
 ):
     """Build vLLM's synchronous v1 Scheduler as EngineCore does, minus the model executor.
 
@@ -142,7 +144,7 @@ def make_scheduler(
         scheduler_reserve_full_isl=reserve_full_isl,
         watermark=watermark,
         async_scheduling=False,
-        policy="fcfs",
+        policy=policy,
     )
     cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching)
     vllm_config = v["VllmConfig"](
@@ -230,6 +232,7 @@ def run_vllm(
     reserve_full_isl: bool = True,
     record_slots: bool = True,
     make: Callable[[], tuple[Any, Any]] | None = None,
+    policy: str = "fcfs",
 ) -> OracleRun:
     """Replay ``requests`` through vLLM's real scheduler; one record per ``schedule()`` call.
 
@@ -293,6 +296,7 @@ def run_vllm(
         watermark=watermark,
         long_prefill_token_threshold=long_prefill_token_threshold,
         reserve_full_isl=reserve_full_isl,
+        policy=policy,
     )
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
@@ -339,6 +343,7 @@ def run_vllm(
                 sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                 pooling_params=None,
                 arrival_time=float(r.arrival_step),
+                priority=r.priority,
                 block_hasher=block_hasher,
             )
             vreqs[vr.request_id] = vr
@@ -446,7 +451,7 @@ def run_vllm(
         "long_prefill_token_threshold": long_prefill_token_threshold,
         "scheduler_reserve_full_isl": reserve_full_isl,
         "async_scheduling": False,
-        "policy": "fcfs",
+        "policy": policy,
         "sampled_token": SAMPLED_TOKEN,
     }
     return OracleRun(steps=steps, requests=info, config=config, wall_s=wall)
