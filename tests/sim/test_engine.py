@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import math
 from dataclasses import replace
+from pathlib import Path
+from runpy import run_path
 
 import numpy as np
 import pandas as pd
@@ -19,7 +21,6 @@ from kvfrag.sim.allocators import PARTS, Reason, Request, make_allocator
 from kvfrag.sim.engine import REJECT_REASONS, EngineConfig, StepTime, run
 from kvfrag.sim.geometry import KVGeometry, preset
 from kvfrag.sim.reference import reference
-from kvfrag.sim.timing import TableTime
 from kvfrag.sim.units import parse_size
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
@@ -73,19 +74,8 @@ ALLOCATORS = [
 ]
 
 
-#: A hardware-shaped step time (sim/timing.py): non-linear in the batch, LM head per sampled
-#: position, decode KV read apart from the prefill chunks' attention.
-TABLE = TableTime(
-    source="test",
-    body=0.03 + 1e-3 * np.sqrt(np.arange(161.0)),
-    head=2e-4 * np.arange(161.0),
-    overhead_s=1e-3,
-    decode_fixed_s=2e-3,
-    per_kv_token_s=1e-4,
-    prefill_fixed_s=1e-3,
-    prefill_pair_s=1e-6,
-    prefill_token_s=3e-5,
-)
+#: A hardware-shaped step time (tests/sim/table_time.py).
+TABLE = run_path(str(Path(__file__).with_name("table_time.py")))["TABLE"]
 
 
 @settings(max_examples=150, deadline=None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
+from runpy import run_path
 
 import numpy as np
 import pandas as pd
@@ -24,7 +26,6 @@ from kvfrag.sim.layers import (
     SlidingWindow,
 )
 from kvfrag.sim.reference import reference
-from kvfrag.sim.timing import TableTime
 
 warnings.filterwarnings("ignore", message=".*pure-Python.*")
 
@@ -51,18 +52,8 @@ STACKS = [
     _stack("qwen3-next-like", "gggf"),  # Mamba state: one block per request per group
     _stack("jamba-like", "ggggfggg"),
 ]
-#: A hardware-shaped step time (as in test_engine.py): non-linear in the batch.
-TABLE = TableTime(
-    source="test",
-    body=0.03 + 1e-3 * np.sqrt(np.arange(161.0)),
-    head=2e-4 * np.arange(161.0),
-    overhead_s=1e-3,
-    decode_fixed_s=2e-3,
-    per_kv_token_s=1e-4,
-    prefill_fixed_s=1e-3,
-    prefill_pair_s=1e-6,
-    prefill_token_s=3e-5,
-)
+#: A hardware-shaped step time (tests/sim/table_time.py).
+TABLE = run_path(str(Path(__file__).with_name("table_time.py")))["TABLE"]
 MML = 128
 
 
