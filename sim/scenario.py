@@ -322,6 +322,10 @@ StepTimeForm = Annotated[
 ]
 
 
+#: Scheduler limits of vLLM's older V0 scheduler that vLLM 0.33's v1 scheduler does not have.
+NOT_IN_VLLM_V1 = ("max_num_partial_prefills", "max_long_partial_prefills")
+
+
 class EngineSpec(_Frozen):
     """Where a scenario is silent, vLLM 0.33's defaults: chunked prefill on, and the batch
     limits of the scenario's `hardware` class (`sim.hardware.batch_defaults`); without
@@ -339,9 +343,23 @@ class EngineSpec(_Frozen):
     long_prefill_token_threshold: whole(0, MAX_TOKENS) = 0
     # vLLM's full-sequence admission gate (on by default in vLLM 0.33)
     scheduler_reserve_full_isl: bool = True
+    # vLLM's scheduling policy: fcfs, or priority (the request table's `priority` column)
+    policy: Literal["fcfs", "priority"] = "fcfs"
     # None: the roofline of `hardware` when the scenario names one, else a flat 20 ms
     step_time: StepTimeForm | None = None
     max_time_s: number(0, MAX_TIME_S, above=True, unit="seconds") | None = None
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_in_v1(cls, data: Any) -> Any:
+        """vLLM's limits on concurrent partial prefills: refused by name, not as unknown."""
+        if isinstance(data, dict):
+            for key in NOT_IN_VLLM_V1:
+                if key in data:
+                    raise FieldError((key,), "vLLM 0.33's v1 scheduler has no such limit (it "
+                                     "lets any number of prefills run partway); leave it out")
+        return data
 
 
 class AllocatorSpec(BaseModel):
@@ -593,6 +611,9 @@ class Scenario(_Frozen):
             raise FieldError(("engine", "long_prefill_token_threshold"),
                              f"{e.long_prefill_token_threshold:,} must be at most max_model_len "
                              f"({self.max_model_len:,}), as vLLM requires")
+        if e.policy == "priority" and e.admission != "fcfs":
+            raise FieldError(("engine", "admission"), "must be fcfs with engine.policy "
+                             "priority (vLLM's priority queue admits in its own order)")
         if seqs > tokens:  # (at the one given, max_num_seqs when both are)
             which = "max_num_seqs" if e.max_num_seqs else "max_num_batched_tokens"
             raise FieldError(("engine", which), f"max_num_seqs ({seqs:,}) must be at most "
@@ -765,6 +786,7 @@ class Scenario(_Frozen):
             watermark=e.watermark,
             long_prefill_token_threshold=e.long_prefill_token_threshold,
             reserve_full_isl=e.scheduler_reserve_full_isl,
+            policy=e.policy,
             step_time=self.step_time(tokens),
             max_time_s=e.max_time_s,
         )
