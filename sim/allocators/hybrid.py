@@ -67,14 +67,15 @@ The running totals carry padding and out_of_window too, so `waste_parts()` and
 (rounding, the slots past F, is the rest); `waste_breakdown()` walks the live requests afresh
 for checks.
 
-Cost: the per-request block counts are recomputed from (L, P) over the live requests, memoised
-per clock and change; `integrate` and `steps_until_full` walk each decoder's block boundaries
-in the stretch (O(decoders x stretch / block size), not O(tokens)).
+Cost: the decode cohort's figures are running sums in the decode clock, counts per residue of
+each kind of term (`sim.hybrid.cohort`), so the figures, `integrate`, `steps_until_full` and
+`steps_until_shrink` cost about the same however many requests decode: a decoder is rebuilt
+only at a few lengths in its life (window edges, chunk starts, its last block), and only the
+steps where blocks taken could overrun the pool before blocks freed come back walk their
+decoders, in running order.
 """
 
 from __future__ import annotations
-
-import heapq
 
 from kvfrag.sim.allocators.base import (
     Allocator,
@@ -87,10 +88,11 @@ from kvfrag.sim.allocators.base import (
 )
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.geometry import KVGeometry
+from kvfrag.sim.hybrid.cohort import Cohort
 from kvfrag.sim.hybrid.managers import managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
-from kvfrag.sim.model_view import ModelView, segments_ending_by
+from kvfrag.sim.model_view import ModelView
 
 
 class HybridAllocator(Allocator):
@@ -197,24 +199,20 @@ class HybridAllocator(Allocator):
         self._reads = self._manager_views()
         self.waste_split = True
         # Running totals of (blocks, token_states, reserved, internal, padding,
-        # out_of_window): `_fixed` over the
-        # requests outside the decode cohort (each at its (tokens, processed)); each decoder's
-        # parts are linear in the clock K between its breakpoints (block boundaries, window
-        # edges, chunk starts), so it holds a segment: valid for K <= hi, parts =
-        # const + slope x K; `_dec_const` and `_dec_slope` sum those over the cohort, and
-        # `_seg_heap` holds (hi + 1, rid) so that `_stepped` renews the segments the clock
-        # has passed (lazily: an entry counts while `_seg[rid][0]` is still its hi).
-        # After the six parts, each manager's held blocks per group (`group_blocks`).
+        # out_of_window, then each manager's held blocks per group): `_fixed` over the
+        # requests outside the decode cohort (each at its (tokens, processed)), the cohort's
+        # in `_cohort` (`sim.hybrid.cohort`: sums in the decode clock).
         self._width = 6 + len(self.managers)
         self._fixed = [0] * self._width
-        self._dec_const = [0] * self._width
-        self._dec_slope = [0] * self._width
+        self._cohort = Cohort(self.managers, self._reads, self.page, self._parts_of,
+                              self._blocks)
+        self._rank: dict[int, int] = {}  # rid -> its admission's rank (the running order)
+        self._admissions = 0
+        self._totals_memo: tuple[int, int, list[int]] | None = None
         # `_integrals6`'s last answer: the engine asks the parts, then the waste, of a stretch
         self._integrals_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
-        self._seg: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
-        self._seg_heap: list[tuple[int, int]] = []
-        self._groups_total = sum(m.groups for m in self.managers)
         self._full_memo: tuple[int, int, int | None] | None = None
+        self._shrink_memo: tuple[int, int, int | None] | None = None
 
     # ------------------------------------------------------------- per request
     def _state(self, live: Live) -> tuple[int, int]:
@@ -291,77 +289,26 @@ class HybridAllocator(Allocator):
     def group_kinds(self) -> tuple[str, ...]:
         return tuple(g.kind for g in self.plan.groups)
 
-    def _totals(self) -> tuple[int, ...]:
-        """(blocks, token_states, reserved, internal, padding, out_of_window) over live
-        requests: the running totals."""
-        k = self._clock
-        f, c, sl = self._fixed, self._dec_const, self._dec_slope
-        return (f[0] + c[0] + sl[0] * k, f[1] + c[1] + sl[1] * k,
-                f[2] + c[2] + sl[2] * k, f[3] + c[3] + sl[3] * k,
-                f[4] + c[4] + sl[4] * k, f[5] + c[5] + sl[5] * k)
+    def _totals(self) -> list[int]:
+        """(blocks, token_states, reserved, internal, padding, out_of_window, then each
+        manager's held blocks per group) over live requests: the running totals."""
+        memo = self._totals_memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
+        out = self._cohort.totals(self._clock)
+        f = self._fixed
+        for i in range(self._width):
+            out[i] += f[i]
+        self._totals_memo = (self._clock, self._version, out)
+        return out
 
     def _add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
         f = self._fixed
         for i in range(self._width):
             f[i] += sign * parts[i]
 
-    def _next_start(self, tokens: int) -> int:
-        """The first length past `tokens` where some group's parts may stop being linear."""
-        best = tokens + 1 + max(m.block_size for m in self.managers)
-        for m in self.managers:
-            for r, mod in m.progressions():
-                x = tokens + 1 + (r - tokens - 1) % mod
-                if x < best:
-                    best = x
-        for view in self._reads:  # a promoted layer's window edge or chunk start
-            if view is not None:
-                best = min(best, view.end(tokens) + 1)
-        return best
-
-    def _segment(self, live: Live) -> None:
-        """Give a decoder its segment from the clock now, and add it to the cohort's sums."""
-        rid, k, final = live.req.rid, self._clock, live.final
-        tokens = live.base + k
-        if self._joined[rid] == k:  # its prefill's state, for this clock only
-            base = self._parts_of(tokens, self._proc[rid], final)
-            slope: tuple[int, ...] = (0,) * self._width
-            hi = k
-        else:
-            base = self._parts_of(tokens, tokens - 1, final)
-            end = self._next_start(tokens) - 1
-            if end > tokens:
-                after = self._parts_of(tokens + 1, tokens, final)
-                slope = tuple(y - x for x, y in zip(base, after, strict=True))
-            else:
-                slope = (0,) * self._width
-            hi = k + end - tokens
-        const = tuple(x - sl * k for x, sl in zip(base, slope, strict=True))
-        self._seg[rid] = (hi, const, slope)
-        dc, ds = self._dec_const, self._dec_slope
-        for i in range(self._width):
-            dc[i] += const[i]
-            ds[i] += slope[i]
-        heapq.heappush(self._seg_heap, (hi + 1, rid))
-
-    def _unsegment(self, rid: int) -> None:
-        """Take a decoder's segment out of the cohort's sums."""
-        _, const, slope = self._seg.pop(rid)
-        dc, ds = self._dec_const, self._dec_slope
-        for i in range(self._width):
-            dc[i] -= const[i]
-            ds[i] -= slope[i]
-
     def _stepped(self) -> None:
-        heap, segs, k = self._seg_heap, self._seg, self._clock
-        while heap and heap[0][0] <= k:
-            key, rid = heapq.heappop(heap)
-            seg = segs.get(rid)
-            if seg is not None and seg[0] + 1 == key:
-                self._unsegment(rid)
-                self._segment(self._live[rid])
-
-    def _ending_by(self, k: int) -> list[int]:
-        return segments_ending_by(self._seg_heap, self._seg, k)
+        self._cohort.stepped(self._clock)
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
@@ -370,9 +317,7 @@ class HybridAllocator(Allocator):
     def group_blocks(self) -> tuple[int, ...]:
         """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
         managers' tables, nulls left out), summed over live requests."""
-        k = self._clock
-        f, c, sl = self._fixed, self._dec_const, self._dec_slope
-        per_manager = [f[i] + c[i] + sl[i] * k for i in range(6, self._width)]
+        per_manager = self._totals()[6:]
         return tuple(per_manager[self._manager_of[g]] for g in range(len(self.plan.groups)))
 
     def blocks_of(self, rid: int) -> int:
@@ -510,6 +455,8 @@ class HybridAllocator(Allocator):
         if need > self.free_blocks():
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
         self._proc[rid] = 0
+        self._admissions += 1
+        self._rank[rid] = self._admissions
         ids = self._name_new(live, tokens, 0)
         self._add_fixed(self._parts_of(tokens, 0, live.final), 1)
         self._changed()
@@ -538,6 +485,7 @@ class HybridAllocator(Allocator):
             for ids in groups:
                 self._stack_ids.give(ids)
         self._named_start.pop(rid, None)
+        self._rank.pop(rid, None)
         self._proc.pop(rid, None)
         self._joined.pop(rid, None)
         self._changed()
@@ -548,9 +496,9 @@ class HybridAllocator(Allocator):
             self._add_fixed(self._parts_of(live.base + self._clock, self._proc[rid], live.final),
                             -1)
             self._joined[rid] = self._clock
-            self._segment(live)
+            self._cohort.join(rid, live.base, live.final, self._proc[rid], self._clock)
         else:
-            self._unsegment(rid)
+            self._cohort.leave(rid, self._clock)
             joined = self._joined.pop(rid)
             if joined != self._clock:  # stepped since joining: processed all but the last
                 self._proc[rid] = live.base - 1
@@ -579,141 +527,30 @@ class HybridAllocator(Allocator):
                 self.capacity - self.num_blocks * self.page, usable)
 
     # ------------------------------------------------------------ the cohort
-    def _decoders(self) -> list[tuple[Live, int, int]]:
-        """(live, tokens now, processed now) of each decoder."""
-        out = []
-        for rid in self._joined:
-            live = self._live[rid]
-            out.append((live, *self._state(live)))
-        return out
-
-    def _starts(self, lo: int, hi: int) -> list[int]:
-        points = {lo}
-        for m in self.managers:
-            points.update(m.starts(lo, hi))
-        return sorted(p for p in points if lo <= p <= hi)
-
     def steps_until_full(self) -> int | None:
         memo = self._full_memo
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
             return memo[2]
-        result = self._steps_until_full()
+        done = self.steps_until_done()
+        result = None if done is None else self._cohort.steps_until_full(
+            self._clock, done, self.free_blocks(), self._rank.__getitem__)
         self._full_memo = (self._clock, self._version, result)
         return result
-
-    def _steps_until_full(self) -> int | None:
-        done = self.steps_until_done()
-        if done is None:
-            return None
-        total = self._totals()[0]
-        # A quick bound first: in `done` steps a decoder takes at most ceil(done / bs) new
-        # blocks per attention group, none per Mamba group (frees only lower the count,
-        # whatever the order).
-        takes = sum(m.groups * m.most_taken(done) for m in self.managers)
-        if total + len(self._joined) * takes <= self.num_blocks:
-            return done
-        if not any(m.frees for m in self.managers):
-            return self._steps_until_full_growing(done, self.num_blocks - total)
-        decoders = self._decoders()
-        held = [self._blocks(tokens, processed) for _, tokens, processed in decoders]
-        # Then a finer one: the most each decoder could hold by its end.
-        bound = total
-        for (_, tokens, _), now in zip(decoders, held, strict=True):
-            end = tokens + done
-            most = 0
-            for m in self.managers:
-                most += m.groups * m.most_blocks(end)
-            bound += max(0, most - now)
-        if bound <= self.num_blocks:
-            return done
-        # Walk the block boundaries in step order: held counts change only there. vLLM
-        # allocates the running requests one after the other (each frees its skipped blocks,
-        # then takes its new ones), so a step fails when some prefix of the running order
-        # (the admission order: `_live`'s) takes more than was free, even if a later
-        # decoder's frees would cover it.
-        rank = {rid: k for k, rid in enumerate(self._live)}
-        # (step, rank in the running order, decoder): each decoder's next length where its
-        # count may change (`_next_start`), generated as the walk reaches it, so a walk that
-        # fails early costs only the decoders' first points.
-        heap = [(1, rank[live.req.rid], i) for i, (live, _, _) in enumerate(decoders)]
-        heapq.heapify(heap)
-        n = self.num_blocks
-        while heap and heap[0][0] <= done:
-            t = heap[0][0]
-            # (popped in running order within the step: the heap orders by (step, rank))
-            while heap and heap[0][0] == t:
-                _, r, i = heapq.heappop(heap)
-                base = decoders[i][1]
-                tokens = base + t
-                now = self._blocks(tokens, tokens - 1)
-                if now != held[i]:
-                    total += now - held[i]
-                    held[i] = now
-                    if total > n:
-                        return t - 1
-                nxt = self._next_start(tokens) - base
-                if nxt <= done:
-                    heapq.heappush(heap, (nxt, r, i))
-        return done
-
-    def _steps_until_full_growing(self, done: int, free: int) -> int:
-        """`_steps_until_full` where no group frees a block while a request runs (full
-        attention, MLA, Mamba in mode "none": every layout the manager off gives): counts only
-        grow, so the order of the running requests cannot matter and the answer is the most
-        steps whose new blocks fit. A decoder of L tokens has taken floor((a + t) / bs) new
-        blocks of a full group after t steps, a = (L - 1) mod bs; summed by residue a, one
-        count per residue, and bisected over t."""
-        tables: list[tuple[int, int, list[int]]] = []  # (groups, block size, count by a)
-        for m in self.managers:
-            if m.most_taken(done):  # (a Mamba group's one block covers max_model_len)
-                tables.append((m.groups, m.block_size, [0] * m.block_size))
-        for rid in self._joined:
-            tokens = self._tokens_of(self._live[rid])
-            for _, bs, counts in tables:
-                counts[(tokens - 1) % bs] += 1
-
-        def taken(t: int) -> int:
-            return sum(g * sum(c * ((a + t) // bs) for a, c in enumerate(counts) if c)
-                       for g, bs, counts in tables)
-
-        lo, hi = 0, done  # taken(lo) <= free; the answer is in [lo, hi]
-        if taken(hi) <= free:
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if taken(mid) <= free:
-                lo = mid
-            else:
-                hi = mid
-        return lo
 
     def steps_until_shrink(self) -> int | None:
         """Steps until a decode step frees a block of a sliding or chunked group: a decoder's
         first step after joining (its prefill's out-of-window blocks), or a window crossing a
-        block boundary. 1 too when the step just taken freed one and no later step frees
-        sooner: the engine asks after a step whether memory may have come back since a
-        refusal (a decoder at its final length, whose last step freed, is freed only at the
-        iteration's end, after the admissions that its blocks may let in)."""
-        windowed = [m for m in self.managers if m.frees]
-        if not windowed:
-            return None
-        best: int | None = None
-        clock = self._clock
-        for live, tokens, processed in self._decoders():
-            joined = self._joined[live.req.rid]
-            if joined != clock and best is None:  # stepped since joining: did that step free?
-                before = self._proc[live.req.rid] if joined == clock - 1 else tokens - 2
-                if any(m.skipped_blocks(processed) > m.skipped_blocks(before) for m in windowed):
-                    best = 1
-            if tokens >= live.final:
-                continue
-            if any(m.skipped_blocks(tokens) > m.skipped_blocks(processed) for m in windowed):
-                return 1
-            for m in windowed:
-                t = m.next_free(tokens, live.final)
-                if t is not None and (best is None or t < best):
-                    best = t
-        return best
+        block boundary. 1 too when the step just taken freed one: the engine asks after a step
+        whether memory may have come back since a refusal (a decoder at its final length, whose
+        last step freed, is freed only at the iteration's end, after the admissions that its
+        blocks may let in). Exact up to the first decoder's end; past it a lower bound, None
+        when no decoder frees again (`sim.hybrid.cohort`)."""
+        memo = self._shrink_memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
+        result = self._cohort.steps_until_shrink(self._clock, self.steps_until_done())
+        self._shrink_memo = (self._clock, self._version, result)
+        return result
 
     def integrals(
         self, n: int, probe: Request | None, w0: float, w1: float
@@ -725,12 +562,6 @@ class HybridAllocator(Allocator):
         usable = self.num_blocks * self.page * weight - allocated
         return (sums[1], sums[2], sums[3], external, usable, 0.0)
 
-    def _piece_starts(self, lo: int, hi: int) -> list[int]:
-        """`_starts`, and the window edges and chunk starts of promoted layers."""
-        points = self._starts(lo, hi)
-        extra = [p for view in self._reads if view is not None for p in view.starts(lo, hi)]
-        return sorted(set(points).union(extra)) if extra else points
-
     def _integrals6(self, n: int, w0: float, w1: float) -> list[float]:
         """Weighted sums over the next n steps of the running totals' six figures (blocks,
         token_states, reserved, internal, padding, out_of_window), as `integrals` weighs."""
@@ -739,35 +570,9 @@ class HybridAllocator(Allocator):
         if memo is not None and memo[0] == key:
             return memo[1]
         weight = n * w0 + w1 * n * (n - 1) / 2
-        jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
-        k0 = self._clock
-        sums = [0.0] * 6
-        # Decoders whose segment covers the stretch are in the cohort's linear sums; the
-        # others (a block boundary, window edge or chunk start within it) walk theirs.
-        fixed = list(self._fixed)
-        const, slope = list(self._dec_const), list(self._dec_slope)
-        for rid in (self._ending_by(k0 + n) if n else ()):
-            _, c, sl = self._seg[rid]
-            for k in range(6):
-                const[k] -= c[k]
-                slope[k] -= sl[k]
-            live = self._live[rid]
-            tokens = live.base + k0
-            starts = self._piece_starts(tokens + 1, tokens + n)
-            for si, a in enumerate(starts):
-                b = starts[si + 1] - 1 if si + 1 < len(starts) else tokens + n
-                fa = self._parts_of(a, a - 1, live.final)
-                m_count = b - a + 1
-                step = ([y - x for x, y in zip(fa, self._parts_of(a + 1, a, live.final),
-                                                strict=True)]
-                        if m_count > 1 else [0] * 6)
-                alpha = w0 + w1 * (a - tokens - 1)
-                s1 = m_count * (m_count - 1) / 2
-                s2 = (m_count - 1) * m_count * (2 * m_count - 1) / 6
-                for k in range(6):
-                    sums[k] += (alpha * fa[k] * m_count + (alpha * step[k] + w1 * fa[k]) * s1
-                                + w1 * step[k] * s2)
+        sums = (self._cohort.integrals(self._clock, n, w0, w1) if n and self._joined
+                else [0.0] * 6)
         for k in range(6):
-            sums[k] += (fixed[k] + const[k] + slope[k] * k0) * weight + slope[k] * jw
+            sums[k] += self._fixed[k] * weight
         self._integrals_memo = (key, sums)
         return sums

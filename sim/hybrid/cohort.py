@@ -1,0 +1,562 @@
+"""The hybrid allocator's decode cohort as running sums in the decode clock K, so that an engine
+event costs about the same however many requests decode (`kvfrag.sim.allocators.hybrid`).
+
+A decoder of phase c holds L = c + K tokens at clock K and has processed L - 1 (vLLM frees by
+the tokens computed before the step). Each of its figures (blocks, token_states, reserved,
+internal, padding, out_of_window, then each manager's held blocks per group) is, between its
+*events*, exactly
+
+    a + s x K + sum over its terms of v_k x floor((x + K) / mod_k)
+
+with two kinds of term: ceil(L / bs) for each block size (a block taken when L crosses a block
+boundary), and, once L reaches a sliding manager's window W, the blocks it has skipped,
+floor((L - W) / bs). Events are the lengths where that form changes: a window edge (of a
+sliding manager or of a promoted sliding layer, whose out-of-window tokens then grow), a chunk
+start (chunked-local groups free, and promoted chunked layers stop reading, a whole chunk at
+once: a constant between chunk starts), and entering the block of the final length (the
+reserved slots stop at it). At an event a decoder's form is rebuilt from its exact parts
+(`parts_of`), so a and s are the allocator's own figures, not a second derivation. A request
+meets a few events in its life, not one per block.
+
+The terms are kept per kind as paged.py keeps its block counts (`FloorSum`: counts per residue),
+with the decoders of each residue, so that:
+- the figures now, and their weighted sums over a stretch (`integrals`), cost O(residues)
+  plus the decoders with an event inside the stretch, walked piece by piece;
+- `steps_until_full` walks steps, not decoders: a step's blocks taken and freed are the counts
+  at its residues. vLLM allocates the running requests one after the other (each frees its
+  skipped blocks, then takes its new ones), so a step where the blocks taken could exceed the
+  free pool before the blocks freed come back is settled by walking that step's decoders in
+  running order (admission order): only those steps, only those decoders;
+- `steps_until_shrink` is the first step at which some residue of skipped blocks moves, or an
+  in-window or chunked decoder reaches its next free (a heap), exact up to the first decoder's
+  end (what the engine and the checks use); beyond it, a lower bound, or None when no decoder
+  frees again before its end (a heap of each decoder's last free).
+
+A decoder in the clock it joined holds its prefill's blocks (vLLM frees them at its first
+decode step): its parts differ from the form above at that clock only, kept as a correction.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from kvfrag.sim.allocators.paged import FloorSum
+from kvfrag.sim.hybrid.managers import Manager
+from kvfrag.sim.model_view import ModelView
+
+#: No event (a decoder's form holds to its end).
+NEVER = 1 << 62
+
+Parts = Callable[[int, int, int], tuple[int, ...]]
+
+
+class _Rec:
+    """One decoder: its phase, final length, form and terms, and its heap keys."""
+
+    __slots__ = ("a", "c", "event", "final", "last", "nf", "s", "terms")
+
+    def __init__(self, c: int, final: int) -> None:
+        self.c = c
+        self.final = final
+        self.a: list[int] = []
+        self.s: list[int] = []
+        self.terms: list[tuple[int, int]] = []  # (term kind, x)
+        self.event = NEVER  # clock of its next event
+        self.nf = NEVER  # clock of its next free that no term counts (in-window, chunked)
+        self.last = -1  # clock of its last free before its final length
+
+
+class Cohort:
+    """The decoders' figures as running sums (see the module)."""
+
+    def __init__(self, managers: Sequence[Manager], views: Sequence[ModelView | None],
+                 page: int, parts_of: Parts, blocks_of: Callable[[int, int], int]) -> None:
+        self.managers = tuple(managers)
+        self.width = 6 + len(self.managers)
+        self._parts = parts_of
+        self._blocks = blocks_of
+        width = self.width
+        # Term kinds: (mod, vector over the figures); ceil kinds first, one per block size.
+        self.mods: list[int] = []
+        self.vecs: list[list[int]] = []
+        ceil_of: dict[int, int] = {}
+        for mi, m in enumerate(self.managers):
+            b, g, tb = m.block_size, m.groups, m.token_bytes
+            k = ceil_of.get(b)
+            if k is None:
+                k = ceil_of[b] = len(self.mods)
+                self.mods.append(b)
+                self.vecs.append([0] * width)
+            v = self.vecs[k]
+            v[0] += g
+            v[2] += b * tb
+            v[3] += g * page - b * tb
+            v[4] += g * page - b * tb
+            v[6 + mi] += 1
+        self.n_ceil = len(self.mods)
+        #: per sliding manager: (its term kind, window, manager index)
+        self.sliding: list[tuple[int, int, int]] = []
+        for mi, m in enumerate(self.managers):
+            if m.kind == "sliding_window":
+                b, g, tb = m.block_size, m.groups, m.token_bytes
+                v = [0] * width
+                v[0] -= g
+                v[3] -= g * page
+                v[4] -= g * page - b * tb
+                v[5] -= b * tb
+                v[6 + mi] -= 1
+                self.sliding.append((len(self.mods), m.window, mi))
+                self.mods.append(b)
+                self.vecs.append(v)
+        self.windowed = tuple(m for m in self.managers if m.frees)
+        self.chunked = tuple(m for m in self.managers if m.kind == "chunked_local")
+        # Event lengths: window edges and chunk sizes, of managers and promoted layers.
+        windows = {m.window for m in self.managers if m.kind == "sliding_window"}
+        chunks = {m.window for m in self.chunked}
+        for view in views:
+            if view is not None:
+                windows.update(w for w, _ in view.sliding)
+                chunks.update(c for c, _ in view.chunked)
+        self.windows = tuple(sorted(windows))
+        self.chunks = tuple(sorted(chunks))
+        #: block sizes whose reserved slots stop at the final length's block
+        self.reserving = tuple(sorted({m.block_size for m in self.managers if m.token_bytes}))
+        self.blocks_vec = [v[0] for v in self.vecs]
+        self.clear()
+
+    def clear(self) -> None:
+        width = self.width
+        self.recs: dict[int, _Rec] = {}
+        self.A = [0] * width  # sum of a
+        self.S = [0] * width  # sum of s
+        self.sums = [FloorSum(mod) for mod in self.mods]
+        self.counts: list[dict[int, int]] = [{} for _ in self.mods]
+        self.members: list[dict[int, set[int]]] = [{} for _ in self.mods]
+        self.events: list[tuple[int, int]] = []  # (clock, rid), lazily pruned
+        self.nf_heap: list[tuple[int, int]] = []  # (clock, rid)
+        self.last_heap: list[tuple[int, int]] = []  # (-clock, rid)
+        # decoders that joined at `fresh_clock` -> (processed, parts now less their form's)
+        self.fresh: dict[int, tuple[int, list[int]]] = {}
+        self.fresh_corr = [0] * width
+        self.fresh_clock = -1
+        self.prev_fresh: dict[int, int] = {}  # decoders that joined at clock - 1 -> processed
+        self.switched_clock = -1  # clock at which `switched` decoders reached their window
+        self.switched = [0] * len(self.mods)
+        self.freed_clock = -1  # a chunked group freed a block at the step into this clock
+
+    # ------------------------------------------------------------------ one decoder
+    def _term_value(self, rec: _Rec, k: int) -> list[int]:
+        """Sum over the record's terms of v x floor((x + k) / mod)."""
+        out = [0] * self.width
+        mods, vecs = self.mods, self.vecs
+        for kind, x in rec.terms:
+            q = (x + k) // mods[kind]
+            if q:
+                v = vecs[kind]
+                for i in range(self.width):
+                    out[i] += v[i] * q
+        return out
+
+    def _build(self, rid: int, c: int, final: int, clock: int) -> _Rec:
+        """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 processed)."""
+        rec = _Rec(c, final)
+        tokens = c + clock
+        terms = [(k, c + self.mods[k] - 1) for k in range(self.n_ceil)]
+        terms.extend((k, c - w) for k, w, _ in self.sliding if tokens >= w)
+        rec.terms = terms
+        # the next event: window edge, chunk start, final block
+        nxt = NEVER
+        for w in self.windows:
+            if w > tokens:
+                nxt = w
+                break
+        for ch in self.chunks:
+            x = tokens + 1 + (1 - tokens - 1) % ch
+            if x < nxt:
+                nxt = x
+        for b in self.reserving:
+            x = final // b * b + 1
+            if tokens < x < nxt and final % b:
+                nxt = x
+        if nxt > final:
+            nxt = NEVER
+        width = self.width
+        now = self._parts(tokens, tokens - 1, final)
+        tv = self._term_value(rec, clock)
+        if nxt > tokens + 1 and tokens < final:
+            after = self._parts(tokens + 1, tokens, final)
+            tv1 = self._term_value(rec, clock + 1)
+            s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
+        else:
+            s = [0] * width
+        rec.s = s
+        rec.a = [now[i] - s[i] * clock - tv[i] for i in range(width)]
+        rec.event = NEVER if nxt == NEVER else nxt - c
+        # frees no term counts: an in-window sliding decoder's first, a chunked one's next
+        nf = NEVER
+        last = 0
+        for m in self.windowed:
+            if m.kind == "sliding_window":
+                if tokens < m.window:
+                    t = m.next_free(tokens, final)
+                    if t is not None and tokens + t < nf:
+                        nf = tokens + t
+                k_last = (final - m.window) // m.block_size
+                if k_last >= 1:
+                    last = max(last, m.window + k_last * m.block_size)
+            else:
+                t = m.next_free(tokens, final)
+                if t is not None:
+                    nf = min(nf, tokens + t)
+                    last = max(last, _last_chunk_free(m, tokens, final))
+        rec.nf = NEVER if nf == NEVER else nf - c
+        rec.last = last - c if last > tokens else -1
+        return rec
+
+    def _add(self, rid: int, rec: _Rec, sign: int) -> None:
+        A, S, a, s = self.A, self.S, rec.a, rec.s
+        for i in range(self.width):
+            A[i] += sign * a[i]
+            S[i] += sign * s[i]
+        for kind, x in rec.terms:
+            self.sums[kind].add(x, sign)
+            r = x % self.mods[kind]
+            counts = self.counts[kind]
+            n = counts.get(r, 0) + sign
+            if n:
+                counts[r] = n
+            else:
+                del counts[r]
+            members = self.members[kind]
+            if sign > 0:
+                members.setdefault(r, set()).add(rid)
+            else:
+                group = members[r]
+                group.discard(rid)
+                if not group:
+                    del members[r]
+
+    def _enter(self, rid: int, rec: _Rec) -> None:
+        self.recs[rid] = rec
+        self._add(rid, rec, 1)
+        if rec.event != NEVER:
+            heapq.heappush(self.events, (rec.event, rid))
+        if rec.nf != NEVER:
+            heapq.heappush(self.nf_heap, (rec.nf, rid))
+        if rec.last >= 0:
+            heapq.heappush(self.last_heap, (-rec.last, rid))
+
+    def _rotate(self, clock: int) -> None:
+        """Forget the prefill corrections of an earlier clock (keeping the last clock's
+        decoders, whose first step `steps_until_shrink` looks at)."""
+        if self.fresh_clock != clock:
+            self.prev_fresh = ({rid: p for rid, (p, _) in self.fresh.items()}
+                               if self.fresh_clock == clock - 1 else {})
+            self.fresh = {}
+            self.fresh_corr = [0] * self.width
+            self.fresh_clock = clock
+
+    def join(self, rid: int, c: int, final: int, processed: int, clock: int) -> None:
+        """A decoder joins at `clock` holding what its prefill left (`processed` computed)."""
+        self._rotate(clock)
+        rec = self._build(rid, c, final, clock)
+        self._enter(rid, rec)
+        tokens = c + clock
+        if processed != tokens - 1:
+            held = self._parts(tokens, processed, final)
+            form = self._parts(tokens, tokens - 1, final)
+            diff = [x - y for x, y in zip(held, form, strict=True)]
+            self.fresh[rid] = (processed, diff)
+            corr = self.fresh_corr
+            for i in range(self.width):
+                corr[i] += diff[i]
+
+    def leave(self, rid: int, clock: int) -> None:
+        self._rotate(clock)
+        rec = self.recs.pop(rid)
+        self._add(rid, rec, -1)
+        got = self.fresh.pop(rid, None)
+        if got is not None:
+            corr = self.fresh_corr
+            for i in range(self.width):
+                corr[i] -= got[1][i]
+        self.prev_fresh.pop(rid, None)
+
+    def stepped(self, clock: int) -> None:
+        """The clock is `clock`: rebuild the decoders whose event it has reached."""
+        self._rotate(clock)
+        heap, recs = self.events, self.recs
+        while heap and heap[0][0] <= clock:
+            key, rid = heapq.heappop(heap)
+            rec = recs.get(rid)
+            if rec is None or rec.event != key:
+                continue
+            self._add(rid, rec, -1)
+            new = self._build(rid, rec.c, rec.final, clock)
+            self._enter(rid, new)
+            tokens = rec.c + clock
+            if key == clock:
+                for k, w, _ in self.sliding:
+                    if tokens == w:  # (its skipped blocks' term starts at 0 now)
+                        if self.switched_clock != clock:
+                            self.switched_clock = clock
+                            self.switched = [0] * len(self.mods)
+                        self.switched[k] += 1
+                if any(m.skipped_blocks(tokens - 1) > m.skipped_blocks(tokens - 2)
+                       for m in self.chunked):
+                    self.freed_clock = clock
+
+    # ------------------------------------------------------------------ figures
+    def totals(self, clock: int) -> list[int]:
+        """The cohort's figures at `clock`."""
+        out = [self.A[i] + self.S[i] * clock for i in range(self.width)]
+        vecs = self.vecs
+        for k, fs in enumerate(self.sums):
+            if fs.nonzero or fs.q:
+                val = fs.value(clock)
+                if val:
+                    v = vecs[k]
+                    for i in range(self.width):
+                        out[i] += v[i] * val
+        if self.fresh_clock == clock and self.fresh:
+            corr = self.fresh_corr
+            for i in range(self.width):
+                out[i] += corr[i]
+        return out
+
+    def blocks(self, clock: int) -> int:
+        total = self.A[0] + self.S[0] * clock
+        for k, fs in enumerate(self.sums):
+            b = self.blocks_vec[k]
+            if b and (fs.nonzero or fs.q):
+                total += b * fs.value(clock)
+        if self.fresh_clock == clock and self.fresh:
+            total += self.fresh_corr[0]
+        return total
+
+    def _rec_blocks(self, rec: _Rec, clock: int) -> int:
+        """Blocks by the record's form at `clock` (what the running sums count for it)."""
+        total = rec.a[0] + rec.s[0] * clock
+        for kind, x in rec.terms:
+            total += self.blocks_vec[kind] * ((x + clock) // self.mods[kind])
+        return total
+
+    def _ending_by(self, clock: int) -> list[int]:
+        """Decoders with an event at or before `clock` (their forms change by then)."""
+        out: dict[int, None] = {}
+        heap, recs = self.events, self.recs
+        todo = [0] if heap and heap[0][0] <= clock else []
+        while todo:
+            i = todo.pop()
+            key, rid = heap[i]
+            rec = recs.get(rid)
+            if rec is not None and rec.event == key:
+                out[rid] = None
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < len(heap) and heap[j][0] <= clock:
+                    todo.append(j)
+        return list(out)
+
+    def integrals(self, clock: int, n: int, w0: float, w1: float) -> list[float]:
+        """sum over j = 1..n of (w0 + w1 (j - 1)) x the first six figures at clock + j."""
+        weight = n * w0 + w1 * n * (n - 1) / 2
+        jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
+        kw = clock * weight + jw  # sum_j (clock + j) * w_j
+        sums = [self.A[i] * weight + self.S[i] * kw for i in range(6)]
+        for k, fs in enumerate(self.sums):
+            if fs.nonzero or fs.q:
+                val = fs.integrate(clock, n, w0, w1, weight)
+                v = self.vecs[k]
+                for i in range(6):
+                    sums[i] += v[i] * val
+        for rid in self._ending_by(clock + n):
+            self._walk_events(rid, clock, n, w0, w1, sums)
+        return sums
+
+    def _walk_events(self, rid: int, clock: int, n: int, w0: float, w1: float,
+                     sums: list[float]) -> None:
+        """Add to `sums` what a decoder's events within the stretch change: from each event
+        on, its new form less the one the running sums count."""
+        old = self.recs[rid]
+        cur = old
+        end = clock + n
+        while cur.event <= end:
+            start = cur.event
+            new = self._build(rid, old.c, old.final, start)
+            stop = min(new.event - 1, end)
+            _piece(self, new, 1, clock, start, stop, w0, w1, sums)
+            _piece(self, old, -1, clock, start, stop, w0, w1, sums)
+            cur = new
+
+    # ------------------------------------------------------------------ look-ahead
+    def _hit(self, kind: int, clock: int) -> int:
+        """Decoders whose term of this kind moves at the step into `clock`."""
+        return self.counts[kind].get(-clock % self.mods[kind], 0)
+
+    def steps_until_full(self, clock: int, done: int, free: int,
+                         order: Callable[[int], int]) -> int:
+        """Steps (at most `done`) the cohort can take before some decoder, in running order
+        (`order`: its rank), finds too few of the `free` blocks (free now)."""
+        n_ceil, sums, bv = self.n_ceil, self.sums, self.blocks_vec
+        now = self.blocks(clock)
+        limit = now + free
+        taken = 0  # blocks the ceil terms take over the whole stretch: frees only lower it
+        for k in range(n_ceil):
+            if bv[k]:
+                taken += bv[k] * (sums[k].value(clock + done) - sums[k].value(clock))
+        if now + taken <= limit:
+            return done
+        special = self._ending_by(clock + done)
+        recs, blocks_of = self.recs, self._blocks
+        cur = now
+        for t in range(1, done + 1):
+            k1 = clock + t
+            up = 0
+            for k in range(n_ceil):
+                if bv[k]:
+                    up += bv[k] * self._hit(k, k1)
+            if t % 32 == 0:  # far from full: what the ceil terms take from here on fits
+                rest = 0
+                for k in range(n_ceil):
+                    if bv[k]:
+                        rest += bv[k] * (sums[k].value(clock + done) - sums[k].value(k1 - 1))
+                if cur + rest <= limit:
+                    return done
+            delta = up + self.S[0]
+            for k in range(n_ceil, len(self.mods)):
+                delta += bv[k] * self._hit(k, k1)
+            for rid in special:  # (their forms change within the stretch)
+                rec = recs[rid]
+                if rec.event <= k1:
+                    tokens = rec.c + k1
+                    delta += (blocks_of(tokens, tokens - 1) - self._rec_blocks(rec, k1)
+                              - blocks_of(tokens - 1, tokens - 2)
+                              + self._rec_blocks(rec, k1 - 1))
+            if t == 1 and self.fresh_clock == clock and self.fresh:
+                delta -= self.fresh_corr[0]
+            if cur + up <= limit:
+                cur += delta
+                continue
+            # Blocks taken before others are freed could overrun: vLLM's order decides.
+            cands: set[int] = set(special)
+            for k in range(len(self.mods)):
+                group = self.members[k].get(-k1 % self.mods[k])
+                if group:
+                    cands.update(group)
+            if t == 1 and self.fresh_clock == clock:
+                cands.update(self.fresh)
+            walked = cur
+            for rid in sorted(cands, key=order):
+                rec = recs[rid]
+                tokens = rec.c + k1
+                change = (self._exact(rid, rec, tokens, k1)
+                          - self._exact(rid, rec, tokens - 1, k1 - 1))
+                if change:
+                    walked += change
+                    if walked > limit:
+                        return t - 1
+            cur += delta
+            assert walked == cur, (walked, cur)
+        return done
+
+    def _exact(self, rid: int, rec: _Rec, tokens: int, clock: int) -> int:
+        """A decoder's blocks at `clock`, from its managers (its prefill's at its join)."""
+        if clock == self.fresh_clock:
+            got = self.fresh.get(rid)
+            if got is not None:
+                return self._blocks(tokens, got[0])
+        return self._blocks(tokens, tokens - 1)
+
+    def steps_until_shrink(self, clock: int, done: int | None) -> int | None:
+        """See the module: exact up to `done`, a lower bound past it, None if no decoder
+        frees again before its end."""
+        if not self.windowed or not self.recs:
+            return None
+        windowed = self.windowed
+        # The step just taken freed a block (the engine asks whether memory came back).
+        if self.freed_clock == clock:
+            return 1
+        fresh = self.fresh if self.fresh_clock == clock else {}
+        for k, _, _ in self.sliding:
+            hit = self._hit(k, clock)
+            if hit and self.switched_clock == clock:
+                hit -= self.switched[k]
+            if hit:  # (less the decoders that joined now: their step is still to come)
+                mod = self.mods[k]
+                for rid in fresh:
+                    hit -= sum(1 for kind, x in self.recs[rid].terms
+                               if kind == k and (x + clock) % mod == 0)
+            if hit > 0:
+                return 1
+        for rid, processed in self.prev_fresh.items():
+            rec = self.recs[rid]
+            tokens = rec.c + clock
+            if any(m.skipped_blocks(tokens - 1) > m.skipped_blocks(processed) for m in windowed):
+                return 1
+        if fresh:
+            for rid, (processed, _) in fresh.items():
+                rec = self.recs[rid]
+                tokens = rec.c + clock
+                if tokens < rec.final and any(
+                        m.skipped_blocks(tokens) > m.skipped_blocks(processed) for m in windowed):
+                    return 1
+        best = NEVER
+        for k, _, _ in self.sliding:
+            mod = self.mods[k]
+            for r in self.counts[k]:
+                t = (-(r + clock) - 1) % mod + 1
+                if t < best:
+                    best = t
+        heap, recs = self.nf_heap, self.recs
+        while heap:
+            key, rid = heap[0]
+            rec = recs.get(rid)
+            if rec is None or rec.nf != key or key <= clock:
+                heapq.heappop(heap)
+                continue
+            best = min(best, key - clock)
+            break
+        if done is not None and best <= done:
+            return best
+        heap = self.last_heap
+        while heap:
+            key, rid = heap[0]
+            rec = recs.get(rid)
+            if rec is None or rec.last != -key or -key <= clock:
+                heapq.heappop(heap)
+                continue
+            return best if best != NEVER else (done or 0) + 1
+        return None
+
+
+def _last_chunk_free(m: Manager, tokens: int, final: int) -> int:
+    """The last length up to `final` whose step frees a chunked group's blocks (0: none)."""
+    c = m.window
+    length = (final - 1) // c * c + 1
+    while length > tokens and length > c:
+        if m.skipped_blocks(length - 1) > m.skipped_blocks(length - 2):
+            return length
+        length -= c
+    return 0
+
+
+def _piece(co: Cohort, rec: _Rec, sign: int, clock: int, start: int, stop: int,
+           w0: float, w1: float, sums: list[float]) -> None:
+    """Add sign x sum over clocks k in [start, stop] of w_(k - clock) x the record's form at
+    k (w_j = w0 + w1 (j - 1)), to the first six figures."""
+    if stop < start:
+        return
+    m = stop - start + 1
+    a0 = w0 + w1 * (start - clock - 1)  # the weight at `start`
+    weight = m * a0 + w1 * m * (m - 1) / 2
+    kw = start * weight + (a0 * m * (m - 1) / 2 + w1 * (m - 1) * m * (2 * m - 1) / 6)
+    for i in range(6):
+        sums[i] += sign * (rec.a[i] * weight + rec.s[i] * kw)
+    for kind, x in rec.terms:
+        fs = FloorSum(co.mods[kind])
+        fs.add(x, 1)
+        val = fs.integrate(start - 1, m, a0, w1, weight)
+        v = co.vecs[kind]
+        for i in range(6):
+            sums[i] += sign * v[i] * val
