@@ -302,7 +302,8 @@ def test_dictionary_lists_every_column_a_run_writes(run):
     at = columns.index("events") + 1
     assert columns[at:at + len(options)] == options
     assert set(_listed("summary.csv")) == set(columns) - set(SWEEP_KEYS) - set(options)
-    optional = {"slab_offsets_bytes", "slab_move_t_s", "slab_move_offset_bytes"}  # (when present)
+    optional = {"slab_offsets_bytes", "slab_move_t_s", "slab_move_offset_bytes",
+                "priority"}  # (when present)
     for name in ("timeseries.parquet", "requests.parquet"):
         columns = set(pd.read_parquet(out / name).columns)
         assert set(_listed(name)) - optional == columns - optional, name
