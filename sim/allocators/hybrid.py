@@ -204,8 +204,8 @@ class HybridAllocator(Allocator):
         # in `_cohort` (`sim.hybrid.cohort`: sums in the decode clock).
         self._width = 6 + len(self.managers)
         self._fixed = [0] * self._width
-        self._cohort = Cohort(self.managers, self._reads, self.page, self._parts_of,
-                              self._blocks)
+        self._cohort = Cohort(self.managers, self._reads, self.page, self.max_model_len,
+                              self._parts_of, self._blocks)
         self._rank: dict[int, int] = {}  # rid -> its admission's rank (the running order)
         self._admissions = 0
         self._totals_memo: tuple[int, int, list[int]] | None = None
@@ -240,19 +240,21 @@ class HybridAllocator(Allocator):
         rounding (slots past F)."""
         blocks = token_states = reserved = padding = out = 0
         per_manager = []
+        page = self.page
         for m, view in zip(self.managers, self._reads, strict=True):
-            bs = m.block_size
-            held = m.held(tokens, processed)
+            bs, tb, groups = m.block_size, m.token_bytes, m.groups
+            ceil = -(-tokens // bs)
+            skipped = m.skipped_blocks(processed)
+            held = ceil - skipped  # (`m.held`)
             per_manager.append(held)
-            blocks += m.groups * held
+            blocks += groups * held
             # tokens its layers read: all, less those out of their window (`needed` for the
             # manager's own kind; promoted layers by their real kind)
             unread = 0 if view is None else view.out_of_window(tokens)
-            token_states += tokens * m.token_bytes - unread + m.state_bytes
-            end = -(-tokens // bs) * bs
-            reserved += max(0, min(final, end) - tokens) * m.token_bytes
-            padding += held * (m.groups * self.page - bs * m.token_bytes) - m.state_bytes
-            out += unread - m.skipped_blocks(processed) * bs * m.token_bytes
+            token_states += tokens * tb - unread + m.state_bytes
+            reserved += max(0, min(final, ceil * bs) - tokens) * tb
+            padding += held * (groups * page - bs * tb) - m.state_bytes
+            out += unread - skipped * bs * tb
         internal = blocks * self.page - token_states - reserved
         return (blocks, token_states, reserved, internal, padding, out, *per_manager)
 

@@ -71,7 +71,8 @@ class Cohort:
     """The decoders' figures as running sums (see the module)."""
 
     def __init__(self, managers: Sequence[Manager], views: Sequence[ModelView | None],
-                 page: int, parts_of: Parts, blocks_of: Callable[[int, int], int]) -> None:
+                 page: int, max_len: int, parts_of: Parts,
+                 blocks_of: Callable[[int, int], int]) -> None:
         self.managers = tuple(managers)
         self.width = 6 + len(self.managers)
         self._parts = parts_of
@@ -83,6 +84,8 @@ class Cohort:
         ceil_of: dict[int, int] = {}
         for mi, m in enumerate(self.managers):
             b, g, tb = m.block_size, m.groups, m.token_bytes
+            if b >= max_len:  # (one block for every length: Mamba's; a constant)
+                continue
             k = ceil_of.get(b)
             if k is None:
                 k = ceil_of[b] = len(self.mods)
@@ -158,8 +161,9 @@ class Cohort:
                     out[i] += v[i] * q
         return out
 
-    def _build(self, rid: int, c: int, final: int, clock: int) -> _Rec:
-        """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 processed)."""
+    def _build(self, rid: int, c: int, final: int, clock: int) -> tuple[_Rec, tuple[int, ...]]:
+        """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 processed), and its
+        parts then."""
         rec = _Rec(c, final)
         tokens = c + clock
         terms = [(k, c + self.mods[k] - 1) for k in range(self.n_ceil)]
@@ -212,7 +216,7 @@ class Cohort:
                     last = max(last, _last_chunk_free(m, tokens, final))
         rec.nf = NEVER if nf == NEVER else nf - c
         rec.last = last - c if last > tokens else -1
-        return rec
+        return rec, now
 
     def _add(self, rid: int, rec: _Rec, sign: int) -> None:
         A, S, a, s = self.A, self.S, rec.a, rec.s
@@ -260,12 +264,11 @@ class Cohort:
     def join(self, rid: int, c: int, final: int, processed: int, clock: int) -> None:
         """A decoder joins at `clock` holding what its prefill left (`processed` computed)."""
         self._rotate(clock)
-        rec = self._build(rid, c, final, clock)
+        rec, form = self._build(rid, c, final, clock)
         self._enter(rid, rec)
         tokens = c + clock
         if processed != tokens - 1:
             held = self._parts(tokens, processed, final)
-            form = self._parts(tokens, tokens - 1, final)
             diff = [x - y for x, y in zip(held, form, strict=True)]
             self.fresh[rid] = (processed, diff)
             corr = self.fresh_corr
@@ -293,7 +296,7 @@ class Cohort:
             if rec is None or rec.event != key:
                 continue
             self._add(rid, rec, -1)
-            new = self._build(rid, rec.c, rec.final, clock)
+            new = self._build(rid, rec.c, rec.final, clock)[0]
             self._enter(rid, new)
             tokens = rec.c + clock
             if key == clock:
@@ -383,7 +386,7 @@ class Cohort:
         end = clock + n
         while cur.event <= end:
             start = cur.event
-            new = self._build(rid, old.c, old.final, start)
+            new = self._build(rid, old.c, old.final, start)[0]
             stop = min(new.event - 1, end)
             _piece(self, new, 1, clock, start, stop, w0, w1, sums)
             _piece(self, old, -1, clock, start, stop, w0, w1, sums)
@@ -438,6 +441,8 @@ class Cohort:
             if cur + up <= limit:
                 cur += delta
                 continue
+            if delta == up:  # nothing freed at this step: its order cannot matter
+                return t - 1
             # Blocks taken before others are freed could overrun: vLLM's order decides.
             cands: set[int] = set(special)
             for k in range(len(self.mods)):
