@@ -171,6 +171,12 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
 
+    @property
+    def prefill_chunk_limit(self) -> int:
+        """The most tokens one prefill chunk may take (vLLM's `max_prefill_tokens`)."""
+        return min(self.max_num_batched_tokens,
+                   self.long_prefill_token_threshold or self.max_num_batched_tokens)
+
 
 @dataclass
 class RunResult:
@@ -641,6 +647,9 @@ class Engine:
             if 0 < cap < work:
                 work = cap  # (vLLM caps before it checks the budget: it chunks even unchunked)
             chunk = min(work, budget - used) if cfg.chunked_prefill else work
+            if chunk <= budget - used and not (chunk := self.alloc.aligned_chunk(
+                    r.req, hit, chunk, r.prefill, cfg.prefill_chunk_limit)):
+                break  # (Mamba "align" mode: no block boundary in reach this step)
             reason: Reason | None
             if chunk > budget - used and r.req.prompt >= self.alloc.max_model_len:
                 reason = Reason.PROMPT_TOO_LONG  # (it would wait for a token budget forever)
@@ -688,6 +697,9 @@ class Engine:
                 continue  # preempted by an earlier chunk this iteration
             cap = self.long_cap
             chunk = min(r.prefill_left, budget - used, cap if cap else r.prefill_left)
+            if not (chunk := self.alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk,
+                                                      r.prefill, self.cfg.prefill_chunk_limit)):
+                continue  # (Mamba "align" mode: no block boundary in reach this step)
             last = chunk == r.prefill_left
             attention = 0.0
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)

@@ -171,6 +171,9 @@ def reference(
             if r["status"] != "running":
                 continue
             chunk = min(r["left"], budget - used, cap or r["left"])
+            if not (chunk := alloc.aligned_chunk(r["req"], r["prefill"] - r["left"], chunk,
+                                                 r["prefill"], cfg.prefill_chunk_limit)):
+                continue  # (Mamba "align" mode: no block boundary in reach this step)
             last = chunk == r["left"]
             seconds = st_.prefill_s(chunk, r["prefill"] - r["left"])
             attention += seconds
@@ -215,6 +218,9 @@ def reference(
             work = r["prefill"] - hit
             want = cap if 0 < cap < work else work
             chunk = min(want, budget - used) if cfg.chunked_prefill else want
+            if chunk <= budget - used and not (chunk := alloc.aligned_chunk(
+                    r["req"], hit, chunk, r["prefill"], cfg.prefill_chunk_limit)):
+                break  # (Mamba "align" mode: no block boundary in reach this step)
             whole = chunk == work
             # the whole sequence (reserve_full_isl) or the first chunk must fit
             first = hit + chunk + r["lead"] * whole

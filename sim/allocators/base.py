@@ -696,6 +696,15 @@ class Allocator(ABC):
         preemption prefills its generated tokens too, and may find them cached)."""
         return 0
 
+    def aligned_chunk(self, req: Request, start: int, chunk: int, total: int,
+                      limit: int) -> int:
+        """The prefill chunk the scheduler runs from token `start` when it could run `chunk`
+        (`total`: the tokens the prefill runs to, a resumed request's output included;
+        `limit`: the most tokens one chunk may take). vLLM's hybrid manager in Mamba "align"
+        mode ends chunks where a Mamba state must be kept (`HybridPrefixCaching`); 0 means
+        none this step. Every other layout runs the chunk as it is."""
+        return chunk
+
     def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
         """Free memory `admit(req, tokens)` takes when its first `hit` tokens are found cached
         (`cached_prefix_tokens`): what an admission gate checks before taking a first chunk."""

@@ -1,7 +1,7 @@
 """vLLM 0.33's hybrid KV-cache manager for full, MLA, sliding-window and chunked-local
 attention and Mamba state (`mamba_cache_mode` "none"). This class models it without prefix
 caching; with `prefix_caching=True` it builds `kvfrag.sim.hybrid.caching.HybridPrefixCaching`
-(vLLM's block pool kept block by block), for models without Mamba layers.
+(vLLM's block pool kept block by block; Mamba groups there run in mode "align").
 
 The plan (`kvfrag.sim.hybrid.planner.plan`) cuts the budget into `num_blocks` block ids of one
 page size; block 0 is the pool's null block, the other `usable_blocks` are shared by every
@@ -20,11 +20,10 @@ group there is a block table, kept by one single-type manager per kind of group
 
 The managers are `kvfrag.sim.hybrid.managers`' classes, one per kind of group; this class is
 their coordinator. Mamba's "align" mode (the current state block, the previous one until the
-next step, checkpoint blocks, chunks scheduled on block boundaries) is refused: vLLM 0.33
-reaches it only with prefix caching (`MambaModelConfig.verify_and_update_config` turns
-"align" into "none" without it, and a Mamba block size other than max_model_len needs
-`--enable-prefix-caching`), which is not modelled with Mamba layers yet. (vLLM 0.33 turns
-prefix caching on by default for hybrid models, so "none" is a server run with
+next step, chunks scheduled on block boundaries) is what vLLM 0.33 runs with prefix caching,
+and only then (`MambaModelConfig.verify_and_update_config` turns "align" into "none" without
+it): `HybridPrefixCaching` models it; here "align" is refused. (vLLM 0.33 turns prefix
+caching on by default for hybrid models, so "none" is a server run with
 `--no-enable-prefix-caching`.)
 
 P is what vLLM's `allocate_slots` frees by: the tokens computed before this allocation. An
@@ -147,19 +146,15 @@ class HybridAllocator(Allocator):
         if retention != 0 and not prefix_caching:
             raise ValueError("prefix_cache_retention_interval needs prefix_caching true")
         self.retention: int | None = retention
-        if prefix_caching and stack.mamba_layers:
-            raise ValueError("the hybrid allocator does not model prefix caching with Mamba "
-                             "groups yet")
         if mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise ValueError(
                 f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, not "
                 f"{mamba_cache_mode!r}"
             )
-        if mamba_cache_mode == "align":
+        if mamba_cache_mode == "align" and not prefix_caching:
             raise ValueError(
-                "mamba_cache_mode 'align' needs prefix caching (vLLM 0.33 turns it into "
-                "'none' without it), which the hybrid allocator does not model with Mamba "
-                "groups yet"
+                "mamba_cache_mode 'align' needs prefix_caching true (vLLM 0.33 turns it into "
+                "'none' without it); with prefix caching it is what vLLM runs"
             )
         if self.bytes_per_token != stack.full_bytes_per_token:
             raise ValueError(

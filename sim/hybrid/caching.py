@@ -22,10 +22,23 @@ token; sliding window W: the last W tokens of its holder); reserved the slots of
 last block its request will still write; internal the rest of the held ids' pages. The split
 of internal into padding and out-of-window tokens is not made here (`waste_split` off).
 
-Modelled: full attention, MLA, sliding-window and chunked-local groups with the hybrid manager
-on, one block size (the hash block size), and `prefix_cache_retention_interval` (0, vLLM's
-default; a multiple of the block size; or None, every block kept). Refused (one line): Mamba
-groups, the manager off, sample groups (n > 1).
+Mamba hybrids run in vLLM's `mamba_cache_mode` "align", which prefix caching forces: the
+attention and Mamba groups share one block size (Qwen3-Next: 544 tokens, Jamba: 80), a
+request holds per Mamba group its current state block and, until its next allocation, the
+previous one (`sim.hybrid.prefix`), and its state blocks are cached only at block boundaries
+that a hit can use (the replay boundary and shared-prefix junctions, with retention 0). The
+scheduler ends prefill chunks where a state must be kept (`aligned_chunk`, vLLM's
+`_mamba_block_aligned_split`), so a prompt is prefilled in two steps or more even without
+chunked prefill. A hit on a state block cached in the same scheduler step waits a step, as
+vLLM's `cached_blocks_this_step` makes it (the allocator tells steps apart by the engine's
+calls: a decode step, a free, a request's second chunk, a chunk after an admission).
+
+Modelled: full attention, MLA, sliding-window, chunked-local and Mamba ("align") groups with
+the hybrid manager on, one block size (the hash block size), and
+`prefix_cache_retention_interval` (0, vLLM's default; a multiple of the block size; or None,
+every block kept). Not modelled: Mamba prefill-checkpoint blocks (FlashInfer's gated delta
+net on Hopper), partial (sub-block) hits. Refused (one line): the manager off, sample groups
+(n > 1).
 """
 
 from __future__ import annotations
@@ -48,9 +61,9 @@ class HybridPrefixCaching(HybridAllocator):
         if retention and retention % p.scheduler_block_size:
             raise ValueError(f"prefix_cache_retention_interval ({retention}) must be a multiple "
                              f"of the scheduler block size ({p.scheduler_block_size})")
-        if retention and not any(g.kind == "sliding_window" for g in p.groups):
+        if retention and not any(g.kind in ("sliding_window", "mamba") for g in p.groups):
             raise ValueError("prefix_cache_retention_interval has no effect without sliding "
-                             "window groups: leave it 0")
+                             "window or Mamba groups: leave it 0")
         # (`retention`, vLLM's `prefix_cache_retention_interval`: 0 keeps a sliding group's
         # blocks only at replay boundaries and junctions, R > 0 also one window's blocks per
         # R tokens, None every block a hit can use)
@@ -59,7 +72,7 @@ class HybridPrefixCaching(HybridAllocator):
                              "hybrid_kv_cache_manager true")
         kinds: list[Kind] = []
         for m in self.managers:
-            if m.kind not in ("full", "sliding_window", "chunked_local"):
+            if m.kind not in ("full", "sliding_window", "chunked_local", "mamba"):
                 raise ValueError(f"the hybrid allocator does not model prefix caching with "
                                  f"{m.kind} groups yet")
             if m.block_size != p.hash_block_size or m.block_size != p.scheduler_block_size:
@@ -72,6 +85,19 @@ class HybridPrefixCaching(HybridAllocator):
         self._order = sorted(range(len(kinds)), key=lambda i: kinds[i].kind != "full")
         self._tb = [sum(self.stack.layers[i].bytes_per_token for i in g.layers)
                     for g in p.groups]
+        # Per plan group, its real layers' Mamba state (0 for attention groups).
+        self._sb = [sum(getattr(self.stack.layers[i], "state_bytes", 0) for i in g.layers)
+                    if g.kind == "mamba" else 0 for g in p.groups]
+        self._mamba = any(k.kind == "mamba" for k in kinds)
+        self._hash_bs = p.hash_block_size
+        # vLLM's `cached_blocks_this_step`: Mamba keys cached in this scheduler step (a hit on
+        # one waits a step); `_grown` the requests given a chunk in it, `_admitted` whether an
+        # admission came last, `_waited` whether a hit was told to wait (the engine is told
+        # memory came back once the step is over).
+        self._fresh: set[tuple] = set()
+        self._grown: set[int] = set()
+        self._admitted = False
+        self._waited = False
         self._st = PrefixState(self.num_blocks, len(p.groups))
         self._sim_clock = 0  # the clock the state's decode steps have reached
         # (rid, cache version, hit, per group the hit's ids, shared-prefix junction)
@@ -96,7 +122,7 @@ class HybridPrefixCaching(HybridAllocator):
         got = self._chains.get(req.rid)
         if got is not None and got[0] is req:
             return got[1]
-        bs, chunk = self.block_size, req.prefix_tokens
+        bs, chunk = self._hash_bs, req.prefix_tokens
         blocks = req.prompt // bs
         out: list[object] = []
         if req.prefix and chunk >= 1:
@@ -139,6 +165,13 @@ class HybridPrefixCaching(HybridAllocator):
                 for lst, b in zip(chunked, ids, strict=True):
                     lst.append(b)
             return chunked, len(chunked[0]) * bs
+        if k.kind == "mamba":
+            # Right to left: the state block ending at the hit (the blocks before are null).
+            for i in range(max_len // bs - 1, -1, -1):
+                ids = [pool.lookup(self._key(req, chain, i, g)) for g in k.groups]
+                if all(ids):
+                    return [[0] * i + [b] for b in ids], (i + 1) * bs
+            return [[] for _ in k.groups], 0
         need, top = k.need(), max_len // bs
         comp = [[0] * top for _ in k.groups]
         run, found = 0, False
@@ -212,7 +245,8 @@ class HybridPrefixCaching(HybridAllocator):
         self._boundary[req.rid] = boundary
         return hit, ids, boundary
 
-    def _need_new(self, tokens: int, ids: list[list[int]], hit: int, cap: bool) -> int:
+    def _need_new(self, req: Request, tokens: int, ids: list[list[int]], hit: int,
+                  cap: bool) -> int:
         """vLLM's `get_num_blocks_to_allocate` for a request not running yet: blocks past
         the hit (and past a sliding window's skipped ones), plus hit ids nobody holds."""
         ref, need = self._st.pool.ref, 0
@@ -220,6 +254,16 @@ class HybridPrefixCaching(HybridAllocator):
             m = self.managers[self._manager_of[g]]
             k = self._kinds[self._manager_of[g]]
             required = -(-tokens // m.block_size)
+            if k.kind == "mamba":
+                # One new state block at most, plus the hit's if idle; a hit on a state
+                # cached in this step waits a step (vLLM asks for more blocks than exist).
+                if found and self._key(req, self._chain(req), len(found) - 1,
+                                       g) in self._fresh:
+                    self._waited = True
+                    return self.num_blocks + 1
+                need += min(required - len(found), 1)
+                need += sum(1 for b in found if b and not ref[b])
+                continue
             if cap and m.cap is not None:
                 required = min(required, m.cap)
             skipped = k.skipped(hit)
@@ -234,8 +278,50 @@ class HybridPrefixCaching(HybridAllocator):
         self._flush()
         found, ids, _ = self._looked_up(req, hit + 1)
         tail = (self.capacity - self.num_blocks * self.page) // self.page
-        need = self._need_new(min(tokens, self.max_model_len), ids, found, cap=True)
+        need = self._need_new(req, min(tokens, self.max_model_len), ids, found, True)
         return (need + tail) * self.page
+
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        """`HybridAllocator.bytes_for`, a Mamba group in mode "align" holding two state blocks
+        at most (the current one and, until the next allocation, the previous one)."""
+        if not self._mamba:
+            return super().bytes_for(req, tokens)
+        blocks = 0
+        for m in self.managers:
+            need = -(-tokens // m.block_size)
+            if m.kind == "mamba":
+                need = min(need, 2)
+            elif m.cap is not None:
+                need = min(need, m.cap)
+            blocks += m.groups * need
+        return blocks * self.page
+
+    def aligned_chunk(self, req: Request, start: int, chunk: int, total: int,
+                      limit: int) -> int:
+        """vLLM's `_mamba_block_aligned_split` (mode "align"): a prefill chunk from `start`
+        ends on a block boundary unless it ends the prefill (a block wider than `limit`, the
+        most one chunk may take, may end inside it when no boundary is in reach), and it
+        stops at the first of these inside it: the next boundary when it starts inside a
+        block, the last boundary before the sequence's last token (the state a hit can use),
+        the shared-prefix junction its lookup found (aligned down from `start`). 0: not this
+        step."""
+        if not self._mamba:
+            return chunk
+        bs = self.plan.block_size
+        prefill_end = max(req.prompt, total - 1)
+        if start >= prefill_end:
+            return chunk
+        end = start + chunk
+        if end < prefill_end:
+            aligned = end // bs * bs
+            if aligned > start or bs <= limit:
+                end = aligned
+        junction = self._boundary.get(req.rid, 0)
+        stops = ((start // bs + 1) * bs if start % bs else 0,
+                 max(0, (total - 1) // bs * bs),
+                 start + (junction - start) // bs * bs if start < junction < end else 0)
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
 
     def idle_cached_blocks(self) -> int:
         self._flush()
@@ -273,6 +359,25 @@ class HybridPrefixCaching(HybridAllocator):
                 return True
         return False
 
+    def _state_kept(self, req: Request, k: Kind, j: int) -> bool:
+        """Whether Mamba state block j is cached (vLLM's `MambaManager.reachable_block_mask`):
+        every block with retention None; with R > 0 the last block of each R tokens; and the
+        block ending at the replay boundary (the prompt less its last token) or the request's
+        shared-prefix junction, aligned down to the scheduler block."""
+        retention = self.retention
+        if retention is None:
+            return True
+        if retention:
+            per = retention // k.block_size
+            if per <= 1 or j % per == per - 1:
+                return True
+        a = self.plan.scheduler_block_size
+        bounds = [req.prompt - 1]
+        junction = self._st.boundary.get(req.rid, 0)
+        if junction:
+            bounds.append(junction)
+        return any(x // a * a // k.block_size - 1 == j for x in bounds)
+
     def _cache(self, st: PrefixState, req: Request, tokens: int) -> None:
         """vLLM's `cache_blocks`: each group's newly full blocks join the cache. Blocks the
         prefix ids name count as a free for the engine (`frees`): a waiting request refused
@@ -284,11 +389,16 @@ class HybridPrefixCaching(HybridAllocator):
         for g, table in enumerate(st.tables[rid]):
             k = self._kinds[self._manager_of[g]]
             full = tokens // k.block_size
+            mamba = k.kind == "mamba"
             for j in range(done[g], full):
                 b = table[j]
-                if b and (k.kind != "sliding_window" or self._reachable(req, k, j)):
-                    st.pool.insert(self._key(req, chain, j, g), b)
+                if b and (k.kind != "sliding_window" or self._reachable(req, k, j)) and (
+                        not mamba or self._state_kept(req, k, j)):
+                    key = self._key(req, chain, j, g)
+                    st.pool.insert(key, b)
                     named = named or j < len(chain)
+                    if mamba and st is self._st:
+                        self._fresh.add(key)
             done[g] = max(done[g], full)
         if named and st is self._st:
             self.frees += 1
@@ -301,17 +411,20 @@ class HybridPrefixCaching(HybridAllocator):
             raise ValueError(
                 f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
             )
-        if self._blocks(tokens, 0) > self.num_blocks:
-            return Refusal(rid, Reason.TOO_LARGE, self._blocks(tokens, 0) * self.page,
+        most = (self.bytes_for(req, tokens) // self.page if self._mamba
+                else self._blocks(tokens, 0))
+        if most > self.num_blocks:
+            return Refusal(rid, Reason.TOO_LARGE, most * self.page,
                            self.free_bytes(), "needs more blocks than exist")
         self._flush()
+        self._admitted = True
         hit, ids, boundary = self._looked_up(req, tokens)
         st = self._st
-        need = self._need_new(tokens, ids, hit, cap=False)
+        need = self._need_new(req, tokens, ids, hit, False)
         if need > st.pool.free_count():
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
-        self.lookups += (tokens - 1) // self.block_size
-        self.hit_blocks += hit // self.block_size
+        self.lookups += (tokens - 1) // self._hash_bs
+        self.hit_blocks += hit // self._hash_bs
         st.boundary[rid] = boundary
         tables: list[list[int]] = []
         for g, found in enumerate(ids):
@@ -321,6 +434,8 @@ class HybridPrefixCaching(HybridAllocator):
             tables.append([0] * skipped + kept)
         st.tables[rid] = tables
         st.ncached[rid] = [len(t) for t in tables]
+        if self._mamba:
+            st.mamba[rid] = [0, -1, 0]
         new = self._take(st, rid, tokens)
         self._cache(st, req, tokens)
         self._proc[rid] = hit
@@ -333,6 +448,10 @@ class HybridPrefixCaching(HybridAllocator):
         new: list[int] = []
         sizes = [-(-tokens // k.block_size) for k in self._kinds]
         for g, table in enumerate(st.tables[rid]):
+            k = self._kinds[self._manager_of[g]]
+            if k.kind == "mamba":
+                new.extend(st.mamba_take(table, st.mamba[rid], k.block_size, tokens))
+                continue
             more = sizes[self._manager_of[g]] - len(table)
             if more > 0:
                 got = st.pool.take(more)
@@ -348,12 +467,15 @@ class HybridPrefixCaching(HybridAllocator):
         for g, t in enumerate(st.tables[rid]):
             more = sizes[kind_of[g]] - len(t)
             if more > 0:
-                need += more
+                need += 1 if self._kinds[kind_of[g]].kind == "mamba" else more
         return need
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         self._flush()
         rid, st = live.req.rid, self._st
+        if self._admitted or rid in self._grown:  # a chunk of the next scheduler step
+            self._next_step()
+        self._grown.add(rid)
         # vLLM frees the skipped blocks before it checks, refused or not.
         st.remove_skipped(rid, self._kinds, self._manager_of, old)
         self._changed()
@@ -367,6 +489,7 @@ class HybridPrefixCaching(HybridAllocator):
 
     def _release(self, live: Live) -> None:
         rid = live.req.rid
+        self._next_step()
         if self._room == self._version and live.base < live.final:
             # A preemption that makes room for the next decode step: vLLM frees it within
             # that step, when a decoder first finds too few free blocks.
@@ -430,10 +553,14 @@ class HybridPrefixCaching(HybridAllocator):
             return
         rid, tables, processed = queue[-1]
         st.tables[rid] = tables
+        if rid in st.parked:
+            st.mamba[rid] = st.parked.pop(rid)
         st.remove_skipped(rid, self._kinds, self._manager_of, processed)
         del st.tables[rid]
-        for _, tables, _ in queue:
+        st.mamba.pop(rid, None)
+        for other, tables, _ in queue:
             st.free_tables(tables)
+            st.parked.pop(other, None)
 
     def _flush(self) -> None:
         """Free the preempted requests no decode step freed (every decoder was preempted)."""
@@ -443,7 +570,19 @@ class HybridPrefixCaching(HybridAllocator):
             self.evictions = self._st.pool.evictions
             self._changed()
 
+    def _next_step(self) -> None:
+        """A new scheduler step began: no Mamba state was cached in it yet (a hit told to wait
+        may go now: counted as a free, for the engine's FCFS head)."""
+        self._fresh.clear()
+        self._grown.clear()
+        self._admitted = False
+        if self._waited:
+            self._waited = False
+            self.frees += 1
+
     def _stepped(self) -> None:
+        if self._sim_clock < self._clock:
+            self._next_step()
         while self._sim_clock < self._clock:
             self._sim_clock += 1
             pending, self._pending = self._pending, []
@@ -486,7 +625,7 @@ class HybridPrefixCaching(HybridAllocator):
         return full
 
     def steps_until_shrink(self) -> int | None:
-        if self._freed_last and self._joined:
+        if (self._freed_last and self._joined) or self._waited:
             return 1
         return self._look_ahead()[1]
 
@@ -500,7 +639,7 @@ class HybridPrefixCaching(HybridAllocator):
         whole: list[set[int]] = [set() for _ in range(groups)]
         edge: list[dict[int, int]] = [{} for _ in range(groups)]
         tail = [0] * groups  # tokens in partly written last blocks
-        reserved = 0
+        reserved = token_states = 0
         for rid, tables in st.tables.items():
             live = self._live[rid]
             tokens = live.base + clock if live.decoding else live.base
@@ -519,7 +658,8 @@ class HybridPrefixCaching(HybridAllocator):
                 if tokens % bs:
                     tail[g] += tokens - max(full * bs, lo)
                 reserved += max(0, min(live.final, len(table) * bs) - tokens) * self._tb[g]
-        token_states = 0
+                if self._sb[g] and table.count(0) < len(table):
+                    token_states += self._sb[g]  # (its state; its page's rest is padding)
         for g in range(groups):
             w = whole[g]
             w.discard(0)

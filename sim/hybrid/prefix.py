@@ -17,7 +17,8 @@ managers.
 - Hits. Full attention matches left to right; a sliding window W right to left, needing
   ceil((W - 1) / bs) contiguous cached blocks that end at the hit (or a run from block 0);
   chunked local attention C hits every chunk before the last one of the lookup's length
-  without looking (no layer reads them), then matches left to right from that chunk;
+  without looking (no layer reads them), then matches left to right from that chunk; Mamba
+  state (mode "align") matches right to left the one state block that ends at the hit;
   the coordinator asks each kind in turn (full attention first) until every kind accepts the
   same length (one pass when there are two kinds, full and one other), capped at the
   request's tokens less one. A hit block nobody holds is revived: taken off the free queue,
@@ -27,7 +28,14 @@ managers.
   default), cache only the blocks a later hit can use: the ceil((W - 1) / bs) blocks that
   end at the replay boundary (the prompt less its last token, aligned down to the scheduler
   block) and at a shared-prefix junction the lookup found (a prefix another kind had cached
-  longer than the agreed hit); the rest are freed uncached as the window passes them.
+  longer than the agreed hit); the rest are freed uncached as the window passes them. Mamba
+  groups likewise cache only the state block ending at those two positions (one per R tokens
+  too with R > 0; every one with None).
+- Mamba "align" (`MambaManager`): a request's table per Mamba group is null but for its
+  current state block (index ceil(P / bs) - 1 for P tokens computed) and, until its next
+  allocation, the previous one; an allocation that enters a new block takes exactly one
+  block (the ones between stay null), and the next allocation frees the old one
+  (`remove_skipped_blocks`: the blocks before (P - 1) // bs, and `last_state_block_idx`).
 
 `PrefixState` is the whole mutable state (pool, tables), so the allocator can copy it to look
 ahead: decode steps are applied block by block, in the running order, as vLLM's scheduler
@@ -144,7 +152,7 @@ class Kind:
     """One attention kind of the plan (vLLM's attention group: groups of one spec), as the
     lookup walks it: its plan groups, block size and window (0: full attention)."""
 
-    kind: str  # "full", "sliding_window" or "chunked_local"
+    kind: str  # "full", "sliding_window", "chunked_local" or "mamba"
     groups: tuple[int, ...]
     block_size: int
     window: int
@@ -159,6 +167,8 @@ class Kind:
             return max(0, processed - self.window + 1) // self.block_size
         if self.kind == "chunked_local":
             return processed // self.window * self.window // self.block_size
+        if self.kind == "mamba":  # (only the last token's state is read)
+            return max(0, processed - 1) // self.block_size
         return 0
 
     def read_from(self, tokens: int) -> int:
@@ -167,6 +177,8 @@ class Kind:
             return max(0, tokens - self.window)
         if self.kind == "chunked_local":
             return max(0, tokens - 1) // self.window * self.window
+        if self.kind == "mamba":
+            return tokens  # (a state, no tokens: `HybridPrefixCaching._figures` counts it)
         return 0
 
 
@@ -181,6 +193,11 @@ class PrefixState:
         self.ncached: dict[int, list[int]] = {}
         self.boundary: dict[int, int] = {}  # rid -> shared-prefix junction its lookup found
         self.freed = 0  # ids the last decode step freed
+        # rid -> Mamba "align" bookkeeping, alike for every Mamba group: [blocks retired
+        # (vLLM's `_num_retired_blocks`), `last_state_block_idx` (-1: none), whether it was
+        # allocated for (`_allocated_block_reqs`)]; `parked`: a detached request's
+        self.mamba: dict[int, list[int]] = {}
+        self.parked: dict[int, list[int]] = {}
 
     def light_copy(self) -> PrefixState:
         """A copy to look ahead with (`BlockPool.light_copy`: nothing is cached in it)."""
@@ -189,6 +206,8 @@ class PrefixState:
         other.tables = {rid: [list(t) for t in ts] for rid, ts in self.tables.items()}
         other.ncached = {rid: list(n) for rid, n in self.ncached.items()}
         other.boundary = dict(self.boundary)
+        other.mamba = {rid: list(m) for rid, m in self.mamba.items()}
+        other.parked = {rid: list(m) for rid, m in self.parked.items()}
         return other
 
     def held(self) -> int:
@@ -201,7 +220,15 @@ class PrefixState:
         first) and replaced by the null block. Returns the ids that became free."""
         freed = 0
         skips = [k.skipped(processed) for k in kinds]
+        mamba = self.mamba.get(rid)
+        retired = -1
         for g, table in enumerate(self.tables[rid]):
+            k = kinds[kind_of[g]]
+            if k.kind == "mamba":
+                assert mamba is not None
+                got, retired = self._mamba_trim(table, mamba, k.block_size, processed)
+                freed += got
+                continue
             skip = min(skips[kind_of[g]], len(table))
             if not skip or not table[skip - 1]:
                 continue  # (nothing left to free: the usual)
@@ -213,16 +240,63 @@ class PrefixState:
                 table[i] = 0
             if gone:
                 freed += self.pool.free(gone)
+        if retired >= 0:
+            assert mamba is not None
+            mamba[0] = retired
         return freed
+
+    def _mamba_trim(self, table: list[int], mamba: list[int], bs: int,
+                    processed: int) -> tuple[int, int]:
+        """One Mamba group's `remove_skipped_blocks` in mode "align": the blocks before
+        (P - 1) // bs not yet retired (last first, nulls passed over), then the state block
+        of the allocation before last once P is past it. Returns (ids freed, blocks retired)."""
+        freed = 0
+        retired = mamba[0]
+        if processed > 1:  # (vLLM's base returns early when it skips no token)
+            first, last = mamba[0], min((processed - 1) // bs, len(table))
+            if first < last:
+                gone = [table[i] for i in range(last - 1, first - 1, -1) if table[i]]
+                for i in range(first, last):
+                    table[i] = 0
+                if gone:
+                    freed += self.pool.free(gone)
+                retired = last
+        last_state = mamba[1]
+        if 0 <= last_state < -(-processed // bs) - 1 and table[last_state]:
+            freed += self.pool.free([table[last_state]])
+            table[last_state] = 0
+        return freed, retired
+
+    def mamba_take(self, table: list[int], mamba: list[int], bs: int, tokens: int) -> list[int]:
+        """One Mamba group's `allocate_new_blocks` in mode "align": entering a new block takes
+        one block at index ceil(tokens / bs) - 1 (nulls before it), and the previous last
+        block becomes the state to free at the next allocation."""
+        required = -(-tokens // bs)
+        if required <= len(table):
+            mamba[2] = 1
+            return []
+        prev = len(table)
+        if mamba[2] or prev > 0:
+            mamba[1] = prev - 1
+        if prev < required - 1:
+            table.extend([0] * (required - 1 - prev))
+        got = self.pool.take(1)
+        table.extend(got)
+        mamba[2] = 1
+        return got
 
     def release(self, rid: int) -> None:
         """Free every block of the request, group after group, each table last first."""
         self.free_tables(self.detach(rid))
+        self.parked.pop(rid, None)
 
     def detach(self, rid: int) -> list[list[int]]:
         """The request's tables, taken out of the state (their ids still held)."""
         self.ncached.pop(rid, None)
         self.boundary.pop(rid, None)
+        mamba = self.mamba.pop(rid, None)
+        if mamba is not None:
+            self.parked[rid] = mamba
         return self.tables.pop(rid, [])
 
     def free_tables(self, tables: list[list[int]]) -> None:
