@@ -153,8 +153,8 @@ class HybridAllocator(Allocator):
             )
         if mamba_cache_mode == "align" and not prefix_caching:
             raise ValueError(
-                "mamba_cache_mode 'align' needs prefix_caching true (vLLM 0.33 turns it into "
-                "'none' without it); with prefix caching it is what vLLM runs"
+                "mamba_cache_mode 'align' needs prefix caching (prefix_caching: true; vLLM "
+                "0.33 turns it into 'none' without it, and runs it whenever prefix caching is on)"
             )
         if self.bytes_per_token != stack.full_bytes_per_token:
             raise ValueError(
