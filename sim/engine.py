@@ -384,6 +384,7 @@ class Engine:
         # policy priority: prefill chunks granted this iteration (tokens, attention seconds),
         # which a later preemption of their request gives back
         self.granted: dict[_Req, tuple[int, float]] = {}
+        self.walked = False  # policy priority: decoders took their slots one by one (a shortage)
         # Running requests in admission order (the last one is the victim): a dict, so that a
         # completion leaves in O(1).
         self.running: dict[_Req, None] = {}
@@ -530,7 +531,7 @@ class Engine:
             self.prefill_attn_s = 0.0
             self._ensure_decode_room()
             decoders = self.alloc.decoding_weight  # sequences: n samples of a request count n
-            if decoders:
+            if decoders and not self.walked:
                 self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
             prefill_tokens = self._schedule(decoders)
             decoders -= self.dropped  # decoders a prefill chunk preempted take no token
@@ -572,6 +573,10 @@ class Engine:
     def _ensure_decode_room(self) -> None:
         """Preempt the newest requests until every decoder can store its next token."""
         alloc = self.alloc
+        self.walked = False
+        if self.by_priority and alloc.n_decoding and alloc.steps_until_full() == 0:
+            self._walk_decoders()
+            return
         while alloc.n_decoding and alloc.steps_until_full() == 0:
             self._preempt(self._victim())
 
@@ -584,6 +589,27 @@ class Engine:
         if not self.by_priority:
             return next(reversed(self.running))
         return max(self.running, key=_victim_key)
+
+    def _walk_decoders(self) -> None:
+        """Policy priority, a decoder short of a block: vLLM's walk of its running list, each
+        decoder taking its slot in admission order (`grow`, not the cohort's step). A refusal
+        preempts the victim by priority, which may have taken its slot already: it gives its
+        token back, its blocks freed as vLLM frees them (a block its slot filled is cached,
+        as vLLM caches it when scheduled). Only at a shortage: an event."""
+        alloc = self.alloc
+        stepped: set[_Req] = set()
+        for r in list(self.running):
+            rid = r.req.rid
+            if r.status != "running" or not alloc.is_decoding(rid):
+                continue
+            while isinstance(alloc.grow(rid, 1), Refusal):
+                victim = self._victim()
+                self._preempt(victim, int(victim in stepped))
+                if victim is r:
+                    break
+            else:
+                stepped.add(r)
+        self.walked = True
 
     def _preempt(self, r: _Req, unstepped: int = 0) -> None:
         """Free `r` and queue it first (policy priority: by its key); `unstepped`: tokens this

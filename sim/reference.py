@@ -153,10 +153,25 @@ def reference(
         preempted[0] = False
         counts.update(preempted=0, admitted=0, prefix_hit_tokens=0)
         evictions = alloc.evictions
-        while alloc.n_decoding and alloc.steps_until_full() == 0:
+        # Priority, a decoder short of a block: vLLM's walk, each decoder taking its slot in
+        # admission order; a victim that took its slot already gives its token back.
+        walked = by_priority and alloc.n_decoding and alloc.steps_until_full() == 0
+        if walked:
+            stepped: set = set()
+            for r in list(running):
+                if r["status"] != "running" or not alloc.is_decoding(r["rid"]):
+                    continue
+                while not alloc.grow(r["rid"], 1):
+                    v = victim()
+                    preempt(v, int(v["rid"] in stepped))
+                    if v is r:
+                        break
+                else:
+                    stepped.add(r["rid"])
+        while not walked and alloc.n_decoding and alloc.steps_until_full() == 0:
             preempt(victim())
         decoders = alloc.decoding_weight
-        if decoders:
+        if decoders and not walked:
             assert alloc.step(1)
         budget = cfg.max_num_batched_tokens - decoders
         # vLLM's long-prefill cap, waived when one request runs or waits
