@@ -15,6 +15,8 @@ numbered from 100 (three digits), so that string order is kvfrag's workload orde
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -27,11 +29,13 @@ from kvfrag.sim.allocators import make_allocator  # noqa: E402
 from kvfrag.sim.engine import EngineConfig, StepTime, run  # noqa: E402
 from kvfrag.sim.reference import reference  # noqa: E402
 
+from .test_vllm_match import own_sampled_tokens, shared_prefixes, token_ids  # noqa: E402
 from .vllm_driver import OracleRequest, run_vllm  # noqa: E402
 
 BS = 16
 BYTES_PER_TOKEN = 8
 COMPARED = ("scheduled_tokens", "running", "waiting", "preempted", "admitted", "blocks_used")
+PREFIX = ("prefix_hit_tokens", "evictions", "idle_cached_blocks")
 # (the synchronous scheduler on both sides, where kvfrag has an async_scheduling key)
 SYNC = {"async_scheduling": False} if "async_scheduling" in EngineConfig.__dataclass_fields__ \
     else {}
@@ -53,30 +57,30 @@ def prioritised(n: int, seed: int, levels: int = 3) -> pd.DataFrame:
 
 
 def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chunked: bool,
-         long_prefill: int = 0, max_model_len: int = 1024):
-    """(vLLM's run, kvfrag's per-iteration trace and requests, kvfrag's fast-engine result)."""
-    oracle = run_vllm(
-        [
-            OracleRequest(
-                int(r.request_id),
-                int(r.arrival_s),
-                tuple(1_000_000 * (int(r.request_id) + 1) + i for i in range(r.prompt_tokens)),
-                int(r.output_tokens),
-                int(r.priority),
-            )
-            for r in wl.itertuples()
-        ],
-        block_size=BS,
-        num_blocks=num_blocks,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        prefix_caching=False,
-        max_model_len=max_model_len,
-        long_prefill_token_threshold=long_prefill,
-        record_slots=True,
-        policy="priority",
-    )
+         long_prefill: int = 0, max_model_len: int = 1024, kind: str = "paged"):
+    """(vLLM's run, kvfrag's per-iteration trace and requests, kvfrag's fast-engine result).
+    kind "prefix-caching": vLLM's prefix caching on, each request sampling a token of its own
+    (tests/oracle/test_vllm_match.py)."""
+    caching = kind == "prefix-caching"
+    chunk = int(wl.attrs.get("hash_block_tokens", 0)) if caching else 0
+    with own_sampled_tokens() if caching else contextlib.nullcontext():
+        oracle = run_vllm(
+            [
+                OracleRequest(int(r.request_id), int(r.arrival_s), token_ids(r, chunk),
+                              int(r.output_tokens), int(r.priority))
+                for r in wl.itertuples()
+            ],
+            block_size=BS,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            chunked_prefill=chunked,
+            prefix_caching=caching,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=long_prefill,
+            record_slots=True,
+            policy="priority",
+        )
     assert oracle.config["policy"] == "priority"
     cfg = EngineConfig(
         max_num_seqs=max_num_seqs,
@@ -90,7 +94,7 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
 
     def fresh():
         return make_allocator(
-            "paged",
+            kind,
             capacity=(num_blocks + 1) * BS * BYTES_PER_TOKEN,  # (+ the null block)
             bytes_per_token=BYTES_PER_TOKEN,
             max_model_len=max_model_len,
@@ -102,7 +106,7 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
     return oracle, trace, ref, run(wl, fresh(), cfg)
 
 
-def assert_same(oracle, trace, ref) -> int:
+def assert_same(oracle, trace, ref, compared=COMPARED) -> int:
     """Every kvfrag iteration equals vLLM's step of the same number (vLLM's other steps are
     empty), and every request its first token, finish and preemptions; returns the number of
     iterations compared."""
@@ -116,7 +120,7 @@ def assert_same(oracle, trace, ref) -> int:
             continue
         # (capacity - free_bytes() counts the null block, which vLLM's blocks_used does not)
         mine = {**it, "blocks_used": it["allocated_bytes"] // (BS * BYTES_PER_TOKEN) - 1}
-        assert {c: mine[c] for c in COMPARED} == {c: s[c] for c in COMPARED}, f"step {k}"
+        assert {c: mine[c] for c in compared} == {c: s[c] for c in compared}, f"step {k}"
     assert set(ours) <= set(steps)
     for rid, r in ref["requests"].items():
         v = oracle.requests[rid]
@@ -181,4 +185,24 @@ def test_one_priority_is_fcfs_order():
                                     chunked=True)
     assert sum(s["preempted"] for s in oracle.steps) > 0
     assert assert_same(oracle, trace, ref) > 300
+    assert_fast_engine_agrees(ref, fast)
+
+
+@pytest.mark.parametrize(("seed", "chunked"), [(0, False), (1, True)], ids=["whole", "chunked"])
+def test_priority_with_prefix_caching(seed, chunked):
+    """Shared prefixes and repeated prompts (200 requests, priorities 0-2), vLLM's prefix
+    caching: a victim by priority that had taken its slot in the step (its block, filled by
+    it, cached as vLLM caches it when scheduled) counts in the evictions too; tokens found
+    cached, evictions and idle cached blocks identical at every iteration."""
+    wl = shared_prefixes(200, seed)
+    wl["request_id"] = 100 + np.arange(len(wl))  # (three digits: vLLM's ties in our order)
+    wl["priority"] = np.random.default_rng(seed).integers(0, 3, len(wl))
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=150, max_num_seqs=24, budget=256 if chunked else 1024, chunked=chunked,
+        kind="prefix-caching",
+    )
+    assert sum(s["preempted"] for s in oracle.steps) > 50
+    assert victims_not_newest(oracle) > 0
+    assert sum(s["evictions"] for s in oracle.steps) > 1000
+    assert assert_same(oracle, trace, ref, COMPARED + PREFIX) > 300
     assert_fast_engine_agrees(ref, fast)
