@@ -9,14 +9,13 @@ blocks a request may give back once `processed` tokens are computed (vLLM's
 request's length, and its admission cap (`max_admission_blocks_per_request`); everything else
 (a table of ceil(tokens / block_size) blocks less the skipped ones) is vLLM's base class's.
 
-Mamba state (`MambaManager`) is modelled in `mamba_cache_mode` "none" only: vLLM 0.33 sets the
+Mamba state (`MambaManager`) is counted here in `mamba_cache_mode` "none": vLLM 0.33 sets the
 Mamba block size to max_model_len there, so a request holds one state block per Mamba group
 for its whole life (skipped tokens, n - 1, never reach a whole block). "align" is reachable
-only with prefix caching: `MambaModelConfig.verify_and_update_config` turns "align" into
+only with prefix caching (`MambaModelConfig.verify_and_update_config` turns "align" into
 "none" when prefix caching is off, and `VllmConfig.validate_mamba_block_size` refuses a Mamba
-block size other than max_model_len without it; the hybrid allocator does not model prefix
-caching with Mamba groups yet, so "align" is refused there. (Prefix caching for the other
-kinds keeps vLLM's block pool block by block: `kvfrag.sim.hybrid.caching`.)
+block size other than max_model_len without it), and prefix caching keeps vLLM's block pool
+block by block, Mamba tables included (`kvfrag.sim.hybrid.caching`, `sim.hybrid.prefix`).
 """
 
 from __future__ import annotations
