@@ -1,9 +1,10 @@
 """Drive vLLM's real v1 ``Scheduler`` / ``KVCacheManager`` on CPU, step by step (a test oracle).
 
 ``run_vllm(requests, ...)`` replays a list of ``OracleRequest`` through
-``vllm.v1.core.sched.scheduler.Scheduler`` (the synchronous one: no async scheduling, no
-speculative decoding, one KV-cache group of full attention) and records every iteration, so
-kvfrag's engine can be compared with vLLM iteration by iteration.
+``vllm.v1.core.sched.scheduler.Scheduler`` (the synchronous one; with
+``async_scheduling=True`` the ``AsyncScheduler``; no speculative decoding, one KV-cache group
+of full attention) and records every iteration, so kvfrag's engine can be compared with vLLM
+iteration by iteration.
 
 Loop (step k = the k-th call of ``schedule()``, k = 0, 1, 2, ...):
 
@@ -16,6 +17,18 @@ Loop (step k = the k-th call of ``schedule()``, k = 0, 1, 2, ...):
 
 It stops when every request has finished. A request ends after ``output_tokens`` sampled
 tokens (``SamplingParams(max_tokens=output_tokens, ignore_eos=True)``).
+
+Async scheduling (``async_scheduling=True``) runs the loop as ``EngineCore.
+step_with_batch_queue`` does with its batch queue of 2: step k's ``schedule()`` comes BEFORE
+step k-1's ``update_from_output()``, so step 4 above applies the previous step's output (the
+sampled-or-not of each request is read right after its own ``schedule()``, as the model runner
+would). A step's record is taken after that update. Its clock ``t``: empty steps (nothing
+scheduled: only releasing a finished request) take no time, steps that schedule tokens one
+unit, and when the scheduler has no request at all (``has_requests()`` false) the engine core
+waits for the next arrival without scheduling. Requests arrive by that clock
+(``arrival_step <= t``), and a request's ``first_token_t``/``finished_t`` are the clock at the
+end of the step whose output carried the token: kvfrag's times with 1 s iterations.
+Synchronous runs have ``t = k``.
 
 Pool size: ``num_blocks`` is the number of *usable* KV blocks. vLLM's ``BlockPool`` keeps
 block 0 as its ``null_block`` (never handed out, never free), so the pool given to vLLM has
@@ -80,6 +93,7 @@ def _vllm() -> dict[str, Any]:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import ModelRunnerOutput
@@ -100,6 +114,7 @@ def _vllm() -> dict[str, Any]:
         "get_request_block_hasher": get_request_block_hasher,
         "init_none_hash": init_none_hash,
         "Scheduler": Scheduler,
+        "AsyncScheduler": AsyncScheduler,
         "FullAttentionSpec": FullAttentionSpec,
         "KVCacheConfig": KVCacheConfig,
         "KVCacheGroupSpec": KVCacheGroupSpec,
@@ -122,8 +137,10 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     reserve_full_isl: bool = True,
     policy: str = "fcfs",
+    async_scheduling: bool = False,
 ):
-    """Build vLLM's synchronous v1 Scheduler as EngineCore does, minus the model executor.
+    """Build vLLM's v1 Scheduler as EngineCore does, minus the model executor: the synchronous
+    ``Scheduler``, or with ``async_scheduling`` the ``AsyncScheduler`` (VllmConfig picks it).
 
     Returns (scheduler, block_hasher or None). ``num_blocks`` usable blocks (+1 null block).
     """
@@ -143,7 +160,7 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         scheduler_reserve_full_isl=reserve_full_isl,
         watermark=watermark,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         policy=policy,
     )
     cache_config = v["CacheConfig"](block_size=block_size, enable_prefix_caching=prefix_caching)
@@ -160,7 +177,7 @@ def make_scheduler(
         "max_num_batched_tokens": (sc.max_num_batched_tokens, max_num_batched_tokens),
         "max_num_seqs": (sc.max_num_seqs, max_num_seqs),
         "enable_chunked_prefill": (sc.enable_chunked_prefill, chunked_prefill),
-        "async_scheduling": (bool(sc.async_scheduling), False),
+        "async_scheduling": (bool(sc.async_scheduling), async_scheduling),
         "enable_prefix_caching": (vllm_config.cache_config.enable_prefix_caching, prefix_caching),
         "block_size": (vllm_config.cache_config.block_size, block_size),
         "max_model_len": (vllm_config.model_config.max_model_len, max_model_len),
@@ -189,7 +206,12 @@ def make_scheduler(
     )
     vllm_config.cache_config.num_gpu_blocks = total_blocks
     # (hash_block_size == block_size for one group, as EngineCore.__init__ has it)
-    return scheduler_for(vllm_config, kv_cache_config, block_size, block_size, prefix_caching)
+    scheduler, hasher = scheduler_for(
+        vllm_config, kv_cache_config, block_size, block_size, prefix_caching
+    )
+    if async_scheduling != (type(scheduler).__name__ == "AsyncScheduler"):
+        raise RuntimeError(f"async_scheduling={async_scheduling} built {type(scheduler)}")
+    return scheduler, hasher
 
 
 def scheduler_for(
@@ -199,7 +221,12 @@ def scheduler_for(
     """vLLM's `Scheduler` over `kv_cache_config`, and the request block hasher that
     EngineCore.__init__ makes for prefix caching (None without it)."""
     v = _vllm()
-    scheduler = v["Scheduler"](
+    # (the class the engine core builds: scheduler_config.get_scheduler_cls(), the
+    # AsyncScheduler with async scheduling on)
+    scheduler_cls = (
+        v["AsyncScheduler"] if vllm_config.scheduler_config.async_scheduling else v["Scheduler"]
+    )
+    scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=v["StructuredOutputManager"](vllm_config),
@@ -233,19 +260,22 @@ def run_vllm(
     record_slots: bool = True,
     make: Callable[[], tuple[Any, Any]] | None = None,
     policy: str = "fcfs",
+    async_scheduling: bool = False,
 ) -> OracleRun:
     """Replay ``requests`` through vLLM's real scheduler; one record per ``schedule()`` call.
 
     Settings go to vLLM as: ``SchedulerConfig(max_num_seqs, max_num_batched_tokens,
     enable_chunked_prefill=chunked_prefill, long_prefill_token_threshold,
-    scheduler_reserve_full_isl=reserve_full_isl, watermark, async_scheduling=False,
+    scheduler_reserve_full_isl=reserve_full_isl, watermark, async_scheduling,
     policy="fcfs")``, ``CacheConfig(block_size, enable_prefix_caching=prefix_caching)`` with
     ``num_gpu_blocks = num_blocks + 1``, ``ModelConfig(max_model_len)``. vLLM itself requires
     ``max_num_batched_tokens >= max_num_seqs`` and, without chunked prefill,
     ``max_num_batched_tokens >= max_model_len``.
 
-    Step record (ints, taken after ``update_from_output()`` unless said otherwise):
+    Step record (ints, taken after ``update_from_output()`` unless said otherwise; async:
+    the update of step k-1's output, which comes after step k's schedule()):
       step               k (the k-th schedule() call)
+      t                  the step's clock (k when synchronous; async: see the module)
       scheduled_tokens   tokens scheduled this step (sum over requests)
       running            len(scheduler.running) after the step (finished ones removed)
       waiting            requests waiting after the step: never scheduled + preempted
@@ -262,7 +292,7 @@ def run_vllm(
                          (num_computed_tokens at admission, before this step's tokens)
       evictions          cached blocks whose hash was dropped because get_new_blocks()
                          reused them (this step's schedule())
-      finished           requests that finished in this step
+      finished           requests that finished in this step (async: by step k-1's output)
       tokens             {rid: num_computed_tokens} of each running request after the step
       blocks             {rid: blocks in its block table} of each running request
     (``tokens``/``blocks`` only with ``record_slots``; ``blocks`` only for one KV-cache group.)
@@ -272,8 +302,9 @@ def run_vllm(
     then describe that scheduler, ``num_blocks`` its usable blocks.
 
     Per request (``OracleRun.requests[rid]``): ``first_token_step`` (step whose output gave
-    its first token), ``finished_step``, ``preemptions``, ``admitted_step`` (first step it
-    was scheduled), ``prefix_hit_tokens`` (summed over its admissions, resumptions included).
+    its first token), ``finished_step``, ``first_token_t``/``finished_t`` (the clock at the end
+    of those steps), ``preemptions``, ``admitted_step`` (first step it was scheduled),
+    ``prefix_hit_tokens`` (summed over its admissions, resumptions included).
     """
     v = _vllm()
     reqs = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
@@ -297,6 +328,7 @@ def run_vllm(
         long_prefill_token_threshold=long_prefill_token_threshold,
         reserve_full_isl=reserve_full_isl,
         policy=policy,
+        async_scheduling=async_scheduling,
     )
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
@@ -326,6 +358,8 @@ def run_vllm(
             "preemptions": 0,
             "admitted_step": None,
             "prefix_hit_tokens": 0,
+            "first_token_t": None,
+            "finished_t": None,
         }
         for r in reqs
     }
@@ -333,9 +367,34 @@ def run_vllm(
     next_arrival = 0
     unfinished = len(reqs)
     k = 0
+    clock = 0  # async: steps that scheduled tokens, and idle waits (see run_vllm)
+    # async: the step in flight, (k, its clock, its output, the model's output), applied
+    # after the next schedule() as EngineCore.step_with_batch_queue does
+    in_flight: tuple[int, int, Any, Any] | None = None
     t0 = time.perf_counter()
+
+    def apply(step: int, at: int, out: Any, runner_out: Any) -> int:
+        """update_from_output() of step `step` (started at clock `at`); returns how many
+        requests it finished."""
+        req_ids = runner_out.req_ids
+        outputs_before = {rid: vreqs[rid].num_output_tokens for rid in req_ids}
+        scheduler.update_from_output(out, runner_out)
+        finished = 0
+        for req_id in req_ids:
+            vr = vreqs[req_id]
+            ri = info[int(req_id)]
+            if ri["first_token_step"] is None and vr.num_output_tokens > outputs_before[req_id]:
+                ri["first_token_step"] = step
+                ri["first_token_t"] = at + 1
+            if vr.is_finished() and ri["finished_step"] is None:
+                ri["finished_step"] = step
+                ri["finished_t"] = at + 1
+                finished += 1
+        return finished
+
     while unfinished:
-        while next_arrival < len(reqs) and reqs[next_arrival].arrival_step <= k:
+        time_now = clock if async_scheduling else k
+        while next_arrival < len(reqs) and reqs[next_arrival].arrival_step <= time_now:
             r = reqs[next_arrival]
             vr = Request(
                 request_id=str(r.rid),
@@ -349,6 +408,15 @@ def run_vllm(
             vreqs[vr.request_id] = vr
             scheduler.add_request(vr)
             next_arrival += 1
+        if async_scheduling and not scheduler.has_requests():
+            # EngineCore waits for input without scheduling (nothing is in flight: the last
+            # step applied finished every request it held).
+            if in_flight is not None:
+                unfinished -= apply(*in_flight)
+                in_flight = None
+            if next_arrival < len(reqs):
+                clock = max(clock, reqs[next_arrival].arrival_step)
+            continue
 
         running_before = {vr.request_id for vr in scheduler.running}
         evictions[0] = 0
@@ -370,7 +438,8 @@ def run_vllm(
                 ri["prefix_hit_tokens"] += hits
                 if ri["admitted_step"] is None:
                     ri["admitted_step"] = k
-            # The runner samples once the request's known tokens are all computed.
+            # The runner samples once the request's known tokens are all computed (read
+            # right after schedule(): async, the next schedule() moves it on).
             sampled_ids.append([] if vr.is_prefill_chunk else [SAMPLED_TOKEN])
         req_ids = list(num_sched)
         runner_out = ModelRunnerOutput(
@@ -378,23 +447,17 @@ def run_vllm(
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled_ids,
         )
-        outputs_before = {rid: vreqs[rid].num_output_tokens for rid in req_ids}
-        scheduler.update_from_output(out, runner_out)
-
-        finished = 0
-        for req_id in req_ids:
-            vr = vreqs[req_id]
-            ri = info[int(req_id)]
-            if ri["first_token_step"] is None and vr.num_output_tokens > outputs_before[req_id]:
-                ri["first_token_step"] = k
-            if vr.is_finished() and ri["finished_step"] is None:
-                ri["finished_step"] = k
-                finished += 1
+        if async_scheduling:
+            previous, in_flight = in_flight, (k, clock, out, runner_out)
+            finished = apply(*previous) if previous is not None else 0
+        else:
+            finished = apply(k, k, out, runner_out)
         unfinished -= finished
 
         free = pool.get_num_free_blocks()
         rec = {
             "step": k,
+            "t": clock if async_scheduling else k,
             "scheduled_tokens": out.total_num_scheduled_tokens,
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting) + len(scheduler.kv_holding_waiting),
@@ -421,17 +484,18 @@ def run_vllm(
             }
         steps.append(rec)
 
-        if (
-            out.total_num_scheduled_tokens == 0
-            and not scheduler.running
-            and next_arrival == len(reqs)
-            and unfinished
-        ):
-            stuck = sorted(int(vr.request_id) for vr in vreqs.values() if not vr.is_finished())
+        idle = out.total_num_scheduled_tokens == 0 and not scheduler.running
+        stuck = idle and next_arrival == len(reqs) and unfinished
+        if async_scheduling:  # (an empty step may only have released a finished request)
+            stuck = stuck and len(steps) > 1 and steps[-2]["scheduled_tokens"] == 0
+        if stuck:
+            left = sorted(int(vr.request_id) for vr in vreqs.values() if not vr.is_finished())
             raise RuntimeError(
-                f"step {k}: vLLM cannot schedule anything and nothing runs; requests {stuck} "
+                f"step {k}: vLLM cannot schedule anything and nothing runs; requests {left} "
                 f"can never fit ({num_blocks} blocks of {block_size})"
             )
+        if async_scheduling and out.total_num_scheduled_tokens:
+            clock += 1
         k += 1
 
     for rid, ri in info.items():
@@ -450,7 +514,7 @@ def run_vllm(
         "watermark_blocks": kvm.watermark_blocks,
         "long_prefill_token_threshold": long_prefill_token_threshold,
         "scheduler_reserve_full_isl": reserve_full_isl,
-        "async_scheduling": False,
+        "async_scheduling": async_scheduling,
         "policy": policy,
         "sampled_token": SAMPLED_TOKEN,
     }
