@@ -31,6 +31,7 @@ from kvfrag.workloads.transforms import (
     tile,
     time_window,
     with_beam_width,
+    with_priorities,
     with_samples_per_prompt,
 )
 
@@ -82,6 +83,8 @@ def build_workload(
         workload = with_samples_per_prompt(workload, spec.n)
     if spec.beam_width is not None:
         workload = with_beam_width(workload, spec.beam_width)
+    if spec.synthetic is not None and spec.synthetic.priority:
+        workload = with_priorities(workload, spec.synthetic.priority, rng)
     validate_requests(workload.requests, workload.source)
     return workload
 

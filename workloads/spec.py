@@ -221,6 +221,11 @@ def number(
     return Annotated[float, BeforeValidator(check)]
 
 
+#: Synthetic priorities: values within int64 with room to spare, and how many may be listed.
+MAX_PRIORITY = 10**9
+MAX_PRIORITIES = 1000
+
+
 class FieldError(ValueError):
     """A model-level problem with one field inside: `loc` says which, for the error's line."""
 
@@ -234,6 +239,8 @@ Requests = whole(1, MAX_REQUESTS)
 Tokens = whole(1, MAX_TOKENS)
 PerRequest = whole(1, MAX_SEQS_PER_REQUEST)
 Seconds = number(0, MAX_TIME_S, unit="seconds")
+Priority = whole(-MAX_PRIORITY, MAX_PRIORITY)
+Weight = number(0, 1e9, above=True)
 Rate = number(MIN_RATE, MAX_RATE, unit="requests per second")
 Length = number(0, MAX_TOKENS, above=True, unit="tokens")
 
@@ -254,6 +261,7 @@ class ColumnMap(_Model):
     max_tokens: str | None = None
     n: str | None = None
     hash_ids: str | None = None
+    priority: str | None = None
 
     def mapping(self) -> dict[str, str]:
         return self.model_dump(exclude_none=True)
@@ -464,7 +472,9 @@ class SyntheticSpec(_Model):
 
     `correlation` is the Gaussian-copula correlation between prompt and output length (the
     marginals stay exact). `max_tokens`, when set, is declared on every request and caps its
-    output length.
+    output length. `priority`, [[value, weight], ...], draws each request's vLLM priority
+    (weights relative), after every other column, so that the rest of the table is the same
+    with or without it.
     """
 
     count: Requests
@@ -474,6 +484,8 @@ class SyntheticSpec(_Model):
     arrival: ArrivalSpec = AtOnceArrivals()
     max_tokens: Tokens | None = None
     shared_prefix: SharedPrefix | None = None
+    priority: list[tuple[Priority, Weight]] | None = Field(
+        default=None, min_length=1, max_length=MAX_PRIORITIES)
 
     @model_validator(mode="after")
     def _hash_ids(self) -> SyntheticSpec:

@@ -222,6 +222,19 @@ def with_beam_width(workload: Workload, width: int) -> Workload:
     return workload.with_requests(finish_table(df, rebase=False), note=note)
 
 
+def with_priorities(
+    workload: Workload, weights: list[tuple[int, float]], rng: np.random.Generator
+) -> Workload:
+    """Draw each request's priority from `weights`, [(value, relative weight), ...]."""
+    values = np.array([v for v, _ in weights], dtype=np.int64)
+    p = np.array([w for _, w in weights], dtype=np.float64)
+    df = workload.requests.copy()
+    df["priority"] = values[rng.choice(len(values), size=len(df), p=p / p.sum())]
+    shown = ", ".join(f"{v}: {w:g}" for v, w in weights)
+    note = f"priorities drawn ({shown})"
+    return workload.with_requests(finish_table(df, rebase=False), note=note)
+
+
 def with_samples_per_prompt(workload: Workload, n: int) -> Workload:
     """Set `n` (samples per prompt) on every request, replacing any per-request values."""
     if n < 1:

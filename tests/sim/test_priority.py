@@ -16,6 +16,10 @@ from kvfrag.sim.allocators import PARTS, make_allocator
 from kvfrag.sim.engine import EngineConfig, StepTime, run
 from kvfrag.sim.reference import reference
 from kvfrag.sim.waiting import PriorityQueue
+from kvfrag.workloads import WorkloadError, load_trace
+from kvfrag.workloads.build import build_workload
+
+from kvfrag.config import ScenarioError, load_scenario
 
 # (the synchronous scheduler, where kvfrag has an async_scheduling key: what the reference
 # and the oracle cases compare)
@@ -244,8 +248,6 @@ engine:
 
 
 def load(tmp_path, extra: str):
-    from kvfrag.config import load_scenario
-
     path = tmp_path / "s.yaml"
     path.write_text(SCENARIO + extra)
     return load_scenario(path).scenario
@@ -273,8 +275,6 @@ def test_scenario_policy_reaches_the_engine(tmp_path):
 def test_scenario_refusals_are_one_line_naming_the_field(tmp_path, lines, expected):
     """A bad policy, skip admission with priority, and vLLM's V0 limits on partial prefills
     (which vLLM 0.33's v1 scheduler does not have) are refused in one line."""
-    from kvfrag.config import ScenarioError
-
     with pytest.raises(ScenarioError, match=expected) as info:
         load(tmp_path, lines)
     assert "\n" not in str(info.value)
@@ -283,13 +283,37 @@ def test_scenario_refusals_are_one_line_naming_the_field(tmp_path, lines, expect
 def test_trace_priorities_reach_the_request_table(tmp_path):
     """A kvfrag-layout trace's priority column is read (any sign); a bad value is one line
     naming the file, row and column."""
-    from kvfrag.workloads import WorkloadError, load_trace
-
     good = tmp_path / "t.csv"
     good.write_text("arrival_s,prompt_tokens,output_tokens,priority\n0,10,5,2\n1,10,5,-3\n")
     assert list(load_trace(good).requests["priority"]) == [2, -3]
+    other = tmp_path / "o.csv"  # (another layout: the column map names it)
+    other.write_text("t,in,out,prio\n0,10,5,4\n1,10,5,0\n")
+    mapped = load_trace(other, format="csv", time_unit="s", columns={
+        "arrival": "t", "prompt_tokens": "in", "output_tokens": "out", "priority": "prio"})
+    assert list(mapped.requests["priority"]) == [4, 0]
     bad = tmp_path / "bad.csv"
     bad.write_text("arrival_s,prompt_tokens,output_tokens,priority\n0,10,5,2\n1,10,5,1.5\n")
     with pytest.raises(WorkloadError, match=r"bad\.csv: row 2 \(line 3\), column priority: 1\.5 "
                                             r"is not a whole number"):
         load_trace(bad)
+
+
+def test_synthetic_priorities_are_drawn_last(tmp_path):
+    """`synthetic.priority` draws each request's priority by the relative weights given, after
+    every other column (the table is otherwise the one drawn without it); a bad pair is
+    refused in one line naming the field."""
+    output = "    output: {kind: uniform, low: 10, high: 200}\n"
+
+    def table(extra: str) -> pd.DataFrame:
+        path = tmp_path / "s.yaml"
+        path.write_text(SCENARIO.replace(output, output + extra))
+        spec = load_scenario(path).scenario
+        return build_workload(spec.workload, tmp_path, np.random.default_rng(3)).requests
+
+    plain = table("")
+    drawn = table("    priority: [[0, 1], [7, 3]]\n")
+    assert drawn.drop(columns="priority").equals(plain)
+    assert sorted(set(drawn["priority"])) == [0, 7] and drawn["priority"].dtype == np.int64
+    with pytest.raises(ScenarioError, match=r"s\.yaml:10: workload\.synthetic\.priority\[0\]\[1\]: "
+                                            r"must be a number above 0"):
+        table("    priority: [[0, 0]]\n")
