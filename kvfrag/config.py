@@ -65,6 +65,7 @@ class LoadedScenario:
             cfg = self.scenario.engine_config()  # vary them: its points resolve their own)
             data["engine"]["max_num_seqs"] = cfg.max_num_seqs
             data["engine"]["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+            data["engine"]["async_scheduling"] = cfg.async_scheduling
         return {"kvfrag_version": __version__, **data}
 
 

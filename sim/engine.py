@@ -27,6 +27,21 @@ Iteration semantics (the reference the tests hold the fast path to):
 4. At its end, prefilled requests start decoding; a request that stored its final token is
    done and frees its memory (static batching: the batch frees together when all are done).
 
+Async scheduling (`async_scheduling`, vLLM's AsyncScheduler and its server's default; continuous
+batching): vLLM schedules step k before step k-1's output is back, so for requests that end by
+their output length (kvfrag's) three things differ from the synchronous scheduler, and nothing
+else (tests/oracle/test_async_match.py):
+- A request that stored its final token is done (its finish time is unchanged) but keeps its
+  memory and its seat through the next iteration's scheduling (vLLM skips it: its last token is
+  in flight), and is freed right after it. A pass that only frees such requests takes no time.
+- It is still the newest running request to a shortage: preempted then, it is counted as
+  preempted, freed, and finishes all the same (its token in flight is delivered).
+- A preempted decoder's KV holds its processed tokens only (computed less the one in flight):
+  prefix caching keeps only the full blocks within them (`Allocator.free_preempted`).
+A preempted decoder resumes with the same tokens as in the synchronous scheduler (its token in
+flight is delivered before it is resumed). Not modelled for the hybrid allocator yet
+(`ASYNC_NOT_MODELLED`: it runs synchronously).
+
 With `policy="priority"` (vLLM's `SchedulingPolicy.PRIORITY`) the queue is ordered by (priority,
 arrival, workload order), a lower value first, and a preempted request goes back in by that
 key; the victim of a shortage is the running request with the largest (priority, arrival), the
@@ -146,6 +161,10 @@ class EngineConfig:
     # vLLM's admission gate: the whole prompt (less its cached prefix) must fit, not only the
     # first chunk (vLLM's scheduler_reserve_full_isl, on by default).
     reserve_full_isl: bool = True
+    # vLLM's async scheduling (its server's default): each step is scheduled before the
+    # previous step's output is applied (see the module's docstring). Continuous batching
+    # only; not modelled for the hybrid allocator yet, which runs synchronously.
+    async_scheduling: bool = True
     # vLLM's scheduling policy: "fcfs", or "priority" (the request table's `priority` column,
     # lowest first; preemption by priority too)
     policy: str = "fcfs"
@@ -178,6 +197,19 @@ class EngineConfig:
                    self.long_prefill_token_threshold or self.max_num_batched_tokens)
 
 
+#: Allocator kinds whose behaviour under async scheduling is not modelled yet: they run as
+#: vLLM's synchronous scheduler would (vLLM frees sliding-window blocks over processed tokens).
+ASYNC_NOT_MODELLED = frozenset({"hybrid"})
+
+
+def async_modelled(config: EngineConfig, allocator: Allocator) -> bool:
+    """Whether a run schedules asynchronously: asked for, continuous batching (a static batch
+    frees together once its last member is done, so a finished member's extra step changes
+    nothing), and an allocator whose async behaviour is modelled."""
+    return (config.async_scheduling and config.batching == "continuous"
+            and allocator.kind not in ASYNC_NOT_MODELLED)
+
+
 @dataclass
 class RunResult:
     """What a run produced: a summary, the accounting over time, one row per request."""
@@ -194,7 +226,9 @@ class RunResult:
 #: Columns of the allocation log. `check` rows carry the model's accounting at that instant:
 #: bytes holding tokens, bytes held but unwritten (reserved + internal) and free bytes.
 #: `move` rows (compaction) carry a slab's new offset in `offset`, its old one in `from_offset`.
-#: Admit rows carry the request's `prompt` length. A request whose blocks are not simply
+#: Admit rows carry the request's `prompt` length. A `free` row's `tokens` is 0, or (async
+#: scheduling, a preempted decoder: `Allocator.free_preempted`) the tokens it had processed,
+#: the only ones whose full blocks a prefix cache keeps. A request whose blocks are not simply
 #: appended (n > 1 sequences, or prefix caching with a hash chain) has all of its block ids in
 #: `tables` on each admit and grow row: one table per sequence (paged; one while its prompt is
 #: prefilled), and its full table with its cached blocks first (prefix caching); `blocks` are
@@ -397,6 +431,13 @@ class Engine:
             config.chunked_prefill or config.long_prefill_token_threshold
         )
         self.prefilled: list[_Req] = []  # prompt fully stored this iteration
+        # Async scheduling: requests done at the last iteration's end, still holding memory and
+        # seat through this iteration's scheduling; those whose prefill ended then (their
+        # last step did not decode); whether this turn freed any of the held.
+        self.asynchronous = async_modelled(config, allocator)
+        self.held: list[_Req] = []
+        self.fresh: list[_Req] = []
+        self.released_now = False
         self.batch_done: list[_Req] = []  # static batching: finished, still holding memory
         self.held_done_tokens = 0
         self.next_of_user: dict[int, deque[int]] = {}
@@ -535,8 +576,11 @@ class Engine:
                 self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
             prefill_tokens = self._schedule(decoders)
             decoders -= self.dropped  # decoders a prefill chunk preempted take no token
+            self.released_now = bool(self.held)
+            if self.held:
+                self._release_held()  # (async: the previous iteration's output applied)
             if not prefill_tokens and not decoders:
-                if (self.running or self.queue) and not self.preempted_now:
+                if (self.running or self.queue) and not (self.preempted_now or self.released_now):
                     raise RuntimeError("engine stalled: requests wait but none can run")
                 continue  # every waiting request was rejected, or the step only preempted
             if prefill_tokens:
@@ -578,6 +622,9 @@ class Engine:
             self._walk_decoders()
             return
         while alloc.n_decoding and alloc.steps_until_full() == 0:
+            # The decoders before the shortage took every free block, idle cached ones
+            # (evicted) included, before the victim's blocks come back.
+            alloc.evict_idle()
             self._preempt(self._victim())
 
     def _victim(self) -> _Req:
@@ -618,9 +665,16 @@ class Engine:
         alloc, rid = self.alloc, r.req.rid
         stored = alloc.tokens(rid) - unstepped
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
+        if r.status == "completed":  # async: done, its last token in flight
+            self._drop_held(r)
+            return
         decoded = alloc.is_decoding(rid)
-        self._log_free(r)
-        alloc.free(rid)
+        if decoded and self.asynchronous and r not in self.fresh:
+            self._log_free(r, stored - 1)
+            alloc.free_preempted(rid, stored - 1)  # (its last token's step is in flight)
+        else:
+            self._log_free(r)
+            alloc.free(rid)
         del self.running[r]
         self.seqs -= r.req.n
         if r in self.prefilling:
@@ -638,6 +692,41 @@ class Engine:
         r.prefill = stored + 1 - r.lead if decoded else r.prefill
         r.status = "waiting"
         self.queue.appendleft(r)
+
+    def _drop_held(self, r: _Req) -> None:
+        """Async: preempt a done request that holds its memory until its last token's output
+        is applied (vLLM's victim is the newest running request, done or not). It is freed
+        now and counted as preempted; the token in flight still finishes it."""
+        alloc, rid = self.alloc, r.req.rid
+        if r in self.fresh:
+            self._log_free(r)
+            alloc.free(rid)
+        else:
+            self._log_free(r, alloc.tokens(rid) - 1)
+            alloc.free_preempted(rid, alloc.tokens(rid) - 1)
+        self.held.remove(r)
+        del self.running[r]
+        self.seqs -= r.req.n
+        r.preemptions += 1
+        self.preemptions += 1
+        self.preempted_now = True
+        r.released = self.now
+        self._retire(r)
+
+    def _release_held(self) -> None:
+        """Async: free the requests done at the last iteration's end, once this iteration is
+        scheduled (vLLM applies step k-1's output after scheduling step k), in rid order."""
+        alloc = self.alloc
+        for r in sorted(self.held, key=_rid_of):
+            rid = r.req.rid
+            r.peak = max(r.peak, alloc.allocated_bytes(rid))
+            r.released = self.now
+            self._log_free(r)
+            alloc.free(rid)
+            del self.running[r]
+            self.seqs -= r.req.n
+            self._retire(r)
+        self.held.clear()
 
     def _schedule(self, decoders: int) -> int:
         """Admit and prefill for this iteration; returns the prefill tokens it processes."""
@@ -849,8 +938,10 @@ class Engine:
         done = alloc.steps_until_done()
         assert done is not None  # (a stretch has decoders)
         n = 1 + done
-        if self.preempted_now and self.queue:
-            n = 1  # admissions were skipped this iteration: the next one tries them
+        if (self.preempted_now or self.released_now) and self.queue:
+            # admissions were skipped this iteration, or it freed memory and seats after
+            # they were tried (async): the next one tries them
+            n = 1
         full = alloc.steps_until_full()
         if full is not None:
             n = min(n, 1 + full)
@@ -875,6 +966,8 @@ class Engine:
     # -------------------------------------------------------------- iteration end
     def _end_iteration(self) -> None:
         alloc, now = self.alloc, self.now
+        if self.asynchronous:
+            self.fresh = [r for r in self.prefilled if r.status == "running"]
         for r in self.prefilled:
             if r.status == "running":
                 alloc.set_decoding(r.req.rid, True)
@@ -905,6 +998,12 @@ class Engine:
         r.status = "completed"
         r.finished = now
         r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt + 1 - r.lead)
+        if self.asynchronous:  # it keeps memory and seat through the next scheduling
+            alloc.set_decoding(rid, False)
+            self.held.append(r)
+            if r.user >= 0:
+                self._next_of(r, now)
+            return
         del self.running[r]
         self.seqs -= r.req.n
         if self.cfg.batching == "static":
@@ -923,14 +1022,15 @@ class Engine:
 
     # ---------------------------------------------------------- allocation log
     def _log_op(
-        self, op: str, rid: int, nbytes: int, offset: int | None, blocks=(), from_offset=-1
+        self, op: str, rid: int, nbytes: int, offset: int | None, blocks=(), from_offset=-1,
+        processed: int = 0,
     ) -> None:
         if self.log is None:
             return
         alloc = self.alloc
         prompt, tables, offsets, keys = -1, [], [], []
         if op == "free":
-            tokens = 0
+            tokens = processed
             self.logged.pop(rid, None)
         elif op == "move":
             tokens = alloc.tokens(rid)
@@ -993,13 +1093,15 @@ class Engine:
                     r.moves.append((self.now, new))
             self._log_op("move", rid, nbytes, new, from_offset=old)
 
-    def _log_free(self, r: _Req) -> None:
+    def _log_free(self, r: _Req, processed: int = 0) -> None:
+        """Log `r`'s free; `processed`: see `free_preempted` (0: all its tokens)."""
         if self.log is not None:
             alloc, rid = self.alloc, r.req.rid
             if alloc.tokens(rid) != self.logged[rid][0]:
                 self._log_grow(rid)  # it stepped since its last entry (preempted mid-iteration)
             offset = None if math.isnan(r.offset) else int(r.offset)
-            self._log_op("free", rid, alloc.allocated_bytes(rid), offset, alloc.block_table(rid))
+            self._log_op("free", rid, alloc.allocated_bytes(rid), offset, alloc.block_table(rid),
+                         processed=processed)
 
     def _log_grow(self, rid: int) -> None:
         alloc = self.alloc
@@ -1543,6 +1645,10 @@ class _Outcomes:
             requests["slab_move_offset_bytes"] = [[int(o) for _, o in m] for m in moves]
         return requests
 
+
+
+def _rid_of(r: _Req) -> int:
+    return r.req.rid
 
 
 def _victim_key(r: _Req) -> tuple[int, float]:

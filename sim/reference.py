@@ -13,6 +13,12 @@ cached blocks it evicted and those left idle after it.
 request back in by that key, and the victim of a shortage the running request with the
 largest (priority, arrival), the first of them in admission order; a victim that already has
 its prefill chunk for this iteration gives it back.
+
+`cfg.async_scheduling` (vLLM's AsyncScheduler, continuous batching; see `sim.engine`): a
+request that stored its final token is done at the end of its iteration but keeps its memory
+and its seat through the next iteration's scheduling, where it may be preempted (it still
+finishes; its blocks go then); it is freed right after that scheduling. A pass that only
+frees such requests takes no time and makes no record.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections import deque
 import numpy as np
 import pandas as pd
 from kvfrag.sim.allocators import PARTS, Reason, Request
-from kvfrag.sim.engine import EngineConfig
+from kvfrag.sim.engine import EngineConfig, async_modelled
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 
@@ -97,6 +103,18 @@ def reference(
     def seqs():
         return sum(r["req"].n for r in running)
 
+    asynchronous = async_modelled(cfg, alloc)
+    held: list = []  # async: done, holding memory and seat through the next scheduling
+    fresh: set = set()  # rids whose prefill ended in the last iteration (they did not decode)
+
+    def free(r, stored: int) -> None:
+        """Free r's memory; async, a preempted request's KV is its processed tokens: those
+        computed less the one in flight, when its last step decoded (`free_preempted`)."""
+        if asynchronous and r["rid"] not in fresh:
+            alloc.free_preempted(r["rid"], stored - 1)
+        else:
+            alloc.free(r["rid"])
+
     by_priority = cfg.policy == "priority"
 
     def key(r) -> tuple:
@@ -120,8 +138,19 @@ def reference(
     def preempt(r, unstepped=False):
         stored = alloc.tokens(r["rid"]) - unstepped  # (a decoder stepped before its turn)
         r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
+        if r in held:  # async: its last token is in flight; it finishes, not resumed
+            free(r, stored)
+            held.remove(r)
+            running.remove(r)
+            r["preemptions"] += 1
+            preempted[0] = True
+            counts["preempted"] += 1
+            return
         decoding = alloc.is_decoding(r["rid"])
-        alloc.free(r["rid"])
+        if decoding:
+            free(r, stored)
+        else:
+            alloc.free(r["rid"])
         running.remove(r)
         if r in prefilling:
             prefilling.remove(r)
@@ -169,6 +198,7 @@ def reference(
                 else:
                     stepped.add(r["rid"])
         while not walked and alloc.n_decoding and alloc.steps_until_full() == 0:
+            alloc.evict_idle()  # (the decoders before the shortage took every free block)
             preempt(victim())
         decoders = alloc.decoding_weight
         if decoders and not walked:
@@ -277,8 +307,13 @@ def reference(
             i += 1
             if cfg.admission == "fcfs" or i >= cfg.lookahead:
                 break
+        released = bool(held)
+        for r in sorted(held, key=lambda r: r["rid"]):  # async: step k-1's output applied
+            alloc.free(r["rid"])
+            running.remove(r)
+        held.clear()
         if not decoders and not used:
-            assert (not running and not queue) or preempted[0]
+            assert (not running and not queue) or preempted[0] or released
             continue  # everything waiting was rejected, or it only preempted: no iteration
         tokens = decoders + used
         base, per_kv = st_.affine(tokens, min(decoders + len(done_prefill), tokens), decoders > 0)
@@ -292,9 +327,11 @@ def reference(
         add_waste(dt)
         total += dt
         t += dt
+        fresh = set()
         for r in done_prefill:
             if r["status"] == "running":
                 alloc.set_decoding(r["rid"], True)
+                fresh.add(r["rid"])
                 if math.isnan(r["first"]):
                     r["first"] = t
         # Requests done together free in rid order (prefix caching: the order idle blocks
@@ -305,6 +342,10 @@ def reference(
                 r["status"], r["finished"] = "completed", t
                 r["generated"] = r["req"].n * (alloc.tokens(rid) - r["req"].prompt + 1 - r["lead"])
                 r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
+                if asynchronous:  # freed after the next iteration's scheduling
+                    alloc.set_decoding(rid, False)
+                    held.append(r)
+                    continue
                 alloc.free(rid)
                 running.remove(r)
         if trace is not None:

@@ -376,8 +376,12 @@ class MemoryReplay:
         live.tokens = tokens
         return bad, problem
 
-    def free(self, rid: int, nbytes: int, offset: int, blocks: list[int]) -> tuple[int, str]:
-        """Check the request's bytes, then release them; returns (bad bytes, problem)."""
+    def free(
+        self, rid: int, nbytes: int, offset: int, blocks: list[int], processed: int = 0
+    ) -> tuple[int, str]:
+        """Check the request's bytes, then release them; returns (bad bytes, problem).
+        `processed` (> 0): the tokens whose full blocks stay cached (async scheduling: a
+        preempted decoder's token in flight is not processed); 0: all it holds."""
         live = self.live.pop(rid, None)
         if live is None:
             return 0, f"free of request {rid}, which is not live"
@@ -387,14 +391,18 @@ class MemoryReplay:
             items = self._items(live)
             if {int(b) for b in blocks} != {it[0] for it in items}:
                 problem = f"request {rid}: freed blocks differ from its block tables"
-            cached = self._cached(live, live.tokens)
+            full = self._cached(live, live.tokens)
+            cached = self._cached(live, min(live.tokens, processed or live.tokens))
             gone = []
             for b, row, s in items:
-                if row < cached and s == 0:  # a cached block: idle once nobody holds it
+                if row < full and s == 0:  # a cached block: idle once nobody holds it
                     self.users[b] -= 1
                     if not self.users[b]:
                         del self.users[b]
-                        self.idle[b] = self._expect(rid, live, [(b, row, s)])[2][0]
+                        if row < cached:
+                            self.idle[b] = self._expect(rid, live, [(b, row, s)])[2][0]
+                        else:  # (its last token was not processed: not kept)
+                            gone.append(b)
                 else:
                     gone.append(b)
             self._set(gone, FREE)
@@ -521,7 +529,8 @@ def _replay(
             frm = int(getattr(row, "from_offset", -1))
             problem2 = mem.move(rid, int(row.nbytes), int(row.offset), frm)
         elif op == "free":
-            bad, problem2 = mem.free(rid, int(row.nbytes), int(row.offset), blocks)
+            bad, problem2 = mem.free(rid, int(row.nbytes), int(row.offset), blocks,
+                                     int(row.tokens))
         elif op == "evict":
             bad, problem2 = mem.evict(blocks)
         else:

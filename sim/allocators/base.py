@@ -666,6 +666,20 @@ class Allocator(ABC):
             self._view.stepped(self._clock)
         self._stepped()
 
+    def evict_idle(self) -> None:
+        """Evict every idle cached block (its id becomes a plain free block): decoders that
+        run out of blocks take every free one, idle cached ones included, before vLLM
+        preempts a victim (whose blocks only those after them then take). By default nothing
+        is cached."""
+        return
+
+    def free_preempted(self, rid: int, processed: int) -> int:
+        """Release a preempted request whose KV holds only its first `processed` tokens (async
+        scheduling: a token whose step is in flight is computed, not yet processed); an
+        allocator that caches blocks by their tokens caches only full blocks within them.
+        Returns the bytes freed. By default `free`: what the KV holds does not matter."""
+        return self.free(rid)
+
     def free(self, rid: int) -> int:
         """Release everything request `rid` holds; returns the bytes freed."""
         live = self._get(rid)

@@ -321,6 +321,8 @@ class PrefixCachingAllocator(PagedAllocator):
         if not isinstance(cache_generated, bool):
             raise ValueError(f"cache_generated must be true or false, got {cache_generated!r}")
         self.cache_generated = cache_generated
+        # tokens a request being freed has processed (`free_preempted`; -1: all it holds)
+        self._processed = -1
         self._segs: dict[Base, _Seg] = {}  # segment base -> its cached blocks' oldest ids
         self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
         self._in_use = 0  # cached blocks in use (held by a live request)
@@ -850,6 +852,16 @@ class PrefixCachingAllocator(PagedAllocator):
         ids = self._name(live, k, after, new)
         return Grant(live.req.rid, max(0, need) * self.block_bytes, live.cap, blocks=ids)
 
+    def evict_idle(self) -> None:
+        self._evict(over=self._idle_blocks)
+
+    def free_preempted(self, rid: int, processed: int) -> int:
+        self._processed = processed
+        try:
+            return self.free(rid)
+        finally:
+            self._processed = -1
+
     def _release(self, live: Live) -> None:
         rid, bs, tokens = live.req.rid, self.block_size, live.base
         held = self._held.pop(rid, [])
@@ -857,7 +869,9 @@ class PrefixCachingAllocator(PagedAllocator):
         # Its own full blocks join the cache now, idle (nobody else could have found them).
         own: list[int] = []
         if live.req.n == 1:
-            full = tokens // bs if self._caches_own(live.req) else min(tokens // bs, len(named))
+            # (a block whose tokens are in flight is not cached: `free_preempted`)
+            known = tokens if self._processed < 0 else min(tokens, self._processed)
+            full = known // bs if self._caches_own(live.req) else min(known // bs, len(named))
             if full > len(held):
                 self._materialize(live, self._blocks_at(live, tokens), tokens)
                 table = live.table

@@ -1,6 +1,7 @@
 """kvfrag's engine against vLLM's own scheduler, iteration by iteration.
 
-The same requests go through vLLM 0.33's real v1 `Scheduler` (tests/oracle/vllm_driver.py)
+The same requests go through vLLM 0.33's real v1 `Scheduler`, the synchronous one
+(tests/oracle/vllm_driver.py; the async one: tests/oracle/test_async_match.py)
 and through kvfrag's per-iteration stepper (`sim.reference`, the specification the fast
 engine is held to in tests/sim/test_engine.py) with a `paged` allocator of the same pool, or a
 `prefix-caching` one with vLLM's prefix caching on. Iterations take 1 s in kvfrag (base_s = 1,
@@ -173,6 +174,7 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
             long_prefill_token_threshold=long_prefill,
             reserve_full_isl=reserve_full_isl,
             record_slots=False,
+            async_scheduling=False,
         )
     cfg = EngineConfig(
         max_num_seqs=max_num_seqs,
@@ -181,7 +183,8 @@ def both(wl: pd.DataFrame, num_blocks: int, max_num_seqs: int, budget: int, chun
         watermark=watermark,
         long_prefill_token_threshold=long_prefill,
         reserve_full_isl=reserve_full_isl,
-        step_time=StepTime(base_s=1.0),
+        async_scheduling=False,  # (vLLM's synchronous Scheduler: tests/oracle/test_async_match.py
+        step_time=StepTime(base_s=1.0),  # holds the engine to its AsyncScheduler)
     )
 
     def fresh():

@@ -203,7 +203,8 @@ def test_opt13b_buddy_worst_case_strands_memory_as_external():
             "output_tokens": rng.integers(20, 400, n),
         }
     )
-    result = run(wl, alloc, EngineConfig(max_num_batched_tokens=4096))
+    # (synchronous: async, a freed slot is seen one iteration after it is freed)
+    result = run(wl, alloc, EngineConfig(max_num_batched_tokens=4096, async_scheduling=False))
     assert result.summary["max_running"] == 7
     saturated = result.timeseries[result.timeseries["waiting"] > 0]
     assert len(saturated) > 0
