@@ -194,16 +194,13 @@ class HybridAllocator(Allocator):
         self._reads = self._manager_views()
         self.waste_split = True
         # Running totals of (blocks, token_states, reserved, internal, padding,
-        # out_of_window, then each manager's held blocks per group): `_fixed` over the
+        # out_of_window, then each manager's held blocks per group): over the
         # requests outside the decode cohort (each at its (tokens, processed)), the cohort's
         # in `_cohort` (`sim.hybrid.cohort`: sums in the decode clock).
         self._width = 6 + len(self.managers)
-        self._fixed = [0] * self._width
-        self._cohort = Cohort(self.managers, self._reads, self.page, self.max_model_len,
-                              self._parts_of, self._blocks)
+        self._cohort = Cohort(self.managers, self._reads, self.page, self.max_model_len)
         self._rank: dict[int, int] = {}  # rid -> its admission's rank (the running order)
         self._admissions = 0
-        self._totals_memo: tuple[int, int, list[int]] | None = None
         # `_integrals6`'s last answer: the engine asks the parts, then the waste, of a stretch
         self._integrals_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
         self._full_memo: tuple[int, int, int | None] | None = None
@@ -219,7 +216,7 @@ class HybridAllocator(Allocator):
         return tokens, self._proc[rid]
 
     def _blocks(self, tokens: int, processed: int) -> int:
-        return sum(m.groups * m.held(tokens, processed) for m in self.managers)
+        return self._cohort.blocks_of(tokens, processed)
 
     def _manager_views(self) -> list[ModelView | None]:
         """Per manager, the model view of its groups' real layers (`sim.model_view`)."""
@@ -231,27 +228,8 @@ class HybridAllocator(Allocator):
 
     def _parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
         """(blocks, token_states, reserved, internal, padding, out_of_window, then each
-        manager's held blocks per group) of one request: internal = padding + out_of_window +
-        rounding (slots past F)."""
-        blocks = token_states = reserved = padding = out = 0
-        per_manager = []
-        page = self.page
-        for m, view in zip(self.managers, self._reads, strict=True):
-            bs, tb, groups = m.block_size, m.token_bytes, m.groups
-            ceil = -(-tokens // bs)
-            skipped = m.skipped_blocks(processed)
-            held = ceil - skipped  # (`m.held`)
-            per_manager.append(held)
-            blocks += groups * held
-            # tokens its layers read: all, less those out of their window (`needed` for the
-            # manager's own kind; promoted layers by their real kind)
-            unread = 0 if view is None else view.out_of_window(tokens)
-            token_states += tokens * tb - unread + m.state_bytes
-            reserved += max(0, min(final, ceil * bs) - tokens) * tb
-            padding += held * (groups * page - bs * tb) - m.state_bytes
-            out += unread - skipped * bs * tb
-        internal = blocks * self.page - token_states - reserved
-        return (blocks, token_states, reserved, internal, padding, out, *per_manager)
+        manager's held blocks per group) of one request (`Cohort.parts_of`)."""
+        return self._cohort.parts_of(tokens, processed, final)
 
     def waste_breakdown(self) -> dict[str, int]:
         """Internal bytes now, split: padding (a block's page beyond its groups' real slots
@@ -289,27 +267,17 @@ class HybridAllocator(Allocator):
     def _totals(self) -> list[int]:
         """(blocks, token_states, reserved, internal, padding, out_of_window, then each
         manager's held blocks per group) over live requests: the running totals."""
-        memo = self._totals_memo
-        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2]
-        out = self._cohort.totals(self._clock)
-        f = self._fixed
-        for i in range(self._width):
-            out[i] += f[i]
-        self._totals_memo = (self._clock, self._version, out)
-        return out
+        return self._cohort.figures(self._clock)
 
     def _add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
-        f = self._fixed
-        for i in range(self._width):
-            f[i] += sign * parts[i]
+        self._cohort.add_fixed(parts, sign)
 
     def _stepped(self) -> None:
         self._cohort.stepped(self._clock)
 
     # ----------------------------------------------------------------- queries
     def free_blocks(self) -> int:
-        return self.num_blocks - self._totals()[0]
+        return self.num_blocks - self._cohort.blocks_now(self._clock)
 
     def group_blocks(self) -> tuple[int, ...]:
         """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
@@ -570,6 +538,6 @@ class HybridAllocator(Allocator):
         sums = (self._cohort.integrals(self._clock, n, w0, w1) if n and self._joined
                 else [0.0] * 6)
         for k in range(6):
-            sums[k] += self._fixed[k] * weight
+            sums[k] += self._cohort.fixed[k] * weight
         self._integrals_memo = (key, sums)
         return sums

@@ -44,17 +44,17 @@ from collections.abc import Callable, Sequence
 from kvfrag.sim.allocators.paged import FloorSum
 from kvfrag.sim.hybrid.managers import Manager
 from kvfrag.sim.model_view import ModelView
+from mypy_extensions import mypyc_attr
 
 #: No event (a decoder's form holds to its end).
 NEVER = 1 << 62
 
-Parts = Callable[[int, int, int], tuple[int, ...]]
+#: Manager classes whose skipped blocks the cohort computes itself (`Cohort._skipped`).
+_CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
 
-
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class _Rec:
     """One decoder: its phase, final length, form and terms, and its heap keys."""
-
-    __slots__ = ("a", "c", "event", "final", "last", "nf", "s", "terms")
 
     def __init__(self, c: int, final: int) -> None:
         self.c = c
@@ -67,16 +67,19 @@ class _Rec:
         self.last = -1  # clock of its last free before its final length
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class Cohort:
     """The decoders' figures as running sums (see the module)."""
 
     def __init__(self, managers: Sequence[Manager], views: Sequence[ModelView | None],
-                 page: int, max_len: int, parts_of: Parts,
-                 blocks_of: Callable[[int, int], int]) -> None:
+                 page: int, max_len: int) -> None:
         self.managers = tuple(managers)
+        self.views = tuple(views)  # per manager: what its real layers read (None: all)
+        # per manager: 1 full/MLA (nothing skipped), 2 sliding, 3 chunked, 0 another kind
+        # (asked: `skipped_blocks`), for `_skipped`
+        self.codes = [_CODES.get(type(m).__name__, 0) for m in self.managers]
+        self.page = page
         self.width = 6 + len(self.managers)
-        self._parts = parts_of
-        self._blocks = blocks_of
         width = self.width
         # Term kinds: (mod, vector over the figures); ceil kinds first, one per block size.
         self.mods: list[int] = []
@@ -128,8 +131,58 @@ class Cohort:
         self.blocks_vec = [v[0] for v in self.vecs]
         self.clear()
 
+    # ------------------------------------------------------------------ one request
+    def _skipped(self, i: int, processed: int) -> int:
+        """Manager i's `skipped_blocks(processed)` (its formula, without the call)."""
+        code = self.codes[i]
+        m = self.managers[i]
+        if code == 1:
+            return 0
+        if code == 2:
+            over = processed - m.window + 1
+            return over // m.block_size if over > 0 else 0
+        if code == 3:
+            return processed // m.window * m.window // m.block_size
+        return m.skipped_blocks(processed)
+
+    def blocks_of(self, tokens: int, processed: int) -> int:
+        """Block ids a request holds with `tokens` slots, freed by `processed` computed."""
+        total = 0
+        for i, m in enumerate(self.managers):
+            total += m.groups * (-(-tokens // m.block_size) - self._skipped(i, processed))
+        return total
+
+    def parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
+        """(blocks, token_states, reserved, internal, padding, out_of_window, then each
+        manager's held blocks per group) of one request: internal = padding + out_of_window +
+        rounding (slots past F)."""
+        blocks = token_states = reserved = padding = out = 0
+        per_manager: list[int] = []
+        page = self.page
+        for i, m in enumerate(self.managers):
+            bs, tb, groups = m.block_size, m.token_bytes, m.groups
+            ceil = -(-tokens // bs)
+            skipped = self._skipped(i, processed)
+            held = ceil - skipped  # (`m.held`)
+            per_manager.append(held)
+            blocks += groups * held
+            # tokens its layers read: all, less those out of their window (`needed` for the
+            # manager's own kind; promoted layers by their real kind)
+            view = self.views[i]
+            unread = 0 if view is None else view.out_of_window(tokens)
+            token_states += tokens * tb - unread + m.state_bytes
+            reserved += max(0, min(final, ceil * bs) - tokens) * tb
+            padding += held * (groups * page - bs * tb) - m.state_bytes
+            out += unread - skipped * bs * tb
+        internal = blocks * page - token_states - reserved
+        return (blocks, token_states, reserved, internal, padding, out, *per_manager)
+
     def clear(self) -> None:
         width = self.width
+        self.fixed = [0] * width  # over the requests outside the cohort (`add_fixed`)
+        self._changes = 0  # every change of the sums: `figures` keeps its last answer
+        self._memo: list[int] = []
+        self._memo_at = (-1, -1)
         self.recs: dict[int, _Rec] = {}
         self.A = [0] * width  # sum of a
         self.S = [0] * width  # sum of s
@@ -186,10 +239,10 @@ class Cohort:
         if nxt > final:
             nxt = NEVER
         width = self.width
-        now = self._parts(tokens, tokens - 1, final)
+        now = self.parts_of(tokens, tokens - 1, final)
         tv = self._term_value(rec, clock)
         if nxt > tokens + 1 and tokens < final:
-            after = self._parts(tokens + 1, tokens, final)
+            after = self.parts_of(tokens + 1, tokens, final)
             tv1 = self._term_value(rec, clock + 1)
             s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
         else:
@@ -219,6 +272,7 @@ class Cohort:
         return rec, now
 
     def _add(self, rid: int, rec: _Rec, sign: int) -> None:
+        self._changes += 1
         A, S, a, s = self.A, self.S, rec.a, rec.s
         for i in range(self.width):
             A[i] += sign * a[i]
@@ -255,6 +309,7 @@ class Cohort:
         """Forget the prefill corrections of an earlier clock (keeping the last clock's
         decoders, whose first step `steps_until_shrink` looks at)."""
         if self.fresh_clock != clock:
+            self._changes += 1
             self.prev_fresh = ({rid: p for rid, (p, _) in self.fresh.items()}
                                if self.fresh_clock == clock - 1 else {})
             self.fresh = {}
@@ -268,9 +323,10 @@ class Cohort:
         self._enter(rid, rec)
         tokens = c + clock
         if processed != tokens - 1:
-            held = self._parts(tokens, processed, final)
+            held = self.parts_of(tokens, processed, final)
             diff = [x - y for x, y in zip(held, form, strict=True)]
             self.fresh[rid] = (processed, diff)
+            self._changes += 1
             corr = self.fresh_corr
             for i in range(self.width):
                 corr[i] += diff[i]
@@ -281,6 +337,7 @@ class Cohort:
         self._add(rid, rec, -1)
         got = self.fresh.pop(rid, None)
         if got is not None:
+            self._changes += 1
             corr = self.fresh_corr
             for i in range(self.width):
                 corr[i] -= got[1][i]
@@ -311,6 +368,29 @@ class Cohort:
                     self.freed_clock = clock
 
     # ------------------------------------------------------------------ figures
+    def add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
+        """A request outside the cohort holds `parts` (sign 1) or no longer (-1)."""
+        f = self.fixed
+        for i in range(self.width):
+            f[i] += sign * parts[i]
+        self._changes += 1
+
+    def figures(self, clock: int) -> list[int]:
+        """Every live request's figures at `clock`: the cohort's and the others'."""
+        if self._memo_at == (clock, self._changes):
+            return self._memo
+        out = self.totals(clock)
+        f = self.fixed
+        for i in range(self.width):
+            out[i] += f[i]
+        self._memo = out
+        self._memo_at = (clock, self._changes)
+        return out
+
+    def blocks_now(self, clock: int) -> int:
+        """Block ids every live request holds at `clock`."""
+        return self.figures(clock)[0]
+
     def totals(self, clock: int) -> list[int]:
         """The cohort's figures at `clock`."""
         out = [self.A[i] + self.S[i] * clock for i in range(self.width)]
@@ -411,7 +491,7 @@ class Cohort:
         if now + taken <= limit:
             return done
         special = self._ending_by(clock + done)
-        recs, blocks_of = self.recs, self._blocks
+        recs = self.recs
         cur = now
         for t in range(1, done + 1):
             k1 = clock + t
@@ -433,8 +513,8 @@ class Cohort:
                 rec = recs[rid]
                 if rec.event <= k1:
                     tokens = rec.c + k1
-                    delta += (blocks_of(tokens, tokens - 1) - self._rec_blocks(rec, k1)
-                              - blocks_of(tokens - 1, tokens - 2)
+                    delta += (self.blocks_of(tokens, tokens - 1) - self._rec_blocks(rec, k1)
+                              - self.blocks_of(tokens - 1, tokens - 2)
                               + self._rec_blocks(rec, k1 - 1))
             if t == 1 and self.fresh_clock == clock and self.fresh:
                 delta -= self.fresh_corr[0]
@@ -470,8 +550,8 @@ class Cohort:
         if clock == self.fresh_clock:
             got = self.fresh.get(rid)
             if got is not None:
-                return self._blocks(tokens, got[0])
-        return self._blocks(tokens, tokens - 1)
+                return self.blocks_of(tokens, got[0])
+        return self.blocks_of(tokens, tokens - 1)
 
     def steps_until_shrink(self, clock: int, done: int | None) -> int | None:
         """See the module: exact up to `done`, a lower bound past it, None if no decoder
@@ -516,8 +596,8 @@ class Cohort:
         heap, recs = self.nf_heap, self.recs
         while heap:
             key, rid = heap[0]
-            rec = recs.get(rid)
-            if rec is None or rec.nf != key or key <= clock:
+            got = recs.get(rid)
+            if got is None or got.nf != key or key <= clock:
                 heapq.heappop(heap)
                 continue
             best = min(best, key - clock)
@@ -527,8 +607,8 @@ class Cohort:
         heap = self.last_heap
         while heap:
             key, rid = heap[0]
-            rec = recs.get(rid)
-            if rec is None or rec.last != -key or -key <= clock:
+            got = recs.get(rid)
+            if got is None or got.last != -key or -key <= clock:
                 heapq.heappop(heap)
                 continue
             return best if best != NEVER else (done or 0) + 1
