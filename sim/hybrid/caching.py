@@ -89,6 +89,11 @@ class HybridPrefixCaching(HybridAllocator):
         self._sb = [sum(getattr(self.stack.layers[i], "state_bytes", 0) for i in g.layers)
                     if g.kind == "mamba" else 0 for g in p.groups]
         self._mamba = any(k.kind == "mamba" for k in kinds)
+        # Per kind, (its first group, block size, Mamba?), where every kind is full attention
+        # or Mamba: their decode steps change nothing between block boundaries (`_quiet_step`).
+        self._quiet: list[tuple[int, int, bool]] | None = (
+            [(k.groups[0], k.block_size, k.kind == "mamba") for k in kinds]
+            if all(k.kind in ("full", "mamba") for k in kinds) else None)
         self._hash_bs = p.hash_block_size
         # vLLM's `cached_blocks_this_step`: Mamba keys cached in this scheduler step (a hit on
         # one waits a step); `_grown` the requests given a chunk in it, `_admitted` whether an
@@ -524,10 +529,14 @@ class HybridPrefixCaching(HybridAllocator):
         before = st.pool.free_count()
         taken = 0
         rank = 0
+        quiet = self._quiet
         for rid, live in self._live.items():
             if not live.decoding:
                 continue
             tokens = live.base + clock
+            if quiet is not None and self._quiet_step(st, rid, tokens, quiet):
+                rank += 1
+                continue
             st.remove_skipped(rid, self._kinds, self._manager_of, tokens - 1)
             need = self._wanted(st, rid, tokens)
             while need > st.pool.free_count():
@@ -543,6 +552,23 @@ class HybridPrefixCaching(HybridAllocator):
         self._victims_turn(st, queue)
         st.freed = st.pool.free_count() + taken - before
         return -1
+
+    def _quiet_step(self, st: PrefixState, rid: int, tokens: int,
+                    quiet: list[tuple[int, int, bool]]) -> bool:
+        """Whether a decode step to `tokens` frees, takes and caches nothing for the request
+        (most steps, on a model of full attention and Mamba groups only: `_quiet`), judged
+        on each kind's first group (the others' tables are alike)."""
+        tables, ncached = st.tables[rid], st.ncached[rid]
+        for g, bs, mamba in quiet:
+            table = tables[g]
+            if -(-tokens // bs) > len(table) or tokens // bs > ncached[g]:
+                return False
+            if mamba:
+                retired, last_state = st.mamba[rid][0], st.mamba[rid][1]
+                if (tokens - 2) // bs > retired or (
+                        0 <= last_state < -(-(tokens - 1) // bs) - 1 and table[last_state]):
+                    return False
+        return True
 
     def _victims_turn(self, st: PrefixState, queue: list[tuple[int, list[list[int]], int]]
                       ) -> None:
@@ -644,6 +670,10 @@ class HybridPrefixCaching(HybridAllocator):
             live = self._live[rid]
             tokens = live.base + clock if live.decoding else live.base
             for g, table in enumerate(tables):
+                if self._sb[g]:  # a Mamba group: its state (its page's rest is padding)
+                    if table.count(0) < len(table):
+                        token_states += self._sb[g]
+                    continue
                 k = self._kinds[self._manager_of[g]]
                 bs = k.block_size
                 lo = k.read_from(tokens)
@@ -658,8 +688,6 @@ class HybridPrefixCaching(HybridAllocator):
                 if tokens % bs:
                     tail[g] += tokens - max(full * bs, lo)
                 reserved += max(0, min(live.final, len(table) * bs) - tokens) * self._tb[g]
-                if self._sb[g] and table.count(0) < len(table):
-                    token_states += self._sb[g]  # (its state; its page's rest is padding)
         for g in range(groups):
             w = whole[g]
             w.discard(0)
