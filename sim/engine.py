@@ -651,17 +651,19 @@ class Engine:
                 continue
             while isinstance(alloc.grow(rid, 1), Refusal):
                 victim = self._victim()
-                self._preempt(victim, int(victim in stepped))
+                self._preempt(victim, int(victim in stepped), victim in stepped)
                 if victim is r:
                     break
             else:
                 stepped.add(r)
         self.walked = True
 
-    def _preempt(self, r: _Req, unstepped: int = 0) -> None:
+    def _preempt(self, r: _Req, unstepped: int = 0, scheduled: bool = False) -> None:
         """Free `r` and queue it first (policy priority: by its key); `unstepped`: tokens this
         iteration gave it before vLLM would have (a decoder advanced before its turn came) or
-        that vLLM takes back (a prefill chunk scheduled before it was preempted)."""
+        that vLLM takes back (a prefill chunk scheduled before it was preempted); `scheduled`
+        (policy priority): vLLM had scheduled its token in this step, caching its blocks over
+        the tokens known then (async: one more than those processed before)."""
         alloc, rid = self.alloc, r.req.rid
         stored = alloc.tokens(rid) - unstepped
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
@@ -670,8 +672,8 @@ class Engine:
             return
         decoded = alloc.is_decoding(rid)
         if decoded and self.asynchronous and r not in self.fresh:
-            self._log_free(r, stored - 1)
-            alloc.free_preempted(rid, stored - 1)  # (its last token's step is in flight)
+            self._log_free(r, stored - 1 + scheduled)
+            alloc.free_preempted(rid, stored - 1 + scheduled)  # (its last step in flight)
         else:
             self._log_free(r)
             alloc.free(rid)
@@ -837,7 +839,9 @@ class Engine:
                     self.prefill_attn_s -= seconds
                     if victim in self.prefilled:
                         self.prefilled.remove(victim)
-                self._preempt(victim, unstepped)
+                # (a decoder before r in admission order: vLLM had scheduled its token)
+                before = self.by_priority and unstepped == 1 and _before(self.running, victim, r)
+                self._preempt(victim, unstepped, before)
                 if victim is r:
                     break
             else:
@@ -1649,6 +1653,14 @@ class _Outcomes:
 
 def _rid_of(r: _Req) -> int:
     return r.req.rid
+
+
+def _before(running: dict[_Req, None], a: _Req, b: _Req) -> bool:
+    """Whether `a` was admitted before `b` (both running): a walk, at a preemption only."""
+    for r in running:
+        if r is a or r is b:
+            return r is a
+    return False
 
 
 def _victim_key(r: _Req) -> tuple[int, float]:

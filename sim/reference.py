@@ -107,11 +107,12 @@ def reference(
     held: list = []  # async: done, holding memory and seat through the next scheduling
     fresh: set = set()  # rids whose prefill ended in the last iteration (they did not decode)
 
-    def free(r, stored: int) -> None:
+    def free(r, stored: int, scheduled: bool = False) -> None:
         """Free r's memory; async, a preempted request's KV is its processed tokens: those
-        computed less the one in flight, when its last step decoded (`free_preempted`)."""
+        computed less the one in flight, when its last step decoded (`free_preempted`); one
+        more when vLLM had scheduled its token in this step (policy priority)."""
         if asynchronous and r["rid"] not in fresh:
-            alloc.free_preempted(r["rid"], stored - 1)
+            alloc.free_preempted(r["rid"], stored - 1 + scheduled)
         else:
             alloc.free(r["rid"])
 
@@ -135,7 +136,7 @@ def reference(
             return running[-1]
         return max(running, key=lambda r: (r["priority"], r["arrival"]))
 
-    def preempt(r, unstepped=False):
+    def preempt(r, unstepped=False, scheduled=False):
         stored = alloc.tokens(r["rid"]) - unstepped  # (a decoder stepped before its turn)
         r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
         if r in held:  # async: its last token is in flight; it finishes, not resumed
@@ -148,7 +149,7 @@ def reference(
             return
         decoding = alloc.is_decoding(r["rid"])
         if decoding:
-            free(r, stored)
+            free(r, stored, scheduled)
         else:
             alloc.free(r["rid"])
         running.remove(r)
@@ -192,7 +193,7 @@ def reference(
                     continue
                 while not alloc.grow(r["rid"], 1):
                     v = victim()
-                    preempt(v, int(v["rid"] in stepped))
+                    preempt(v, int(v["rid"] in stepped), v["rid"] in stepped)
                     if v is r:
                         break
                 else:
@@ -237,7 +238,9 @@ def reference(
                     attention -= back
                     if v in done_prefill:
                         done_prefill.remove(v)
-                preempt(v, unstepped)
+                # (a decoder before r in admission order: vLLM had scheduled its token)
+                before = by_priority and unstepped == 1 and running.index(v) < running.index(r)
+                preempt(v, unstepped, before)
                 if v is r:
                     ok = False
                     break
