@@ -206,3 +206,40 @@ def test_priority_with_prefix_caching(seed, chunked):
     assert sum(s["evictions"] for s in oracle.steps) > 1000
     assert assert_same(oracle, trace, ref, COMPARED + PREFIX) > 300
     assert_fast_engine_agrees(ref, fast)
+
+
+@pytest.mark.parametrize("kind", ["paged", "prefix-caching"])
+def test_priority_with_async_scheduling(kind):
+    """vLLM's AsyncScheduler with policy priority (its server's default scheduling, chunked):
+    a victim by priority whose token vLLM had scheduled in the step keeps its blocks cached
+    over one token more than one that had not; every iteration and request identical."""
+    from .test_async_match import assert_same as assert_same_async
+
+    if kind == "paged":
+        wl, num_blocks, seqs = prioritised(80, 1), 120, 16
+    else:
+        wl, num_blocks, seqs = shared_prefixes(200, 1), 150, 24
+        wl["request_id"] = 100 + np.arange(len(wl))
+        wl["priority"] = np.random.default_rng(1).integers(0, 3, len(wl))
+    caching = kind == "prefix-caching"
+    chunk = int(wl.attrs.get("hash_block_tokens", 0)) if caching else 0
+    with own_sampled_tokens() if caching else contextlib.nullcontext():
+        oracle = run_vllm(
+            [OracleRequest(int(r.request_id), int(r.arrival_s), token_ids(r, chunk),
+                           int(r.output_tokens), int(r.priority)) for r in wl.itertuples()],
+            block_size=BS, num_blocks=num_blocks, max_num_seqs=seqs, max_num_batched_tokens=256,
+            chunked_prefill=True, prefix_caching=caching, max_model_len=1024,
+            record_slots=False, async_scheduling=True, policy="priority",
+        )
+    cfg = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=256, chunked_prefill=True,
+                       async_scheduling=True, policy="priority", step_time=StepTime(base_s=1.0))
+
+    def fresh():
+        return make_allocator(kind, capacity=(num_blocks + 1) * BS * BYTES_PER_TOKEN,
+                              bytes_per_token=BYTES_PER_TOKEN, max_model_len=1024, block_size=BS)
+
+    trace: list[dict] = []
+    ref = reference(wl, fresh(), cfg, trace)
+    assert sum(s["preempted"] for s in oracle.steps) > 20
+    assert assert_same_async(oracle, trace, ref, COMPARED + (PREFIX if caching else ())) > 3000
+    assert_fast_engine_agrees(ref, run(wl, fresh(), cfg))

@@ -110,13 +110,16 @@ ALLOCATORS = [
     watermark=st.sampled_from([0.0, 0.0, 0.1]),
     long_prefill=st.sampled_from([0, 0, 16, 48]),
     linear=st.booleans(),
+    asynchronous=st.booleans(),
 )
 def test_fast_engine_matches_per_iteration_reference(
     seed, which, n, capacity_tokens, chunked, samples, max_seqs, watermark, long_prefill, linear,
+    asynchronous,
 ):
-    """Under policy priority the fast engine keeps the reference's every request record, the
-    simulated time and the time-averaged parts (its stretches stop at every arrival, its
-    victims are chosen by priority, a victim's prefill chunk goes back to the budget)."""
+    """Under policy priority, synchronous or async, the fast engine keeps the reference's
+    every request record, the simulated time and the time-averaged parts (its stretches stop
+    at every arrival, its victims are chosen by priority, a victim's prefill chunk goes back to
+    the budget, decoders walk one by one at a shortage)."""
     kind, opts = ALLOCATORS[which]
     b, mml = 96, 128
     wl = workload(seed, n, 100, 80, rate=2.0, samples=samples)
@@ -128,7 +131,7 @@ def test_fast_engine_matches_per_iteration_reference(
         long_prefill_token_threshold=long_prefill,
         policy="priority",
         step_time=StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
-        **SYNC,
+        async_scheduling=asynchronous,
     )
 
     def fresh():
