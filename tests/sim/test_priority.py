@@ -320,3 +320,31 @@ def test_synthetic_priorities_are_drawn_last(tmp_path):
     with pytest.raises(ScenarioError, match=r"s\.yaml:10: workload\.synthetic\.priority\[0\]\[1\]: "
                                             r"must be a number above 0"):
         table("    priority: [[0, 0]]\n")
+
+
+@pytest.mark.parametrize("n", [40, 200])
+def test_event_count_independent_of_output_length(n):
+    """Under policy priority, as under FCFS: all 40 fit at once, events are exactly the same
+    with outputs twice as long; 200 queue (by priority): events stay O(requests)."""
+    rng = np.random.default_rng(7)
+    wl = pd.DataFrame({
+        "request_id": np.arange(n),
+        "arrival_s": np.zeros(n),
+        "prompt_tokens": rng.integers(10, 200, n),
+        "output_tokens": rng.integers(10, 300, n),
+        "priority": rng.integers(0, 3, n),
+    })
+
+    def events(w: pd.DataFrame) -> int:
+        alloc = make_allocator("paged", capacity=40 * 2048 * 64, bytes_per_token=64,
+                               max_model_len=2048, block_size=16)
+        cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, policy="priority")
+        result = run(w, alloc, cfg)
+        assert result.summary["preemptions"] == 0
+        return result.summary["events"]
+
+    short, long = events(wl), events(wl.assign(output_tokens=wl["output_tokens"] * 2))
+    if n == 40:
+        assert short == long
+    else:
+        assert short <= 3 * n and long <= 3 * n
