@@ -348,3 +348,37 @@ def test_event_count_independent_of_output_length(n):
         assert short == long
     else:
         assert short <= 3 * n and long <= 3 * n
+
+
+@pytest.mark.parametrize(("kind", "asynchronous"),
+                         [("paged", False), ("prefix-caching", True)], ids=["paged", "prefix"])
+def test_allocation_log_replays_exactly(kind, asynchronous):
+    """The allocation log of a priority run (decoders walking one by one at a shortage, victims
+    growing before they are freed) replays on CPU to the byte, as `kvfrag validate` does."""
+    pytest.importorskip("torch")
+    from kvfrag.validate.outcome import Outcome
+    from kvfrag.validate.replay import replay_log
+
+    bpt, budget = 32, 24 * 1024
+    rng = np.random.default_rng(3)
+    n = 45
+    wl = pd.DataFrame({
+        "request_id": np.arange(n),
+        "arrival_s": np.sort(rng.uniform(0, 2.0, n)),
+        "prompt_tokens": rng.integers(1, 150, n),
+        "output_tokens": rng.integers(1, 100, n),
+        "priority": rng.integers(0, 3, n),
+    })
+    if kind == "prefix-caching":  # (prompts sharing their first blocks)
+        wl["hash_ids"] = [[int(i % 3)] + [1000 + 100 * i + c for c in range(-(-p // 8) - 1)]
+                          for i, p in enumerate(wl["prompt_tokens"])]
+        wl.attrs["hash_block_tokens"] = 8
+    alloc = make_allocator(kind, capacity=budget, bytes_per_token=bpt, max_model_len=256,
+                           block_size=8)
+    result = run(wl, alloc, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512,
+                                         log_allocations=True, policy="priority",
+                                         async_scheduling=asynchronous))
+    assert result.summary["preemptions"] > 0
+    out = replay_log(result.log, Outcome("x", kind, "paged", "cpu", budget), bpt, "cpu", 8)
+    assert out.status == "pass", out.first_fail
+    assert out.corrupt == 0 and out.problems == 0
