@@ -160,3 +160,26 @@ def test_long_prefill_token_threshold():
     assert preempted(oracle) > 50
     assert assert_same(oracle, trace, ref) > 5000
     assert_fast_engine_agrees(ref, fast)
+
+
+def test_the_driver_holds_a_finished_request_one_step():
+    """One request, 20 prompt tokens and 3 outputs: synchronously it is freed in the step of
+    its last token (step 2); async, step 3 is scheduled while that token is in flight (nothing
+    to schedule: 0 tokens, its 2 blocks still held) and frees it after. Its times are the
+    same: first token at the end of step 0, finished at the end of step 2."""
+    runs = {
+        a: run_vllm([OracleRequest(0, 0, tuple(range(1, 21)), 3)], num_blocks=8,
+                    max_num_seqs=4, max_num_batched_tokens=64, chunked_prefill=True,
+                    prefix_caching=False, max_model_len=64, async_scheduling=a)
+        for a in (False, True)
+    }
+    sync, asy = runs[False], runs[True]
+    assert [s["scheduled_tokens"] for s in sync.steps] == [20, 1, 1]
+    assert [s["scheduled_tokens"] for s in asy.steps] == [20, 1, 1, 0]
+    assert sync.steps[-1]["blocks_used"] == 0
+    assert asy.steps[2]["blocks_used"] == 2 and asy.steps[3]["blocks_used_sched"] == 2
+    assert asy.steps[3]["blocks_used"] == 0 and asy.steps[3]["t"] == 3
+    for run_ in (sync, asy):
+        r = run_.requests[0]
+        assert (r["first_token_step"], r["finished_step"]) == (0, 2)
+    assert (asy.requests[0]["first_token_t"], asy.requests[0]["finished_t"]) == (1, 3)

@@ -302,8 +302,8 @@ def run_vllm(
     then describe that scheduler, ``num_blocks`` its usable blocks.
 
     Per request (``OracleRun.requests[rid]``): ``first_token_step`` (step whose output gave
-    its first token), ``finished_step``, ``first_token_t``/``finished_t`` (the clock at the end
-    of those steps), ``preemptions``, ``admitted_step`` (first step it was scheduled),
+    its first token), ``finished_step``, ``first_token_t``/``finished_t`` (async only: the clock
+    at the end of those steps), ``preemptions``, ``admitted_step`` (first step it was scheduled),
     ``prefix_hit_tokens`` (summed over its admissions, resumptions included).
     """
     v = _vllm()
@@ -358,8 +358,7 @@ def run_vllm(
             "preemptions": 0,
             "admitted_step": None,
             "prefix_hit_tokens": 0,
-            "first_token_t": None,
-            "finished_t": None,
+            **({"first_token_t": None, "finished_t": None} if async_scheduling else {}),
         }
         for r in reqs
     }
@@ -385,10 +384,12 @@ def run_vllm(
             ri = info[int(req_id)]
             if ri["first_token_step"] is None and vr.num_output_tokens > outputs_before[req_id]:
                 ri["first_token_step"] = step
-                ri["first_token_t"] = at + 1
+                if async_scheduling:
+                    ri["first_token_t"] = at + 1
             if vr.is_finished() and ri["finished_step"] is None:
                 ri["finished_step"] = step
-                ri["finished_t"] = at + 1
+                if async_scheduling:
+                    ri["finished_t"] = at + 1
                 finished += 1
         return finished
 
