@@ -63,6 +63,7 @@ class _Rec:
         self.s: list[int] = []
         self.terms: list[tuple[int, int]] = []  # (term kind, x)
         self.event = NEVER  # clock of its next event
+        self.light = False  # whether that event only ends its reserved slots at its final
         self.nf = NEVER  # clock of its next free that no term counts (in-window, chunked)
         self.last = -1  # clock of its last free before its final length
 
@@ -183,6 +184,7 @@ class Cohort:
         self._changes = 0  # every change of the sums: `figures` keeps its last answer
         self._memo: list[int] = []
         self._memo_at = (-1, -1)
+        self._slopes: dict[int, list[int]] = {}  # windows passed -> a decoder's slope
         self.recs: dict[int, _Rec] = {}
         self.A = [0] * width  # sum of a
         self.S = [0] * width  # sum of s
@@ -222,31 +224,23 @@ class Cohort:
         terms = [(k, c + self.mods[k] - 1) for k in range(self.n_ceil)]
         terms.extend((k, c - w) for k, w, _ in self.sliding if tokens >= w)
         rec.terms = terms
-        # the next event: window edge, chunk start, final block
-        nxt = NEVER
-        for w in self.windows:
-            if w > tokens:
-                nxt = w
-                break
-        for ch in self.chunks:
-            x = tokens + 1 + (1 - tokens - 1) % ch
-            if x < nxt:
-                nxt = x
-        for b in self.reserving:
-            x = final // b * b + 1
-            if tokens < x < nxt and final % b:
-                nxt = x
-        if nxt > final:
-            nxt = NEVER
+        nxt, rec.light = self._next_event(tokens, final)
         width = self.width
         now = self.parts_of(tokens, tokens - 1, final)
         tv = self._term_value(rec, clock)
-        if nxt > tokens + 1 and tokens < final:
-            after = self.parts_of(tokens + 1, tokens, final)
-            tv1 = self._term_value(rec, clock + 1)
-            s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
-        else:
-            s = [0] * width
+        # The slope depends only on the windows passed (out-of-window tokens grow by their
+        # layers' bytes per token; every other figure moves by terms or stays): measured once.
+        passed = sum(1 for w in self.windows if w <= tokens)
+        s = self._slopes.get(passed)
+        if s is None:
+            if nxt > tokens + 1 and tokens < final:
+                after = self.parts_of(tokens + 1, tokens, final)
+                tv1 = self._term_value(rec, clock + 1)
+                s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
+                self._slopes[passed] = s
+            else:  # (a phase of one length: any slope, the constant makes it exact, and
+                s = [0] * width  # the next event rebuilds it)
+                rec.light = False
         rec.s = s
         rec.a = [now[i] - s[i] * clock - tv[i] for i in range(width)]
         rec.event = NEVER if nxt == NEVER else nxt - c
@@ -270,6 +264,49 @@ class Cohort:
         rec.nf = NEVER if nf == NEVER else nf - c
         rec.last = last - c if last > tokens else -1
         return rec, now
+
+    def _next_event(self, tokens: int, final: int) -> tuple[int, bool]:
+        """The first length past `tokens` (up to `final`) where a decoder's form changes: a
+        window edge, a chunk start, its final length's block (NEVER: none); and whether only
+        the last (its reserved slots then stop at the final length: a new constant)."""
+        nxt = NEVER
+        for w in self.windows:
+            if w > tokens:
+                nxt = w
+                break
+        for ch in self.chunks:
+            x = tokens + 1 + (1 - tokens - 1) % ch
+            if x < nxt:
+                nxt = x
+        light = False
+        for b in self.reserving:
+            x = final // b * b + 1
+            if tokens < x <= nxt and final % b:
+                light = x < nxt or light
+                nxt = x
+        if nxt > final:
+            return NEVER, False
+        return nxt, light
+
+    def _final_block(self, rid: int, rec: _Rec, clock: int) -> None:
+        """A decoder enters its final length's block (an event `_next_event` calls light):
+        its reserved slots, tb x (bs x ceil(L / bs) - L) before, are tb x (F - L) from now."""
+        length = rec.c + rec.event
+        final = rec.final
+        d = 0
+        for m in self.managers:
+            b = m.block_size
+            if m.token_bytes and final % b and final // b * b + 1 == length:
+                d += m.token_bytes * (final - b * (final // b + 1))
+        rec.a[2] += d
+        rec.a[3] -= d
+        self.A[2] += d
+        self.A[3] -= d
+        self._changes += 1
+        nxt, rec.light = self._next_event(length, final)
+        rec.event = NEVER if nxt == NEVER else nxt - rec.c
+        if rec.event != NEVER:
+            heapq.heappush(self.events, (rec.event, rid))
 
     def _add(self, rid: int, rec: _Rec, sign: int) -> None:
         self._changes += 1
@@ -351,6 +388,9 @@ class Cohort:
             key, rid = heapq.heappop(heap)
             rec = recs.get(rid)
             if rec is None or rec.event != key:
+                continue
+            if rec.light:
+                self._final_block(rid, rec, clock)
                 continue
             self._add(rid, rec, -1)
             new = self._build(rid, rec.c, rec.final, clock)[0]
