@@ -42,6 +42,7 @@ HOT = (
     "allocators/prefix_caching",
     "allocators/vattention",
     "allocators/torch_caching",
+    "hybrid/cohort",
 )
 _NAMES = frozenset(f"{__package__}.{name.replace('/', '.')}" for name in HOT)
 
