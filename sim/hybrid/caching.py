@@ -19,8 +19,10 @@ Accounting: blocks in use are the ids some request holds (a shared id once); idl
 blocks are usable free memory, as in `prefix-caching`. token_states counts each held id's
 tokens once, those a layer of its group reads for some holder (full attention: every stored
 token; sliding window W: the last W tokens of its holder); reserved the slots of each table's
-last block its request will still write; internal the rest of the held ids' pages. The split
-of internal into padding and out-of-window tokens is not made here (`waste_split` off).
+last block its request will still write; internal the rest of the held ids' pages, split as
+the hybrid allocator splits it (`_figures`): padding (each held id's page beyond its group's
+real slots or Mamba state), out of window (tokens written in held ids that no holder reads,
+Mamba states held beside a request's current one) and rounding.
 
 Mamba hybrids run in vLLM's `mamba_cache_mode` "align", which prefix caching forces: the
 attention and Mamba groups share one block size (Qwen3-Next: 544 tokens, Jamba: 80), a
@@ -117,7 +119,8 @@ class HybridPrefixCaching(HybridAllocator):
         # last heard that the next step does not fit.
         self._pending: list[tuple[int, list[list[int]], int]] = []
         self._room = -1
-        self.waste_split = False
+        self.waste_split = True
+        self._sums_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
         self.lookups = 0
         self.hit_blocks = 0
 
@@ -455,13 +458,14 @@ class HybridPrefixCaching(HybridAllocator):
         for g, table in enumerate(st.tables[rid]):
             k = self._kinds[self._manager_of[g]]
             if k.kind == "mamba":
-                new.extend(st.mamba_take(table, st.mamba[rid], k.block_size, tokens))
-                continue
-            more = sizes[self._manager_of[g]] - len(table)
-            if more > 0:
+                got = st.mamba_take(table, st.mamba[rid], k.block_size, tokens)
+            else:
+                more = sizes[self._manager_of[g]] - len(table)
+                if more <= 0:
+                    continue
                 got = st.pool.take(more)
                 table.extend(got)
-                new.extend(got)
+            new.extend(got)
         self.evictions = self._st.pool.evictions
         return new
 
@@ -656,23 +660,35 @@ class HybridPrefixCaching(HybridAllocator):
         return self._look_ahead()[1]
 
     # --------------------------------------------------------------- figures
-    def _figures(self, st: PrefixState, clock: int) -> tuple[int, int, int]:
-        """(ids in use, token_states, reserved) of `st` at `clock`. A held id's tokens count
-        once, as many as its holders' layers read at most: per group, the ids some holder
-        reads whole (a set: shared ones once), the one at a window's edge read in part, and
-        each table's last block, partly written (a request's own)."""
+    def _figures(self, st: PrefixState, clock: int) -> tuple[int, int, int, int, int]:
+        """(ids in use, token_states, reserved, padding, out_of_window) of `st` at `clock`. A
+        held id's tokens count once, as many as its holders' layers read at most: per group,
+        the ids some holder reads whole (a set: shared ones once), the one at a window's edge
+        read in part, and each table's last block, partly written (a request's own). Of the
+        rest of internal: padding is each held id's page beyond its group's real slots (or
+        beyond its Mamba state); out of window the tokens written in held ids that no holder
+        reads (and the Mamba states held beside a request's current one); rounding, the
+        unwritten slots no request will write, is what remains."""
         groups = len(self.plan.groups)
         whole: list[set[int]] = [set() for _ in range(groups)]
         edge: list[dict[int, int]] = [{} for _ in range(groups)]
         tail = [0] * groups  # tokens in partly written last blocks
+        unwritten = [0] * groups  # slots of the tables' last blocks past their tokens
+        states = [0] * groups  # Mamba states counted (one per request's table)
+        # held ids outside `whole`: before the read range (not freed yet) and partial tails;
+        # and per Mamba group every held id
+        extra: list[list[int]] = [[] for _ in range(groups)]
         reserved = token_states = 0
         for rid, tables in st.tables.items():
             live = self._live[rid]
             tokens = live.base + clock if live.decoding else live.base
             for g, table in enumerate(tables):
                 if self._sb[g]:  # a Mamba group: its state (its page's rest is padding)
-                    if table.count(0) < len(table):
+                    held_ids = [b for b in table if b]
+                    if held_ids:
                         token_states += self._sb[g]
+                        states[g] += 1
+                        extra[g].extend(held_ids)
                     continue
                 k = self._kinds[self._manager_of[g]]
                 bs = k.block_size
@@ -680,6 +696,11 @@ class HybridPrefixCaching(HybridAllocator):
                 first, full = -(-lo // bs), tokens // bs
                 if first <= full:
                     whole[g].update(table[first:full])
+                j = min(first, len(table)) - 1  # (the nulls a window left are a prefix)
+                while j >= 0 and table[j]:
+                    extra[g].append(table[j])
+                    j -= 1
+                extra[g].extend(b for b in table[max(full, first):] if b)
                 if lo % bs and lo // bs < full:  # the window's edge falls inside a block
                     b = table[lo // bs]
                     n = min(tokens, (lo // bs + 1) * bs) - lo
@@ -688,20 +709,33 @@ class HybridPrefixCaching(HybridAllocator):
                 if tokens % bs:
                     tail[g] += tokens - max(full * bs, lo)
                 reserved += max(0, min(live.final, len(table) * bs) - tokens) * self._tb[g]
+                unwritten[g] += len(table) * bs - tokens
+        padding = out = 0
         for g in range(groups):
+            tb, sb = self._tb[g], self._sb[g]
+            bs = self._kinds[self._manager_of[g]].block_size
+            if sb:
+                held = len(set(extra[g]))  # (a hit's state block may be shared)
+                padding += held * (self.page - sb)
+                out += (held - states[g]) * sb
+                continue
             w = whole[g]
             w.discard(0)
-            n = len(w) * self._kinds[self._manager_of[g]].block_size + tail[g]
+            n = len(w) * bs + tail[g]
             n += sum(v for b, v in edge[g].items() if b not in w)
-            token_states += n * self._tb[g]
-        return st.held(), token_states, reserved
+            token_states += n * tb
+            w.update(extra[g])
+            held = len(w)
+            padding += held * (self.page - bs * tb)
+            out += (held * bs - unwritten[g] - n) * tb
+        return st.held(), token_states, reserved, padding, out
 
     def _totals(self) -> tuple[int, ...]:
         # (no flush: `step` asks the bytes in use between the engine's preemptions for a
         # step and the step, which frees them)
-        blocks, token_states, reserved = self._figures(self._st, self._clock)
+        blocks, token_states, reserved, padding, out = self._figures(self._st, self._clock)
         internal = blocks * self.page - token_states - reserved
-        return blocks, token_states, reserved, internal, 0, 0
+        return blocks, token_states, reserved, internal, padding, out
 
     def free_blocks(self) -> int:
         self._flush()
@@ -730,30 +764,48 @@ class HybridPrefixCaching(HybridAllocator):
         return tuple(b for t in self._st.tables.get(rid, ()) for b in t if b)
 
     def waste_breakdown(self) -> dict[str, int]:
-        return {"overreservation": 0, "padding": 0, "out_of_window": 0,
-                "rounding": self._totals()[3]}
+        _, _, _, internal, padding, out = self._totals()
+        return {"overreservation": 0, "padding": padding, "out_of_window": out,
+                "rounding": internal - padding - out}
 
     def waste_parts(self) -> tuple[int, int]:
-        return 0, 0
+        totals = self._totals()
+        return totals[4], totals[5]
 
     def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
-        return 0.0, 0.0
+        sums = self._sums(n, w0, w1)
+        return sums[4], sums[5]
 
-    def integrals(
-        self, n: int, probe: Request | None, w0: float, w1: float
-    ) -> tuple[float, float, float, float, float, float]:
+    def _sums(self, n: int, w0: float, w1: float) -> list[float]:
+        """Over the next n decode steps (each weighed w0 + w1 (j - 1)), the weighted sums of
+        (blocks, token_states, reserved, internal, padding, out_of_window), stepped on a
+        copy of the state; the last answer kept (the engine asks the parts, then the waste,
+        of one stretch)."""
+        key = (self._clock, self._version, n, w0, w1)
+        memo = self._sums_memo
+        if memo is not None and memo[0] == key:
+            return memo[1]
         self._flush()
         st = self._st.light_copy()
-        sums = [0.0, 0.0, 0.0, 0.0]
+        sums = [0.0] * 6
         for j in range(1, n + 1):
             failed = self._step(st, self._clock + j)
             assert failed < 0, "integrals past steps_until_full"
-            blocks, token_states, reserved = self._figures(st, self._clock + j)
+            blocks, token_states, reserved, padding, out = self._figures(st, self._clock + j)
             w = w0 + w1 * (j - 1)
             sums[0] += blocks * w
             sums[1] += token_states * w
             sums[2] += reserved * w
             sums[3] += (blocks * self.page - token_states - reserved) * w
+            sums[4] += padding * w
+            sums[5] += out * w
+        self._sums_memo = (key, sums)
+        return sums
+
+    def integrals(
+        self, n: int, probe: Request | None, w0: float, w1: float
+    ) -> tuple[float, float, float, float, float, float]:
+        sums = self._sums(n, w0, w1)
         weight = n * w0 + w1 * n * (n - 1) / 2
         external = (self.capacity - self.num_blocks * self.page) * weight
         usable = self.num_blocks * self.page * weight - sums[0] * self.page
