@@ -38,7 +38,8 @@ import numpy as np
 import pandas as pd
 import simpy
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import preset
 from kvfrag.sim.hybrid_presets import stack as layer_stack
 from kvfrag.sim.units import parse_size

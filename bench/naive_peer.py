@@ -45,7 +45,8 @@ import numpy as np
 import pandas as pd
 import simpy
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import preset
 from kvfrag.sim.units import parse_size
 
@@ -126,10 +127,10 @@ def check_workload(wl: pd.DataFrame, case: Case) -> None:
 def _inputs(wl: pd.DataFrame) -> tuple[list[float], list[int], list[int]]:
     """Arrival times, prompt lengths and final slot counts as plain lists.
 
-    vLLM's slot convention (sim/engine.py `slot_request`): a slot holds a token the model has
-    read; the prefill takes P slots and samples the first token, each decode step reads the
-    last sampled token into a new slot, and the last sampled token is never read, so a request
-    of O output tokens ends holding P + O - 1 slots."""
+    vLLM's slot convention (sim/engine_requests.py `slot_request`): a slot holds a token the
+    model has read; the prefill takes P slots and samples the first token, each decode step
+    reads the last sampled token into a new slot, and the last sampled token is never read, so
+    a request of O output tokens ends holding P + O - 1 slots."""
     prompt = wl["prompt_tokens"].tolist()
     final = [p + o - 1 for p, o in zip(prompt, wl["output_tokens"].tolist(), strict=True)]
     return wl["arrival_s"].to_numpy(float).tolist(), prompt, final

@@ -538,7 +538,7 @@ class _Plan:
         """Stage a finished run (its summary, and the request columns goodput needs)."""
         import pandas as pd
 
-        from kvfrag.sim.engine import RunResult
+        from kvfrag.sim.engine_records import RunResult
 
         task = outcome.task
         if not outcome.ok or outcome.result is None:

@@ -31,7 +31,7 @@ import yaml
 from kvfrag import outdir
 from kvfrag.csvcells import write_csv
 from kvfrag.outdir import VALIDATE_DIR, replace_dir, temp_dir, writing
-from kvfrag.sim.engine import RunResult
+from kvfrag.sim.engine_records import RunResult
 from kvfrag.sim.scenario import ScenarioResult
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # the command line imports the simulator only when a command 
 
     from kvfrag.config import LoadedScenario
     from kvfrag.results import PointStore
-    from kvfrag.sim.engine import RunResult
+    from kvfrag.sim.engine_records import RunResult
     from kvfrag.sim.sweep import Executor, Task
     from kvfrag.workloads import Workload
 
@@ -354,7 +354,7 @@ def input_files(spec: Any, base_dir: Path) -> list[Path]:
 
 def rejection_warnings(summary: pd.DataFrame, share: float = 0.5) -> list[str]:
     """One line per run that rejected more than `share` of its requests, with the reasons."""
-    from kvfrag.sim.engine import REJECT_REASONS
+    from kvfrag.sim.engine_records import REJECT_REASONS
 
     lines = []
     for rec in summary.to_dict("records"):

@@ -25,7 +25,7 @@ import pandas as pd
 
 from kvfrag.figure_kit import byte_unit, format_bytes
 from kvfrag.results import OPTION_PREFIX, short_labels
-from kvfrag.sim.engine import REJECT_REASONS
+from kvfrag.sim.engine_records import REJECT_REASONS
 
 # Columns of summary.csv that are not sweep keys: run metadata and engine summary keys.
 _BASE_COLUMNS = {

@@ -34,6 +34,9 @@ from pathlib import Path
 #: The compiled modules, relative to this package (setup.py's HOT: keep the two the same).
 HOT = (
     "engine",
+    "engine_config",
+    "engine_records",
+    "engine_requests",
     "allocators/base",
     "allocators/slab",
     "allocators/contiguous",

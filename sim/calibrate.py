@@ -1,6 +1,6 @@
 """Fit the engine's linear step time to iteration times measured on a real server.
 
-The engine (`sim.engine.StepTime`) prices one iteration as
+The engine (`sim.engine_config.StepTime`) prices one iteration as
 
     seconds = base_s + per_batched_token_s x (prefill + decode tokens)
                      + per_kv_token_s x (KV tokens read)
@@ -68,7 +68,7 @@ class StepTimeFit:
     batch_size: tuple[float, float, float]  # min, mean, max: reported, not fitted
 
     def step_time(self) -> dict[str, float]:
-        """The `engine.step_time` block of a scenario (`sim.engine.StepTime(**this)`)."""
+        """The `engine.step_time` block of a scenario (`sim.engine_config.StepTime(**this)`)."""
         return {name: getattr(self, name) for name in COEFFICIENTS}
 
 

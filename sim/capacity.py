@@ -41,8 +41,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 from kvfrag.sim.allocators.base import Allocator
-from kvfrag.sim.engine import TOO_MANY_SEQUENCES, EngineConfig, RunResult
 from kvfrag.sim.engine import run as run_engine
+from kvfrag.sim.engine_config import EngineConfig
+from kvfrag.sim.engine_records import TOO_MANY_SEQUENCES, RunResult
 
 #: Requests in the first replay (at most); at most `MAX_SAMPLE` in a larger one.
 SAMPLE = 2048

@@ -29,7 +29,7 @@ from collections import deque
 import numpy as np
 import pandas as pd
 from kvfrag.sim.allocators import PARTS, Reason, Request
-from kvfrag.sim.engine import EngineConfig, async_modelled
+from kvfrag.sim.engine_config import EngineConfig, async_modelled
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 

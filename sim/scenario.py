@@ -28,8 +28,9 @@ from kvfrag.sim.allocators import TAKES_GEOMETRY, Allocator, make_allocator, opt
 from kvfrag.sim.allocators.paged import MAX_BLOCK_SIZE
 from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
 from kvfrag.sim.architecture import Architecture
-from kvfrag.sim.engine import EngineConfig, IterationTime, RunResult, StepTime
 from kvfrag.sim.engine import run as run_engine
+from kvfrag.sim.engine_config import EngineConfig, IterationTime, StepTime
+from kvfrag.sim.engine_records import RunResult
 from kvfrag.sim.geometry import CONTEXT_LENGTHS, PRESETS, KVGeometry, preset
 from kvfrag.sim.hardware import GPU, batch_defaults, gpu
 from kvfrag.sim.hardware import PRESETS as GPUS
@@ -284,7 +285,8 @@ class GpuBudget(_Frozen):
 
 
 class StepTimeSpec(_Frozen):
-    """Linear coefficients (sim.engine.StepTime); `kvfrag calibrate` fits them to a server."""
+    """Linear coefficients (sim.engine_config.StepTime); `kvfrag calibrate` fits them to a
+    server."""
 
     base_s: StepSeconds = 0.02
     per_batched_token_s: TokenSeconds = 0.0

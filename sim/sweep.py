@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pandas as pd
-from kvfrag.sim.engine import PROGRESS_S, RunResult
+from kvfrag.sim.engine import PROGRESS_S
+from kvfrag.sim.engine_records import RunResult
 from kvfrag.sim.scenario import PointRun, Scenario, ScenarioResult, iter_runs, run_point
 from kvfrag.workloads import Workload, build_workload
 

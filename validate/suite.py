@@ -224,7 +224,7 @@ def _simulate(
 def _requested_sizes(allocator: Any, requests: Any) -> dict[int, int]:
     """Bytes each request asks its slab allocator for (before any rounding the allocator
     applies): what torch mode passes to torch.empty."""
-    from kvfrag.sim.engine import slot_request
+    from kvfrag.sim.engine_requests import slot_request
 
     slab = getattr(allocator, "slab_bytes", None)
     if slab is None or "request_id" not in requests:

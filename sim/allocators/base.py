@@ -123,8 +123,8 @@ class Request(_Value):
     """What an allocator may know of a request: its lengths and any declared output limit.
 
     `output` counts the tokens stored past the prompt, which the engine derives from a served
-    request's output length (`sim.engine.slot_request`: one less, as the last sampled token
-    is never stored); `max_tokens` likewise bounds stored tokens past the prompt.
+    request's output length (`sim.engine_requests.slot_request`: one less, as the last sampled
+    token is never stored); `max_tokens` likewise bounds stored tokens past the prompt.
     """
 
     FIELDS: ClassVar[tuple[str, ...]] = (

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
-from kvfrag.sim.engine import StepTime
+from kvfrag.sim.engine_config import StepTime
 
 from kvfrag.calibrate_cmd import _yaml_float
 from kvfrag.cli import main

@@ -15,7 +15,8 @@ import pytest
 import yaml
 from kvfrag.sim.allocators import make_allocator
 from kvfrag.sim.allocators.base import PARTS
-from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig
 
 from kvfrag import (
     address_map_plots,

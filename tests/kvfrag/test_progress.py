@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 from kvfrag.sim import engine
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import preset
 from kvfrag.sim.sweep import ProcessExecutor, SerialExecutor, build_workloads, plan
 

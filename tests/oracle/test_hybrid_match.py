@@ -32,7 +32,8 @@ pytestmark = pytest.mark.oracle
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from kvfrag.sim.allocators import make_allocator  # noqa: E402
-from kvfrag.sim.engine import EngineConfig, StepTime, run  # noqa: E402
+from kvfrag.sim.engine import run  # noqa: E402
+from kvfrag.sim.engine_config import EngineConfig, StepTime  # noqa: E402
 from kvfrag.sim.layers import LayerStack  # noqa: E402
 from kvfrag.sim.reference import reference  # noqa: E402
 

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.oracle
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from kvfrag.sim.allocators import make_allocator  # noqa: E402
-from kvfrag.sim.engine import EngineConfig, StepTime, run  # noqa: E402
+from kvfrag.sim.engine import run  # noqa: E402
+from kvfrag.sim.engine_config import EngineConfig, StepTime  # noqa: E402
 from kvfrag.sim.reference import reference  # noqa: E402
 
 from .test_vllm_match import own_sampled_tokens, shared_prefixes, token_ids  # noqa: E402

@@ -18,7 +18,8 @@ import pandas as pd
 import pytest
 from kvfrag.sim import engine
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import PROGRESS_TURNS, EngineConfig, StepTime, run
+from kvfrag.sim.engine import PROGRESS_TURNS, run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 
 BYTES_PER_TOKEN = 1024
 

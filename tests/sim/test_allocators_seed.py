@@ -160,7 +160,7 @@ def test_the_papers_pow2_rounds_the_output_not_the_final_length():
     positions for outputs". A request generating 25 tokens stores 24 past its prompt (the last
     sampled token is never stored), rounded up to 32."""
     from kvfrag.sim.allocators.slab import Reserve
-    from kvfrag.sim.engine import slot_request
+    from kvfrag.sim.engine_requests import slot_request
 
     b = 10
     req, _ = slot_request(0, 100, 25, None, 1, False, (), 0)

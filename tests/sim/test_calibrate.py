@@ -15,7 +15,7 @@ from kvfrag.sim.calibrate import (
     nnls_relative,
     read_iterations,
 )
-from kvfrag.sim.engine import StepTime
+from kvfrag.sim.engine_config import StepTime
 
 TRUE = {"base_s": 0.012, "per_batched_token_s": 9.5e-5, "per_kv_token_s": 4.0e-8}
 

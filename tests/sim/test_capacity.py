@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from kvfrag.sim import capacity
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import preset
 from kvfrag.sim.units import parse_size
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import Reason, Request, make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.units import parse_rate
 
 

@@ -18,7 +18,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, Reason, Request, make_allocator
-from kvfrag.sim.engine import REJECT_REASONS, EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
+from kvfrag.sim.engine_records import REJECT_REASONS
 from kvfrag.sim.geometry import KVGeometry, preset
 from kvfrag.sim.reference import reference
 from kvfrag.sim.units import parse_size
@@ -618,7 +620,7 @@ def test_a_prompt_over_max_model_len_is_rejected_not_waited_for(chunked):
 def _rows_frame(rows: list[tuple]) -> pd.DataFrame:
     """What the time series must be: the rows as pandas makes them, parts float64 where any
     row's parts are floats (a decode stretch's), int64 otherwise."""
-    from kvfrag.sim.engine import _SERIES
+    from kvfrag.sim.engine_records import _SERIES
 
     frame = pd.DataFrame(rows, columns=list(_SERIES))
     kinds = {"t_s": "float64", "dt_s": "float64", "iterations": "int64", "running": "int64",
@@ -642,7 +644,7 @@ def _rows_frame(rows: list[tuple]) -> pd.DataFrame:
 def test_rows_in_chunks_equal_rows_at_once(rows, cuts):
     """_Rows converts its rows in chunks (each chunk's parts int64 or float64); wherever the
     chunks are cut, the frame equals the rows converted at once, values and dtypes."""
-    from kvfrag.sim.engine import _Rows
+    from kvfrag.sim.engine_records import _Rows
 
     chunked, expected = _Rows(), []
     for i, (stretch, parts, hole, blocked) in enumerate(rows):

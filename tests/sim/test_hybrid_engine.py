@@ -16,7 +16,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.layers import (
     MLA,
     ChunkedLocal,

@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 from kvfrag.sim.allocators import Request, make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.layers import FullAttention, LayerStack, MambaState, SlidingWindow
 from kvfrag.sim.reference import reference
 

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, Request, make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.layers import MLA, ChunkedLocal, FullAttention, LayerStack, SlidingWindow
 from kvfrag.sim.reference import reference
 

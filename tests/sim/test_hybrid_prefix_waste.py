@@ -13,7 +13,8 @@ import warnings
 
 import pytest
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.hybrid.caching import HybridPrefixCaching
 from kvfrag.sim.layers import FullAttention, LayerStack, MambaState, SlidingWindow
 from kvfrag.sim.reference import reference

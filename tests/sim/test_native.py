@@ -26,7 +26,8 @@ from dataclasses import replace
 import numpy as np, pandas as pd
 import kvfrag.sim as sim
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import KVGeometry
 
 GEO = KVGeometry("t", layers=1, kv_heads=1, head_dim=4, dtype_bytes=2)  # 16 bytes a token

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import Request, make_allocator
-from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig
 from kvfrag.workloads import load_trace, samples
 
 B = 8

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.reference import reference
 from kvfrag.sim.waiting import PriorityQueue
 from kvfrag.workloads import WorkloadError, load_trace

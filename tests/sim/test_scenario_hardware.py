@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 from kvfrag.sim.architecture import architecture
-from kvfrag.sim.engine import StepTime
+from kvfrag.sim.engine_config import StepTime
 from kvfrag.sim.hardware import gpu
 from kvfrag.sim.memory import kv_budget
 from kvfrag.sim.scenario import Scenario, run

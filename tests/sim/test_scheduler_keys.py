@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.reference import reference
 
 from kvfrag.config import ScenarioError, load_scenario

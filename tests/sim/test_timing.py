@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 from kvfrag.sim.allocators import make_allocator
 from kvfrag.sim.architecture import architecture
-from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig
 from kvfrag.sim.hardware import gpu
 from kvfrag.sim.reference import reference
 from kvfrag.sim.steptime import (

@@ -25,7 +25,8 @@ from kvfrag.sim.allocators import (
     make_allocator,
     options_of,
 )
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
 from kvfrag.sim.scenario import Scenario
 from kvfrag.sim.scenario import run as run_scenario

@@ -20,7 +20,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, Request, make_allocator
-from kvfrag.sim.engine import EngineConfig, StepTime, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.layers import ChunkedLocal, FullAttention, LayerStack, MambaState, SlidingWindow
 from kvfrag.sim.reference import reference
 

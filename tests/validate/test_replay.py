@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from kvfrag.sim.allocators import make_allocator
-from kvfrag.sim.engine import EngineConfig, run
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig
 from kvfrag.validate.outcome import Outcome
 from kvfrag.validate.replay import pick_checks, replay_log
 
