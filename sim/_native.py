@@ -45,6 +45,7 @@ HOT = (
     "allocators/prefix_caching",
     "allocators/vattention",
     "allocators/torch_caching",
+    "allocators/hybrid",
     "hybrid/cohort",
 )
 _NAMES = frozenset(f"{__package__}.{name.replace('/', '.')}" for name in HOT)

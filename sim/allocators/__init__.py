@@ -104,6 +104,11 @@ def make_allocator(
             )
     if kind in TAKES_GEOMETRY:
         options["geometry"] = geometry
+    if cls is HybridAllocator and options.get("prefix_caching") is True:
+        # (vLLM's block pool kept block by block: `sim.hybrid.caching`)
+        from kvfrag.sim.hybrid.caching import HybridPrefixCaching
+
+        cls = HybridPrefixCaching
     return cls(capacity, bytes_per_token, max_model_len, **options)
 
 

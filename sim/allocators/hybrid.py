@@ -1,7 +1,8 @@
 """vLLM 0.33's hybrid KV-cache manager for full, MLA, sliding-window and chunked-local
 attention and Mamba state (`mamba_cache_mode` "none"). This class models it without prefix
-caching; with `prefix_caching=True` it builds `kvfrag.sim.hybrid.caching.HybridPrefixCaching`
-(vLLM's block pool kept block by block; Mamba groups there run in mode "align").
+caching; with `prefix_caching=True`, `make_allocator` builds its subclass
+`kvfrag.sim.hybrid.caching.HybridPrefixCaching` (vLLM's block pool kept block by block; Mamba
+groups there run in mode "align"). (mypyc compiles this class: it has no `__new__` to choose.)
 
 The plan (`kvfrag.sim.hybrid.planner.plan`) cuts the budget into `num_blocks` block ids of one
 page size; block 0 is the pool's null block, the other `usable_blocks` are shared by every
@@ -76,6 +77,8 @@ decoders, in running order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvfrag.sim.allocators.base import (
     Allocator,
     Grant,
@@ -92,20 +95,14 @@ from kvfrag.sim.hybrid.managers import managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
 from kvfrag.sim.model_view import ModelView
+from mypy_extensions import mypyc_attr
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class HybridAllocator(Allocator):
     """vLLM's hybrid KV-cache manager: one shared pool of block ids, one table per group."""
 
     kind = "hybrid"
-
-    def __new__(cls, *args: object, **kwargs: object) -> HybridAllocator:
-        # Prefix caching keeps vLLM's block pool block by block (`sim.hybrid.caching`).
-        if cls is HybridAllocator and kwargs.get("prefix_caching") is True:
-            from kvfrag.sim.hybrid.caching import HybridPrefixCaching
-
-            return super().__new__(HybridPrefixCaching)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -264,7 +261,7 @@ class HybridAllocator(Allocator):
     def group_kinds(self) -> tuple[str, ...]:
         return tuple(g.kind for g in self.plan.groups)
 
-    def _totals(self) -> list[int]:
+    def _totals(self) -> Sequence[int]:
         """(blocks, token_states, reserved, internal, padding, out_of_window, then each
         manager's held blocks per group) over live requests: the running totals."""
         return self._cohort.figures(self._clock)

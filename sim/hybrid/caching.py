@@ -54,7 +54,8 @@ HORIZON = 32
 
 
 class HybridPrefixCaching(HybridAllocator):
-    """`HybridAllocator` with vLLM's prefix caching (built by it for `prefix_caching=True`)."""
+    """`HybridAllocator` with vLLM's prefix caching (`make_allocator` builds it for
+    `prefix_caching=True`)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
