@@ -1,7 +1,7 @@
 """Drawing against simulating: what the figures of a run cost next to the run itself.
 
 For each scenario (default: the quickstart and the block-size sweep) the simulation runs once,
-in this process and serially (`sim.scenario.run`), and its tables are written into a temporary
+in this process and serially (`sim.scenario_run.run`), and its tables are written into a temporary
 folder (`kvfrag.results.write_results`); then `kvfrag.plots.plot_results` draws the figures
 from those files, as `kvfrag run` and `kvfrag plot` do, PNG only (the default) and PNG+SVG
 (`--svg`), each into a fresh copy of the folder and best of `--repeat` (the first draw of a
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from kvfrag.sim.scenario import run
+from kvfrag.sim.scenario_run import run
 
 from kvfrag.config import load_scenario
 from kvfrag.results import write_results

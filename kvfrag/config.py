@@ -25,15 +25,9 @@ from pydantic import BaseModel, ValidationError
 
 from kvfrag import __version__
 from kvfrag.sim.presets import nearest
-from kvfrag.sim.scenario import (
-    FieldError,
-    Scenario,
-    SweepPointError,
-    check_name,
-    set_path,
-    show_values,
-)
+from kvfrag.sim.scenario import Scenario, SweepPointError, check_name, set_path, show_values
 from kvfrag.sim.units import EXCERPT_CHARS, clip_quoted, excerpt
+from kvfrag.workloads.spec import FieldError
 
 #: Largest scenario file read: scenarios are a page of YAML, so anything bigger (a trace given
 #: by mistake, /dev/zero behind a link) is refused before it is read.

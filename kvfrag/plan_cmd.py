@@ -179,7 +179,7 @@ def parse_grid(items: list[str], scenario: Scenario) -> dict[str, list[Any]]:
     utilization (refused when the scenario gives the budget as a size)."""
     from kvfrag.config import _load_yaml
     from kvfrag.sim.allocators import options_of
-    from kvfrag.sim.scenario import GpuBudget
+    from kvfrag.sim.scenario_parts import GpuBudget
 
     grid: dict[str, list[Any]] = {}
     for item in items:
@@ -473,7 +473,7 @@ class _Plan:
         self, executor: Executor, asks: list[tuple[Hashable, float]]
     ) -> dict[tuple[Hashable, float], bool | str]:
         """Run (or reuse) one probe per search; whether each met the targets, or its error."""
-        from kvfrag.sim.scenario import _arrival_rate
+        from kvfrag.sim.scenario_run import _arrival_rate
         from kvfrag.sim.sweep import (
             SerialExecutor,
             Task,

@@ -32,7 +32,7 @@ from kvfrag import outdir
 from kvfrag.csvcells import write_csv
 from kvfrag.outdir import VALIDATE_DIR, replace_dir, temp_dir, writing
 from kvfrag.sim.engine_records import RunResult
-from kvfrag.sim.scenario import ScenarioResult
+from kvfrag.sim.scenario_run import ScenarioResult
 
 
 def write_results(

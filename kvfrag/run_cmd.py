@@ -178,7 +178,7 @@ def _run(
         summary_records,
         write_results,
     )
-    from kvfrag.sim.scenario import WORKLOAD_COUNTS, block_size_warnings
+    from kvfrag.sim.scenario_run import WORKLOAD_COUNTS, block_size_warnings
     from kvfrag.sim.sweep import SerialExecutor, assemble, build_workloads, distinct, plan
     from kvfrag.sim.units import format_size
 
@@ -331,7 +331,7 @@ def _derived(scenario: Any) -> str:
 
 def profile_files(scenario: Any) -> list[Path]:
     """The step-time profile a point reads, if any (its path is absolute by now)."""
-    from kvfrag.sim.scenario import ProfileSpec
+    from kvfrag.sim.scenario_parts import ProfileSpec
     from kvfrag.sim.timing import profile_file
 
     step = scenario.engine.step_time

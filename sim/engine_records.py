@@ -30,7 +30,7 @@ class RunResult:
     requests: pd.DataFrame
     log: pd.DataFrame | None = None  # the allocation log, when asked for
     #: A `torch.cuda.memory._snapshot()`-format dict of the allocator at the end of the run
-    #: (`sim.snapshot`): filled by `sim.scenario.run_point` for torch-caching runs, else None.
+    #: (`sim.snapshot`): filled by `sim.scenario_run.run_point` for torch-caching runs, else None.
     snapshot: dict[str, Any] | None = None
 
 

@@ -1,6 +1,6 @@
 """The two forms of a scenario's `model` that describe its layers: written out in YAML, or a
 Hugging Face config.json. (A preset is a plain name; a full-attention model written out as
-`layers: 32, kv_heads: 8, head_dim: 128` is `sim.scenario.ModelSpec`.)
+`layers: 32, kv_heads: 8, head_dim: 128` is `sim.scenario_parts.ModelSpec`.)
 
 Layered, one period of the pattern in order, repeated::
 

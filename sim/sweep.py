@@ -1,6 +1,6 @@
 """Sweeps, point by point: in-process, on local worker processes, or on Ray.
 
-A sweep is split into *tasks*: one allocator at one sweep point (what `sim.scenario.iter_runs`
+A sweep is split into *tasks*: one allocator at one sweep point (what `sim.scenario_run.iter_runs`
 yields), in that canonical order, each named by a stable `key` (a hash of the point's scenario
 and the allocator label) so that a finished task can be recognised again. Each distinct
 workload is built once, in the calling process, and shipped to the workers once: to each
@@ -40,7 +40,8 @@ from typing import Any, Protocol
 import pandas as pd
 from kvfrag.sim.engine import PROGRESS_S
 from kvfrag.sim.engine_records import RunResult
-from kvfrag.sim.scenario import PointRun, Scenario, ScenarioResult, iter_runs, run_point
+from kvfrag.sim.scenario import Scenario
+from kvfrag.sim.scenario_run import PointRun, ScenarioResult, iter_runs, run_point
 from kvfrag.workloads import Workload, build_workload
 
 
@@ -143,7 +144,7 @@ Progress = Callable[[Task, int], None]
 def run_task(
     task: Task, requests: pd.DataFrame, progress: Callable[[int, int], None] | None = None
 ) -> RunResult:
-    """Run one task on its workload's request table (the same code as `sim.scenario.run`);
+    """Run one task on its workload's request table (the same code as `sim.scenario_run.run`);
     `progress(done, total)` as `sim.engine.run` calls it."""
     point = task.scenario
     spec = next(a for a in point.allocators if a.label == task.label)

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from kvfrag.sim.engine import run as run_engine
-from kvfrag.sim.scenario import AllocatorSpec, Scenario, build_allocator, iter_runs
+from kvfrag.sim.scenario import Scenario, build_allocator
+from kvfrag.sim.scenario_parts import AllocatorSpec
+from kvfrag.sim.scenario_run import iter_runs
 from kvfrag.sim.units import format_size
 from kvfrag.validate.outcome import Outcome
 from kvfrag.workloads import build_workload

@@ -73,7 +73,7 @@ MAX_HASH_IDS = 100_000_000
 #: The workload's seed: it is written into summary tables as an int64.
 MAX_SEED = 2**63 - 1
 
-#: A model (sim.scenario.ModelSpec): well beyond the largest published ones (126 layers, 128
+#: A model (sim.scenario_parts.ModelSpec): well beyond the largest published ones (126 layers, 128
 #: heads, head_dim 256, hidden 18,432, MLP 73,728, vocab 256k), so that bytes per token
 #: (layers x kv_heads x head_dim x 2 x dtype_bytes <= 2**36) and weights stay exact, small ints.
 MAX_LAYERS = 1024
@@ -86,13 +86,13 @@ MAX_VOCAB = 4_194_304
 #: Tensor parallelism: GPUs one model is split across.
 MAX_TP = 1024
 
-#: A GPU (sim.scenario.HardwareSpec), per second: from 1 MB/s and 1 GFLOP/s (slower than any
+#: A GPU (sim.scenario_parts.HardwareSpec), per second: from 1 MB/s and 1 GFLOP/s (slower than any
 #: accelerator a million-fold) to 1 PB/s and 1 EFLOP/s (faster a hundred-fold), so that roofline
 #: step times stay finite and non-zero.
 MIN_BANDWIDTH, MAX_BANDWIDTH = 1e6, 1e15
 MIN_FLOPS, MAX_FLOPS = 1e9, 1e18
 
-#: The engine (sim.scenario.EngineSpec): max_num_seqs (vLLM's defaults are 256 and 1,024).
+#: The engine (sim.scenario_parts.EngineSpec): max_num_seqs (vLLM's defaults are 256 and 1,024).
 MAX_NUM_SEQS = 1_048_576
 #: max_num_batched_tokens when the step time comes from `hardware` (roofline or profile): its
 #: tables hold every batch size up to it, 2 s and 0.5 GB to build at 2**22.
@@ -103,7 +103,7 @@ MAX_STEP_S = 3600.0
 #: measured one; with MAX_TOKENS tokens an iteration stays finite.
 MAX_TOKEN_S = 1.0
 
-#: Allocator options (sim.scenario.AllocatorSpec): a block (block_size) is at most
+#: Allocator options (sim.scenario_parts.AllocatorSpec): a block (block_size) is at most
 #: `sim.allocators.paged.MAX_BLOCK_SIZE` tokens (2**22); a compaction copies at a `bandwidth`
 #: from MIN_BANDWIDTH to MAX_BANDWIDTH; torch's max_split_size_mb is at most the largest size
 #: (`sim.units.MAX_SIZE`) in MiB, and its roundup_power2_divisions at most 2**20 (steps of under

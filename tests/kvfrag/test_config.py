@@ -188,7 +188,7 @@ def test_relative_trace_paths_resolve_from_the_scenario_folder(tmp_path):
     )
     loaded = load_scenario(write(tmp_path, text))
     assert loaded.resolved()["workload"]["trace"]["path"] == str(tmp_path / "data" / "t.csv")
-    from kvfrag.sim.scenario import run
+    from kvfrag.sim.scenario_run import run
 
     result = run(loaded.scenario, loaded.base_dir)
     assert set(result.summary()["completed"]) == {2}

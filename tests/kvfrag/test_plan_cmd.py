@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from kvfrag.sim.scenario import run
+from kvfrag.sim.scenario_run import run
 
 from kvfrag import plan_cmd
 from kvfrag.cli import main

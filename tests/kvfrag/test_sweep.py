@@ -15,7 +15,7 @@ from pathlib import Path
 import kvfrag.sim.sweep  # noqa: F401 (sim.sweep below: the CLI imports it only when it runs)
 import pandas as pd
 import pytest
-from kvfrag.sim.scenario import run as run_serial
+from kvfrag.sim.scenario_run import run as run_serial
 
 from kvfrag import sim
 from kvfrag.cli import main
@@ -61,7 +61,7 @@ def scenario(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(scenario, tmp_path_factory) -> Path:
-    """The results of the plain serial run (`sim.scenario.run`), as `kvfrag run` wrote them."""
+    """The results of the plain serial run (`sim.scenario_run.run`), as `kvfrag run` wrote them."""
     loaded = load_scenario(scenario)
     out = tmp_path_factory.mktemp("ref") / "tiny-sweep"
     write_results(run_serial(loaded.scenario, loaded.base_dir), out, loaded.resolved())

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from kvfrag.sim import model_forms
 from kvfrag.sim import scenario as sc
+from kvfrag.sim import scenario_parts as parts
 from kvfrag.sim.units import parse_size
 from kvfrag.workloads import spec, synthetic, transforms
 from kvfrag.workloads.table import Workload, WorkloadError
@@ -60,32 +61,32 @@ CASES: list[tuple[str, list[str], type[BaseModel] | str, str]] = [
     ("gpu_memory_utilization", [], sc.Scenario, "gpu_memory_utilization"),
     ("kv_budget", [], sc.Scenario, "kv_budget"),
     ("max_model_len", [], sc.Scenario, "max_model_len"),
-    ("model.layers", [], sc.ModelSpec, "layers"),
-    ("model.kv_heads", [], sc.ModelSpec, "kv_heads"),
-    ("model.head_dim", [], sc.ModelSpec, "head_dim"),
-    ("model.dtype_bytes", [], sc.ModelSpec, "dtype_bytes"),
-    ("model.hidden", [], sc.ModelSpec, "hidden"),
-    ("model.intermediate", [], sc.ModelSpec, "intermediate"),
-    ("model.heads", [], sc.ModelSpec, "heads"),
-    ("model.vocab", [], sc.ModelSpec, "vocab"),
-    ("hardware.memory_bytes", [], sc.HardwareSpec, "memory_bytes"),
-    ("hardware.hbm_bandwidth_bytes_s", [], sc.HardwareSpec, "hbm_bandwidth_bytes_s"),
-    ("hardware.fp16_dense_flops", [], sc.HardwareSpec, "fp16_dense_flops"),
-    ("hardware.interconnect_bytes_s", [], sc.HardwareSpec, "interconnect_bytes_s"),
-    ("kv_budget.gpu_memory", BUDGET, sc.GpuBudget, "gpu_memory"),
-    ("kv_budget.utilization", BUDGET, sc.GpuBudget, "utilization"),
-    ("kv_budget.weights", BUDGET, sc.GpuBudget, "weights"),
-    ("kv_budget.activations", BUDGET, sc.GpuBudget, "activations"),
-    ("engine.max_num_seqs", [], sc.EngineSpec, "max_num_seqs"),
-    ("engine.max_num_batched_tokens", [], sc.EngineSpec, "max_num_batched_tokens"),
-    ("engine.lookahead", [], sc.EngineSpec, "lookahead"),
-    ("engine.watermark", [], sc.EngineSpec, "watermark"),
-    ("engine.long_prefill_token_threshold", [], sc.EngineSpec, "long_prefill_token_threshold"),
-    ("engine.max_time_s", [], sc.EngineSpec, "max_time_s"),
-    ("engine.step_time.base_s", LINEAR, sc.StepTimeSpec, "base_s"),
-    ("engine.step_time.per_batched_token_s", LINEAR, sc.StepTimeSpec, "per_batched_token_s"),
-    ("engine.step_time.per_kv_token_s", LINEAR, sc.StepTimeSpec, "per_kv_token_s"),
-    ("engine.step_time.overhead_s", ["engine.step_time={roofline: true}"], sc.RooflineSpec,
+    ("model.layers", [], parts.ModelSpec, "layers"),
+    ("model.kv_heads", [], parts.ModelSpec, "kv_heads"),
+    ("model.head_dim", [], parts.ModelSpec, "head_dim"),
+    ("model.dtype_bytes", [], parts.ModelSpec, "dtype_bytes"),
+    ("model.hidden", [], parts.ModelSpec, "hidden"),
+    ("model.intermediate", [], parts.ModelSpec, "intermediate"),
+    ("model.heads", [], parts.ModelSpec, "heads"),
+    ("model.vocab", [], parts.ModelSpec, "vocab"),
+    ("hardware.memory_bytes", [], parts.HardwareSpec, "memory_bytes"),
+    ("hardware.hbm_bandwidth_bytes_s", [], parts.HardwareSpec, "hbm_bandwidth_bytes_s"),
+    ("hardware.fp16_dense_flops", [], parts.HardwareSpec, "fp16_dense_flops"),
+    ("hardware.interconnect_bytes_s", [], parts.HardwareSpec, "interconnect_bytes_s"),
+    ("kv_budget.gpu_memory", BUDGET, parts.GpuBudget, "gpu_memory"),
+    ("kv_budget.utilization", BUDGET, parts.GpuBudget, "utilization"),
+    ("kv_budget.weights", BUDGET, parts.GpuBudget, "weights"),
+    ("kv_budget.activations", BUDGET, parts.GpuBudget, "activations"),
+    ("engine.max_num_seqs", [], parts.EngineSpec, "max_num_seqs"),
+    ("engine.max_num_batched_tokens", [], parts.EngineSpec, "max_num_batched_tokens"),
+    ("engine.lookahead", [], parts.EngineSpec, "lookahead"),
+    ("engine.watermark", [], parts.EngineSpec, "watermark"),
+    ("engine.long_prefill_token_threshold", [], parts.EngineSpec, "long_prefill_token_threshold"),
+    ("engine.max_time_s", [], parts.EngineSpec, "max_time_s"),
+    ("engine.step_time.base_s", LINEAR, parts.StepTimeSpec, "base_s"),
+    ("engine.step_time.per_batched_token_s", LINEAR, parts.StepTimeSpec, "per_batched_token_s"),
+    ("engine.step_time.per_kv_token_s", LINEAR, parts.StepTimeSpec, "per_kv_token_s"),
+    ("engine.step_time.overhead_s", ["engine.step_time={roofline: true}"], parts.RooflineSpec,
      "overhead_s"),
     ("workload.n", [], spec.WorkloadSpec, "n"),
     ("workload.beam_width", [], spec.WorkloadSpec, "beam_width"),
@@ -178,7 +179,7 @@ LAYERED_CASES: list[tuple[str, str, str, type[BaseModel], str]] = [
     ("mla", "name: m,", "name: m, dtype_bytes: {v},", model_forms.LayeredModelSpec,
      "dtype_bytes"),
 ]
-ELSEWHERE = {(sc.ProfileSpec, "overhead_s")} | {(w, f) for *_, w, f in LAYERED_CASES}
+ELSEWHERE = {(parts.ProfileSpec, "overhead_s")} | {(w, f) for *_, w, f in LAYERED_CASES}
 #: What every numeric field refuses: 1e30 (YAML reads it as a string), 2**63, -1 (correlation:
 #: -1.5, as -1 is in its range) and a boolean.
 HOSTILE = ["1e30", str(2**63), "-1", "true"]
@@ -294,7 +295,7 @@ def test_the_cases_walk_every_numeric_field_of_the_schema():
 @pytest.mark.parametrize("value", [1e30, 2**63, -1, True, float("nan")])
 def test_a_profile_overhead_is_bounded_too(value):
     with pytest.raises(ValidationError, match=r"overhead_s\n.*must be a"):
-        sc.ProfileSpec.model_validate({"profile": "mlp.csv", "overhead_s": value})
+        parts.ProfileSpec.model_validate({"profile": "mlp.csv", "overhead_s": value})
 
 
 def test_a_sweep_of_a_billion_points_is_refused_before_it_is_expanded(tmp_path, base):

@@ -182,7 +182,7 @@ def test_hybrid_models_run_in_a_scenario_with_the_manager_on_and_off(model):
     """MLA and sliding-window models run (the uniform-geometry refusal is for vAttention's
     per-layer buffers, not for an allocator that lays out the typed layers); the manager on
     plans a group per kind of layer, off one group of every layer full."""
-    from kvfrag.sim.scenario import run_point
+    from kvfrag.sim.scenario_run import run_point
     from kvfrag.workloads import build_workload
 
     s = _scenario(model)
@@ -253,7 +253,8 @@ def test_mamba_hybrids_run_in_a_scenario(model):
     """A Mamba hybrid runs with the hybrid allocator: one state block per request per Mamba
     group, whose unpadded state counts as token states and its page's rest as padding."""
     from kvfrag.sim.hybrid_presets import STACKS as PRESETS
-    from kvfrag.sim.scenario import Scenario, build_allocator, run_point
+    from kvfrag.sim.scenario import Scenario, build_allocator
+    from kvfrag.sim.scenario_run import run_point
     from kvfrag.workloads import build_workload
 
     s = Scenario.model_validate({

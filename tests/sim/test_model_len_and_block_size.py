@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 from kvfrag.sim.geometry import CONTEXT_LENGTHS
 from kvfrag.sim.hybrid_presets import CONTEXT_LENGTHS as HYBRID_CONTEXT_LENGTHS
-from kvfrag.sim.scenario import (
-    MODEL_PRESETS,
-    VLLM_BLOCK_MULTIPLE,
-    AllocatorSpec,
-    block_size_warnings,
-    context_length,
-)
+from kvfrag.sim.scenario_parts import MODEL_PRESETS, AllocatorSpec, context_length
+from kvfrag.sim.scenario_run import VLLM_BLOCK_MULTIPLE, block_size_warnings
 
 from kvfrag.cli import main
 from kvfrag.config import ScenarioError, load_scenario

@@ -13,7 +13,8 @@ from kvfrag.sim.architecture import architecture
 from kvfrag.sim.engine_config import StepTime
 from kvfrag.sim.hardware import gpu
 from kvfrag.sim.memory import kv_budget
-from kvfrag.sim.scenario import Scenario, run
+from kvfrag.sim.scenario import Scenario
+from kvfrag.sim.scenario_run import run
 from kvfrag.sim.steptime import OPERATORS, efficiency_for
 from kvfrag.sim.timing import OVERHEAD_S, TableTime, roofline
 from kvfrag.sim.units import parse_size

@@ -29,7 +29,7 @@ from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
 from kvfrag.sim.scenario import Scenario
-from kvfrag.sim.scenario import run as run_scenario
+from kvfrag.sim.scenario_run import run as run_scenario
 from kvfrag.sim.units import parse_size
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30

@@ -248,7 +248,8 @@ def test_gemma3_out_of_window_is_most_of_paged_and_the_fallback_and_little_of_hy
     """The shipped scenario's layouts on a shorter workload: with every layer full (paged,
     the fallback) most of the budget is tokens the 52 sliding layers no longer read; the
     hybrid manager frees them, leaving only the window's block rounding."""
-    from kvfrag.sim.scenario import Scenario, build_allocator, build_workload
+    from kvfrag.sim.scenario import Scenario, build_allocator
+    from kvfrag.workloads import build_workload
 
     doc = yaml.safe_load((ROOT / "scenarios/gemma3-27b-long-context.yaml").read_text())
     doc["workload"]["synthetic"]["count"] = 12
