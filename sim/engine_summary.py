@@ -28,6 +28,8 @@ def _stats(values: pd.Series) -> dict[str, float]:
 
 
 def summary(engine: Engine, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
+    """The run's summary row (its keys: docs/data-dictionary.md) from `engine`'s integrals and
+    counters, the request table and the time series `ts` it made."""
     cap = engine.alloc.capacity
     areas = (engine.area0, engine.area1, engine.area2, engine.area3, engine.area4)
     integrals = dict(zip(PARTS, areas, strict=True))
