@@ -179,7 +179,8 @@ LAYERED_CASES: list[tuple[str, str, str, type[BaseModel], str]] = [
     ("mla", "name: m,", "name: m, dtype_bytes: {v},", model_forms.LayeredModelSpec,
      "dtype_bytes"),
 ]
-ELSEWHERE = {(parts.ProfileSpec, "overhead_s")} | {(w, f) for *_, w, f in LAYERED_CASES}
+ELSEWHERE = {(parts.ProfileSpec, "overhead_s"), (spec.SyntheticSpec, "priority")} | {
+    (w, f) for *_, w, f in LAYERED_CASES}
 #: What every numeric field refuses: 1e30 (YAML reads it as a string), 2**63, -1 (correlation:
 #: -1.5, as -1 is in its range) and a boolean.
 HOSTILE = ["1e30", str(2**63), "-1", "true"]
@@ -276,7 +277,7 @@ def _numeric(annotation: typing.Any) -> bool:
 
 
 def _models() -> list[type[BaseModel]]:
-    modules = (sc, spec, model_forms)
+    modules = (sc, parts, spec, model_forms)
     found = [m for module in modules for m in vars(module).values()
              if isinstance(m, type) and issubclass(m, BaseModel)
              and m.__module__ in {module.__name__ for module in modules}]
@@ -290,6 +291,22 @@ def test_the_cases_walk_every_numeric_field_of_the_schema():
     covered = {(w, f) for _, _, w, f in CASES if not isinstance(w, str)} | ELSEWHERE
     assert numeric - covered == set()
     assert covered - numeric == set()
+
+
+@pytest.mark.parametrize("value", ["1e30", str(2**63), "true"])
+@pytest.mark.parametrize("pair", ["[[{v}, 1]]", "[[0, {v}]]"], ids=["value", "weight"])
+def test_a_synthetic_priority_pair_is_bounded_too(capsys, tmp_path, base, pair, value):
+    """Priorities are [[value, weight], ...]: each number of a pair is refused in one line
+    (-1 is a priority like any other; as a weight it is refused, below)."""
+    out = tmp_path / "out"
+    key = "workload.synthetic.priority"
+    for form in [pair.format(v=value), *(["[[0, -1]]"] if value == "true" else [])]:
+        code, err, _ = _run(capsys, base, out, [*SYNTH, f"{key}={form}"])
+        lines = err.splitlines()
+        assert code == 2 and len(lines) == 1, (form, err)
+        assert f"{key}[0][" in lines[0] and "must be a" in lines[0], lines[0]
+        assert "Error" not in lines[0] and "Traceback" not in lines[0], lines[0]
+        assert not out.exists()
 
 
 @pytest.mark.parametrize("value", [1e30, 2**63, -1, True, float("nan")])
