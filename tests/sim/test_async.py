@@ -6,21 +6,24 @@ not modelled yet). vLLM's AsyncScheduler itself: tests/oracle/test_async_match.p
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
+from runpy import run_path
 
 import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfrag.sim.allocators import PARTS, Request, make_allocator
+from kvfrag.sim.allocators import Request, make_allocator
 from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.reference import reference
 
 from kvfrag.config import ScenarioError, load_scenario
+
+#: The fast engine held to the reference, request by request (tests/sim/agreement.py).
+AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equals_reference"]
 
 B = 96  # bytes per token
 ALLOCATORS = [
@@ -79,23 +82,7 @@ def test_fast_engine_matches_the_reference(
 
     fast = run(wl, fresh(), cfg)
     slow = reference(wl, fresh(), cfg)
-    rows = fast.requests.set_index("request_id")
-    for rid, r in slow["requests"].items():
-        row = rows.loc[rid]
-        assert row["status"] == r["status"], rid
-        assert row["preemptions"] == r["preemptions"], rid
-        assert row["recomputed_tokens"] == r["recomputed"], rid
-        assert row["peak_bytes"] == r["peak"], rid
-        for col, key in (("admitted_s", "admitted"), ("first_token_s", "first"),
-                         ("finished_s", "finished")):
-            if math.isnan(r[key]):
-                assert math.isnan(row[col]), (rid, col)
-            else:
-                assert row[col] == pytest.approx(r[key], rel=1e-9, abs=1e-9), (rid, col)
-    assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
-    for p in PARTS:
-        got = fast.summary[f"{p}_frac"]
-        assert got == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+    AGREE(fast, slow)
 
 
 def paged(blocks: int, block_size: int = 16):

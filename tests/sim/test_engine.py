@@ -78,6 +78,8 @@ ALLOCATORS = [
 
 #: A hardware-shaped step time (tests/sim/table_time.py).
 TABLE = run_path(str(Path(__file__).with_name("table_time.py")))["TABLE"]
+#: The fast engine held to the reference, request by request (tests/sim/agreement.py).
+AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equals_reference"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -133,25 +135,7 @@ def test_fast_engine_matches_per_iteration_reference(
 
     fast = run(wl, fresh(), cfg)
     slow = reference(wl, fresh(), cfg)
-    rows = fast.requests.set_index("request_id")
-    for rid, r in slow["requests"].items():
-        row = rows.loc[rid]
-        assert row["status"] == r["status"], rid
-        assert row["preemptions"] == r["preemptions"]
-        assert row["recomputed_tokens"] == r["recomputed"]
-        assert row["peak_bytes"] == r["peak"]
-        for col, key in (("admitted_s", "admitted"), ("first_token_s", "first"),
-                         ("finished_s", "finished")):
-            if math.isnan(r[key]):
-                assert math.isnan(row[col]), (rid, col)
-            else:
-                assert row[col] == pytest.approx(r[key], rel=1e-9, abs=1e-9), (rid, col)
-        if r["status"] == "completed":
-            assert row["generated_tokens"] == r["generated"]
-    assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
-    for p in [*PARTS, "internal_overreservation"]:
-        got = fast.summary[f"{p}_frac"]
-        assert got == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+    AGREE(fast, slow, parts=[*PARTS, "internal_overreservation"])
     assert sum(fast.summary[f"{p}_frac"] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
     split = fast.summary["internal_overreservation_frac"] + fast.summary["internal_rounding_frac"]
     assert split == pytest.approx(fast.summary["internal_frac"], abs=1e-12)

@@ -5,7 +5,6 @@ reference never calls (it steps one token at a time and sums the accounting)."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from pathlib import Path
 from runpy import run_path
@@ -55,6 +54,8 @@ STACKS = [
 ]
 #: A hardware-shaped step time (tests/sim/table_time.py).
 TABLE = run_path(str(Path(__file__).with_name("table_time.py")))["TABLE"]
+#: The fast engine held to the reference, request by request (tests/sim/agreement.py).
+AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equals_reference"]
 MML = 128
 
 
@@ -122,25 +123,7 @@ def test_fast_engine_matches_per_iteration_reference_for_hybrid(
     )
     fast = run(wl, fresh(), cfg)
     slow = reference(wl, fresh(), cfg)
-    rows = fast.requests.set_index("request_id")
-    for rid, r in slow["requests"].items():
-        row = rows.loc[rid]
-        assert row["status"] == r["status"], rid
-        assert row["preemptions"] == r["preemptions"], rid
-        assert row["recomputed_tokens"] == r["recomputed"], rid
-        assert row["peak_bytes"] == r["peak"], rid
-        for col, key in (("admitted_s", "admitted"), ("first_token_s", "first"),
-                         ("finished_s", "finished")):
-            if math.isnan(r[key]):
-                assert math.isnan(row[col]), (rid, col)
-            else:
-                assert row[col] == pytest.approx(r[key], rel=1e-9, abs=1e-9), (rid, col)
-        if r["status"] == "completed":
-            assert row["generated_tokens"] == r["generated"], rid
-    assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
-    for p in [*PARTS, "internal_overreservation"]:
-        got = fast.summary[f"{p}_frac"]
-        assert got == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+    AGREE(fast, slow, parts=[*PARTS, "internal_overreservation"])
     assert sum(fast.summary[f"{p}_frac"] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
 
 

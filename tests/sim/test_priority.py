@@ -4,7 +4,8 @@ refuses. Its agreement with vLLM's scheduler is tests/oracle/test_priority_match
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
+from runpy import run_path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,6 +22,9 @@ from kvfrag.workloads import WorkloadError, load_trace
 from kvfrag.workloads.build import build_workload
 
 from kvfrag.config import ScenarioError, load_scenario
+
+#: The fast engine held to the reference, request by request (tests/sim/agreement.py).
+AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equals_reference"]
 
 # (the synchronous scheduler, where kvfrag has an async_scheduling key: what the reference
 # and the oracle cases compare)
@@ -142,24 +146,7 @@ def test_fast_engine_matches_per_iteration_reference(
 
     fast = run(wl, fresh(), cfg)
     slow = reference(wl, fresh(), cfg)
-    rows = fast.requests.set_index("request_id")
-    for rid, r in slow["requests"].items():
-        row = rows.loc[rid]
-        assert row["status"] == r["status"], rid
-        assert row["preemptions"] == r["preemptions"], rid
-        assert row["recomputed_tokens"] == r["recomputed"], rid
-        assert row["peak_bytes"] == r["peak"], rid
-        assert row["priority"] == r["priority"], rid
-        for col, key in (("admitted_s", "admitted"), ("first_token_s", "first"),
-                         ("finished_s", "finished")):
-            if math.isnan(r[key]):
-                assert math.isnan(row[col]), (rid, col)
-            else:
-                assert row[col] == pytest.approx(r[key], rel=1e-9, abs=1e-9), (rid, col)
-    assert fast.summary["sim_time_s"] == pytest.approx(slow["time"], rel=1e-9)
-    for p in [*PARTS, "internal_overreservation"]:
-        got = fast.summary[f"{p}_frac"]
-        assert got == pytest.approx(slow["fractions"][p], rel=1e-7, abs=1e-9), p
+    AGREE(fast, slow, parts=[*PARTS, "internal_overreservation"], columns=("priority",))
 
 
 def pressure(priority: np.ndarray | None = None) -> pd.DataFrame:
