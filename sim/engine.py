@@ -514,7 +514,9 @@ class Engine:
         evicted from a waiting group's cached prefix shortens what it finds cached, so the same
         token budget admits it with fewer tokens; past its prompt all n sequences hold each
         block's worth of them, so it may need up to n blocks less while the decoders took one.
-        (A single request needs at most one block less: evictions alone never let it in.)"""
+        (A single request needs at most one block less: evictions alone never let it in,
+        except on a Mamba hybrid with prefix caching, where an eviction can move the junction
+        its first chunk stops at: the hybrid allocator counts such an eviction as a free.)"""
         return self.alloc.frees, self.alloc.evictions if self.groups else 0
 
     def _continue_prefills(self, budget: int) -> int:

@@ -467,7 +467,13 @@ class HybridPrefixCaching(HybridAllocator):
                 got = st.pool.take(more)
                 table.extend(got)
             new.extend(got)
-        self.evictions = self._st.pool.evictions
+        evictions = self._st.pool.evictions
+        if evictions != self.evictions and self._mamba:
+            # An eviction can shorten a waiting request's hit and move the junction its
+            # first chunk stops at (`aligned_chunk`): a smaller chunk may fit where the
+            # longer hit did not. For the engine's FCFS head it counts as a free.
+            self.frees += 1
+        self.evictions = evictions
         return new
 
     def _wanted(self, st: PrefixState, rid: int, tokens: int) -> int:
@@ -626,7 +632,8 @@ class HybridPrefixCaching(HybridAllocator):
     def _look_ahead(self) -> tuple[int | None, int | None]:
         """(steps_until_full, steps_until_shrink) from a copy of the state: the steps that
         fit (at most HORIZON; every step up to the first decoder's end when that is nearer),
-        and the first step that frees an id (None: none up to there)."""
+        and the first step that frees an id, or with Mamba groups evicts a cached one (see
+        `_take`; None: none up to there)."""
         memo = self._ahead
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
             return memo[2], memo[3]
@@ -638,11 +645,13 @@ class HybridPrefixCaching(HybridAllocator):
             pending = [(rid, [list(t) for t in ts], p) for rid, ts, p in self._pending]
             limit = min(done, HORIZON)
             full = limit
+            evictions = st.pool.evictions
             for s in range(1, limit + 1):
                 if self._step(st, self._clock + s, pending if s == 1 else None) >= 0:
                     full = s - 1
                     break
-                if shrink is None and st.freed:
+                if shrink is None and (st.freed or (
+                        self._mamba and st.pool.evictions != evictions)):
                     shrink = s
             if shrink is None and full < done:
                 shrink = full + 1  # (not looked at: the stretch ends there anyway)
