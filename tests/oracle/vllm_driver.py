@@ -2,9 +2,9 @@
 
 ``run_vllm(requests, ...)`` replays a list of ``OracleRequest`` through
 ``vllm.v1.core.sched.scheduler.Scheduler`` (the synchronous one; with
-``async_scheduling=True`` the ``AsyncScheduler``; no speculative decoding, one KV-cache group
-of full attention) and records every iteration, so kvfrag's engine can be compared with vLLM
-iteration by iteration.
+``async_scheduling=True`` the ``AsyncScheduler``; one KV-cache group of full attention;
+speculative decoding with ``num_speculative_tokens``, see below) and records every iteration,
+so kvfrag's engine can be compared with vLLM iteration by iteration.
 
 Loop (step k = the k-th call of ``schedule()``, k = 0, 1, 2, ...):
 
@@ -35,6 +35,21 @@ block 0 as its ``null_block`` (never handed out, never free), so the pool given 
 ``num_blocks + 1`` blocks (``cache_config.num_gpu_blocks``, ``KVCacheConfig.num_blocks``).
 vLLM's watermark is ``int(watermark * (num_blocks + 1))`` blocks (it uses the pool's total).
 
+Speculative decoding (``num_speculative_tokens=k``, ``spec_method``, ``accepted``): vLLM's
+``SpeculativeConfig(method, num_speculative_tokens=k)``; "eagle" and "draft_model" take the tiny
+model as their draft (the scheduler never runs it), "ngram" needs none. What the scheduler gets
+from the method: ``num_lookahead_tokens`` (KV slots past the scheduled tokens: k for eagle and
+draft_model, 0 for ngram) and ``draft_slots`` (budget per scheduled request: 1 for draft_model,
+0 otherwise), both in ``OracleRun.config``. The fake model runner verifies a request's drafts
+in each step that scheduled some (``scheduled_spec_decode_tokens``) and samples
+``1 + min(a, drafts scheduled)`` tokens, ``a`` the next entry of ``accepted[rid]`` (one entry
+per such step, in order, resumptions included; drafts that are only padding -- a waiting
+request admitted with one token left -- are all rejected and take no entry). Synchronous: after
+``update_from_output()`` the runner proposes k drafts for every request of the step
+(``update_draft_token_ids``, as ``EngineCore.post_step``; the scheduler drops them for partial
+prefills and finished requests; none when the step says ``skip_drafts``). Async: the
+``AsyncScheduler`` itself puts k placeholder drafts on each request that samples.
+
 Needs vLLM 0.33.0 installed without its GPU dependencies (``.ci/install-oracle.sh``).
 """
 
@@ -43,7 +58,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,14 +104,22 @@ class OracleRun:
 def _vllm() -> dict[str, Any]:
     """Import the vLLM pieces once (6-20 s the first time)."""
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -107,7 +130,9 @@ def _vllm() -> dict[str, Any]:
         "CacheConfig": CacheConfig,
         "DeviceConfig": DeviceConfig,
         "ModelConfig": ModelConfig,
+        "ParallelConfig": ParallelConfig,
         "SchedulerConfig": SchedulerConfig,
+        "SpeculativeConfig": SpeculativeConfig,
         "VllmConfig": VllmConfig,
         "SamplingParams": SamplingParams,
         "get_hash_fn_by_name": get_hash_fn_by_name,
@@ -119,6 +144,7 @@ def _vllm() -> dict[str, Any]:
         "KVCacheConfig": KVCacheConfig,
         "KVCacheGroupSpec": KVCacheGroupSpec,
         "ModelRunnerOutput": ModelRunnerOutput,
+        "DraftTokenIds": DraftTokenIds,
         "Request": Request,
         "StructuredOutputManager": StructuredOutputManager,
     }
@@ -138,9 +164,12 @@ def make_scheduler(
     reserve_full_isl: bool = True,
     policy: str = "fcfs",
     async_scheduling: bool = False,
+    num_speculative_tokens: int = 0,
+    spec_method: str = "eagle",
 ):
     """Build vLLM's v1 Scheduler as EngineCore does, minus the model executor: the synchronous
-    ``Scheduler``, or with ``async_scheduling`` the ``AsyncScheduler`` (VllmConfig picks it).
+    ``Scheduler``, or with ``async_scheduling`` the ``AsyncScheduler`` (VllmConfig picks it);
+    with ``num_speculative_tokens`` > 0, speculative decoding by ``spec_method``.
 
     Returns (scheduler, block_hasher or None). ``num_blocks`` usable blocks (+1 null block).
     """
@@ -170,6 +199,11 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         # No vllm._C: vLLM cannot infer a platform; the scheduler never touches a device.
         device_config=v["DeviceConfig"](device="cpu"),
+        speculative_config=(
+            spec_config(model_config, spec_method, num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        ),
     )
     sc = vllm_config.scheduler_config
     # VllmConfig may rewrite settings; make sure it kept ours.
@@ -185,8 +219,11 @@ def make_scheduler(
     changed = {k: got for k, (got, want) in kept.items() if got != want}
     if changed:
         raise RuntimeError(f"VllmConfig changed the oracle's settings: {changed}")
-    if vllm_config.speculative_config is not None:
-        raise RuntimeError("speculative decoding must be off")
+    if vllm_config.num_speculative_tokens != num_speculative_tokens:
+        raise RuntimeError(
+            f"VllmConfig has {vllm_config.num_speculative_tokens} speculative tokens, "
+            f"not {num_speculative_tokens}"
+        )
 
     total_blocks = num_blocks + 1  # + vLLM's null block
     kv_cache_config = v["KVCacheConfig"](
@@ -212,6 +249,29 @@ def make_scheduler(
     if async_scheduling != (type(scheduler).__name__ == "AsyncScheduler"):
         raise RuntimeError(f"async_scheduling={async_scheduling} built {type(scheduler)}")
     return scheduler, hasher
+
+
+SPEC_METHODS = ("eagle", "draft_model", "ngram")
+
+
+def spec_config(model_config: Any, method: str, k: int) -> Any:
+    """vLLM's ``SpeculativeConfig`` for ``method`` with ``k`` drafts per step. "eagle" and
+    "draft_model" take the tiny model as their draft (they need one to build; the scheduler
+    only reads the method's lookahead and draft slots from it)."""
+    v = _vllm()
+    if method not in SPEC_METHODS:
+        raise ValueError(f"spec_method {method!r}: one of {SPEC_METHODS}")
+    if method == "ngram":
+        return v["SpeculativeConfig"](
+            method="ngram", num_speculative_tokens=k, prompt_lookup_max=2, prompt_lookup_min=1
+        )
+    return v["SpeculativeConfig"](
+        method=method,
+        num_speculative_tokens=k,
+        model=str(TINY_MODEL_DIR),
+        target_model_config=model_config,
+        target_parallel_config=v["ParallelConfig"](),
+    )
 
 
 def scheduler_for(
@@ -261,6 +321,9 @@ def run_vllm(
     make: Callable[[], tuple[Any, Any]] | None = None,
     policy: str = "fcfs",
     async_scheduling: bool = False,
+    num_speculative_tokens: int = 0,
+    spec_method: str = "eagle",
+    accepted: Mapping[int, Sequence[int]] | None = None,
 ) -> OracleRun:
     """Replay ``requests`` through vLLM's real scheduler; one record per ``schedule()`` call.
 
@@ -296,6 +359,13 @@ def run_vllm(
       tokens             {rid: num_computed_tokens} of each running request after the step
       blocks             {rid: blocks in its block table} of each running request
     (``tokens``/``blocks`` only with ``record_slots``; ``blocks`` only for one KV-cache group.)
+    With speculative decoding also:
+      drafts             draft tokens scheduled this step (sum of scheduled_spec_decode_tokens)
+      accepted           {rid: drafts accepted} of the outputs this step's update applied
+                         (async: step k-1's), for the requests whose drafts were verified
+
+    ``accepted``: rid -> accepted-draft counts (0..k) of that request's verifying steps, in
+    order (see the module); a request that needs more entries than it has is an error.
 
     ``make``: builds (scheduler, block_hasher) instead of ``make_scheduler`` (the hybrid
     driver's several KV-cache groups, tests/oracle/hybrid_driver.py); the settings above must
@@ -304,7 +374,8 @@ def run_vllm(
     Per request (``OracleRun.requests[rid]``): ``first_token_step`` (step whose output gave
     its first token), ``finished_step``, ``first_token_t``/``finished_t`` (async only: the clock
     at the end of those steps), ``preemptions``, ``admitted_step`` (first step it was scheduled),
-    ``prefix_hit_tokens`` (summed over its admissions, resumptions included).
+    ``prefix_hit_tokens`` (summed over its admissions, resumptions included); with
+    speculative decoding ``accepted`` (the counts applied, clipped to the drafts scheduled).
     """
     v = _vllm()
     reqs = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
@@ -315,6 +386,16 @@ def run_vllm(
             raise ValueError(f"request {r.rid}: empty prompt, output_tokens < 1 or arrival < 0")
         if len(r.prompt) + r.output_tokens > max_model_len:
             raise ValueError(f"request {r.rid}: prompt + output exceeds max_model_len")
+    spec_k = num_speculative_tokens
+    if spec_k < 0 or (accepted is not None and not spec_k):
+        raise ValueError("accepted needs num_speculative_tokens >= 1")
+    draws: dict[str, list[int]] = {str(r.rid): [] for r in reqs}
+    for rid, counts in (accepted or {}).items():
+        if str(rid) not in draws:
+            raise ValueError(f"accepted: no request {rid}")
+        if any(not 0 <= a <= spec_k for a in counts):
+            raise ValueError(f"accepted[{rid}]: counts must lie in 0..{spec_k}")
+        draws[str(rid)] = list(counts)
 
     scheduler, block_hasher = make() if make is not None else make_scheduler(
         block_size=block_size,
@@ -329,6 +410,8 @@ def run_vllm(
         reserve_full_isl=reserve_full_isl,
         policy=policy,
         async_scheduling=async_scheduling,
+        num_speculative_tokens=spec_k,
+        spec_method=spec_method,
     )
     kvm = scheduler.kv_cache_manager
     pool = kvm.block_pool
@@ -350,6 +433,7 @@ def run_vllm(
 
     Request, SamplingParams = v["Request"], v["SamplingParams"]
     ModelRunnerOutput = v["ModelRunnerOutput"]
+    DraftTokenIds = v["DraftTokenIds"]
     vreqs: dict[str, Any] = {}
     info: dict[int, dict] = {
         r.rid: {
@@ -359,6 +443,7 @@ def run_vllm(
             "admitted_step": None,
             "prefix_hit_tokens": 0,
             **({"first_token_t": None, "finished_t": None} if async_scheduling else {}),
+            **({"accepted": []} if spec_k else {}),
         }
         for r in reqs
     }
@@ -367,17 +452,22 @@ def run_vllm(
     unfinished = len(reqs)
     k = 0
     clock = 0  # async: steps that scheduled tokens, and idle waits (see run_vllm)
-    # async: the step in flight, (k, its clock, its output, the model's output), applied
-    # after the next schedule() as EngineCore.step_with_batch_queue does
-    in_flight: tuple[int, int, Any, Any] | None = None
+    # async: the step in flight, (k, its clock, its output, the model's output, its
+    # accepted counts), applied after the next schedule() as EngineCore.step_with_batch_queue
+    in_flight: tuple[int, int, Any, Any, dict[str, int]] | None = None
+    applied_accepted: dict[int, int] = {}  # the accepted counts of the last apply()
     t0 = time.perf_counter()
 
-    def apply(step: int, at: int, out: Any, runner_out: Any) -> int:
+    def apply(step: int, at: int, out: Any, runner_out: Any, acc: dict[str, int]) -> int:
         """update_from_output() of step `step` (started at clock `at`); returns how many
         requests it finished."""
         req_ids = runner_out.req_ids
         outputs_before = {rid: vreqs[rid].num_output_tokens for rid in req_ids}
         scheduler.update_from_output(out, runner_out)
+        applied_accepted.clear()
+        for req_id, a in acc.items():
+            applied_accepted[int(req_id)] = a
+            info[int(req_id)]["accepted"].append(a)
         finished = 0
         for req_id in req_ids:
             vr = vreqs[req_id]
@@ -429,8 +519,22 @@ def run_vllm(
         admitted = 0
         hit_tokens = 0
         sampled_ids: list[list[int]] = []
+        spec_sched = out.scheduled_spec_decode_tokens
+        step_accepted: dict[str, int] = {}
         for req_id, n in num_sched.items():
             vr = vreqs[req_id]
+            if req_id in spec_sched and not vr.is_prefill_chunk:
+                # The runner verifies this step's drafts: 1 + accepted tokens come back.
+                if req_id in running_before:
+                    if not draws[req_id]:
+                        raise ValueError(
+                            f"accepted[{req_id}]: no entry left for its step {k} "
+                            f"({len(info[int(req_id)]['accepted'])} used)"
+                        )
+                    a = min(draws[req_id].pop(0), len(spec_sched[req_id]))
+                else:  # padding of a waiting request admitted one token short
+                    a = 0
+                step_accepted[req_id] = a
             if req_id not in running_before:
                 admitted += 1
                 hits = vr.num_computed_tokens - n  # computed before this step's tokens
@@ -441,7 +545,9 @@ def run_vllm(
                     ri["admitted_step"] = k
             # The runner samples once the request's known tokens are all computed (read
             # right after schedule(): async, the next schedule() moves it on).
-            sampled_ids.append([] if vr.is_prefill_chunk else [SAMPLED_TOKEN])
+            sampled_ids.append(
+                [] if vr.is_prefill_chunk else [SAMPLED_TOKEN] * (1 + step_accepted.get(req_id, 0))
+            )
         req_ids = list(num_sched)
         runner_out = ModelRunnerOutput(
             req_ids=req_ids,
@@ -449,10 +555,16 @@ def run_vllm(
             sampled_token_ids=sampled_ids,
         )
         if async_scheduling:
-            previous, in_flight = in_flight, (k, clock, out, runner_out)
+            previous, in_flight = in_flight, (k, clock, out, runner_out, step_accepted)
+            applied_accepted.clear()
             finished = apply(*previous) if previous is not None else 0
         else:
-            finished = apply(k, k, out, runner_out)
+            finished = apply(k, k, out, runner_out, step_accepted)
+            if spec_k and out.total_num_scheduled_tokens and not out.skip_drafts:
+                # EngineCore.post_step: the drafter's proposals for the step's requests
+                scheduler.update_draft_token_ids(
+                    DraftTokenIds(req_ids, [[SAMPLED_TOKEN] * spec_k for _ in req_ids])
+                )
         unfinished -= finished
 
         free = pool.get_num_free_blocks()
@@ -476,6 +588,9 @@ def run_vllm(
             "evictions": step_evictions,
             "finished": finished,
         }
+        if spec_k:
+            rec["drafts"] = sum(len(t) for t in spec_sched.values())
+            rec["accepted"] = dict(applied_accepted)
         if record_slots:
             rec["tokens"] = {int(vr.request_id): vr.num_computed_tokens for vr in scheduler.running}
         if record_slots and req_to_blocks is not None:
@@ -518,5 +633,14 @@ def run_vllm(
         "async_scheduling": async_scheduling,
         "policy": policy,
         "sampled_token": SAMPLED_TOKEN,
+        "num_speculative_tokens": spec_k,
     }
+    if spec_k:
+        vc = scheduler.vllm_config
+        config.update(
+            spec_method=spec_method,
+            num_lookahead_tokens=vc.num_lookahead_tokens,
+            draft_slots=vc.speculative_config.max_num_new_slots_for_drafting,
+            max_num_scheduled_tokens=scheduler.max_num_scheduled_tokens,
+        )
     return OracleRun(steps=steps, requests=info, config=config, wall_s=wall)
