@@ -13,7 +13,8 @@ speculative decoding on through tests/oracle/vllm_driver.py (``num_speculative_t
   ``num_computed_tokens`` back and free no block;
 - a draft model (``draft_model``) costs each scheduled request one more input slot;
 - async scheduling schedules one more decode step of ``1 + k`` for a request whose last tokens
-  are in flight (vLLM assumes every draft in flight may be rejected).
+  are in flight (vLLM assumes every draft in flight may be rejected);
+- with prefix caching, EAGLE's block hashes also cover the token after the block.
 """
 
 from __future__ import annotations
@@ -177,3 +178,18 @@ def test_accepted_is_checked():
         lone(10, 5, 3, [4])
     with pytest.raises(ValueError, match=r"accepted\[0\]: no entry left"):
         lone(10, 9, 3, [0])
+
+
+@pytest.mark.parametrize(("method", "hit"), [(None, 16), ("eagle", 12), ("ngram", 16),
+                                             ("draft_model", 16)])
+def test_eagle_block_hashes_cover_the_next_token(method, hit):
+    """Prefix caching: two prompts share 16 tokens (4 blocks of 4) and differ after. With
+    EAGLE a block's hash also covers the token after it (num_hash_lookahead_tokens 1), so the
+    block that ends where the prompts part is no hit: 12 tokens, not 16."""
+    shared = tuple(range(1, 17))
+    reqs = [OracleRequest(0, 0, (*shared, 100, 101), 3),
+            OracleRequest(1, 5, (*shared, 200, 201), 3)]
+    spec = dict(num_speculative_tokens=2, spec_method=method,
+                accepted={0: [0] * 3, 1: [0] * 3}) if method else {}
+    run = run_vllm(reqs, **{**BASE, "prefix_caching": True}, max_num_batched_tokens=64, **spec)
+    assert run.requests[1]["prefix_hit_tokens"] == hit
