@@ -14,11 +14,14 @@ speculative decoding on through tests/oracle/vllm_driver.py (``num_speculative_t
 - a draft model (``draft_model``) costs each scheduled request one more input slot;
 - async scheduling schedules one more decode step of ``1 + k`` for a request whose last tokens
   are in flight (vLLM assumes every draft in flight may be rejected);
-- with prefix caching, EAGLE's block hashes also cover the token after the block.
+- with prefix caching, EAGLE's block hashes also cover the token after the block;
+- vLLM's planner puts a draft's KV layers in the target's group (same shape or not): each
+  block holds them too, so the pool has budget // (all layers' page bytes) blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -193,3 +196,39 @@ def test_eagle_block_hashes_cover_the_next_token(method, hit):
                 accepted={0: [0] * 3, 1: [0] * 3}) if method else {}
     run = run_vllm(reqs, **{**BASE, "prefix_caching": True}, max_num_batched_tokens=64, **spec)
     assert run.requests[1]["prefix_hit_tokens"] == hit
+
+
+@pytest.mark.parametrize(("drafts", "draft_heads", "num_blocks"),
+                         [(0, 8, 2048), (1, 8, 1820), (2, 8, 1638), (1, 4, 1927)])
+def test_draft_kv_layers_share_the_targets_blocks(drafts, draft_heads, num_blocks):
+    """vLLM's planner over 8 target layers (8 KV heads of 128, bf16, blocks of 16: 64 KiB a
+    layer a block) and the draft's layers (EAGLE: one; MTP: its MTP layers), 1 GiB: a draft
+    layer joins the target's group and every block holds it too, so num_blocks = budget //
+    (sum of the layers' page bytes): 2**30 // (9 * 64 KiB) = 1820; a draft of 4 KV heads,
+    2**30 // (8 * 64 KiB + 32 KiB) = 1927."""
+    import torch
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    from .vllm_driver import TINY_MODEL_DIR, _vllm
+
+    v = _vllm()
+    cfg = v["VllmConfig"](
+        model_config=v["ModelConfig"](model=str(TINY_MODEL_DIR), skip_tokenizer_init=True,
+                                      max_model_len=4096, dtype="bfloat16"),
+        cache_config=v["CacheConfig"](block_size=16),
+        device_config=v["DeviceConfig"](device="cpu"),
+    )
+    cfg.cache_config.kv_cache_layout = "LBNHC"  # (as tests/oracle/test_hybrid_planner_oracle)
+
+    def spec(heads: int, draft: bool):
+        s = v["FullAttentionSpec"](block_size=16, num_kv_heads=heads, head_size=128,
+                                   dtype=torch.bfloat16)
+        return dataclasses.replace(s, is_draft=draft)
+
+    specs = {f"model.layers.{i}.attn": spec(8, False) for i in range(8)}
+    specs |= {f"draft.layers.{j}.attn": spec(draft_heads, True) for j in range(drafts)}
+    groups = get_global_kv_cache_groups(cfg, [dict(specs)])
+    (kv_config,) = get_kv_cache_configs(cfg, [dict(specs)], [1 << 30], groups)
+    assert [len(g.layer_names) for g in kv_config.kv_cache_groups] == [8 + drafts]
+    assert kv_config.num_blocks == num_blocks
+    assert num_blocks == (1 << 30) // sum(s.page_size_bytes for s in specs.values())
