@@ -179,6 +179,9 @@ class HybridAllocator(Allocator):
         self._stack_ids = FreeIds(self.plan.num_blocks)
         self._stack_ids.pop()  # block 0: the null block
         self._proc: dict[int, int] = {}  # rid -> tokens processed at its last allocation
+        # rid -> the parts (`_parts_of`) a request outside the cohort adds to the running
+        # totals, as added: taken out again as they are, not recounted
+        self._held: dict[int, tuple[int, ...]] = {}
         self._joined: dict[int, int] = {}  # decoder rid -> clock when it joined the cohort
         # rid -> per manager, per group: (skipped blocks named so far, ids of held blocks)
         self._tables: dict[int, list[list[list[int]]]] = {}
@@ -283,6 +286,9 @@ class HybridAllocator(Allocator):
         return tuple(per_manager[self._manager_of[g]] for g in range(len(self.plan.groups)))
 
     def blocks_of(self, rid: int) -> int:
+        held = self._held.get(rid)  # (outside the cohort: its parts as counted)
+        if held is not None:
+            return held[0]
         return self._blocks(*self._state(self._get(rid)))
 
     def allocated_bytes(self, rid: int) -> int:
@@ -410,7 +416,8 @@ class HybridAllocator(Allocator):
             raise ValueError(
                 f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
             )
-        need = self._blocks(tokens, 0)
+        parts = self._parts_of(tokens, 0, live.final)
+        need = parts[0]
         if need > self.num_blocks:
             return Refusal(rid, Reason.TOO_LARGE, need * self.page, self.free_bytes(),
                            "needs more blocks than exist")
@@ -420,29 +427,33 @@ class HybridAllocator(Allocator):
         self._admissions += 1
         self._rank[rid] = self._admissions
         ids = self._name_new(live, tokens, 0)
-        self._add_fixed(self._parts_of(tokens, 0, live.final), 1)
+        self._held[rid] = parts
+        self._add_fixed(parts, 1)
         self._changed()
         return Grant(rid, need * self.page, live.cap, blocks=ids)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
-        have = self._blocks(old, self._proc[rid])
-        want = self._blocks(new, old)
+        held = self._held[rid]  # (its parts at (old, processed), as added)
+        parts = self._parts_of(new, old, live.final)
+        have, want = held[0], parts[0]
         if want - have > self.free_blocks():
             return Refusal(rid, Reason.OUT_OF_MEMORY, (want - have) * self.page,
                            self.free_bytes())
         taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
                     for m in self.managers)
         ids = self._name_new(live, new, old)
-        self._add_fixed(self._parts_of(old, self._proc[rid], live.final), -1)
-        self._add_fixed(self._parts_of(new, old, live.final), 1)
+        self._add_fixed(held, -1)
+        self._add_fixed(parts, 1)
+        self._held[rid] = parts
         self._proc[rid] = old
         self._changed()
         return Grant(rid, taken * self.page, live.cap, blocks=ids)
 
     def _release(self, live: Live) -> None:
         rid = live.req.rid
-        self._add_fixed(self._parts_of(live.base, self._proc[rid], live.final), -1)
+        held = self._held.pop(rid)  # (a decoder has left the cohort first)
+        self._add_fixed(held, -1)
         for groups in self._tables.pop(rid, []):
             for ids in groups:
                 self._stack_ids.give(ids)
@@ -455,16 +466,18 @@ class HybridAllocator(Allocator):
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         rid = live.req.rid
         if decoding:
-            self._add_fixed(self._parts_of(live.base + self._clock, self._proc[rid], live.final),
-                            -1)
+            held = self._held.pop(rid)
+            self._add_fixed(held, -1)
             self._joined[rid] = self._clock
-            self._cohort.join(rid, live.base, live.final, self._proc[rid], self._clock)
+            self._cohort.join(rid, live.base, live.final, self._proc[rid], self._clock, held)
         else:
             self._cohort.leave(rid, self._clock)
             joined = self._joined.pop(rid)
             if joined != self._clock:  # stepped since joining: processed all but the last
                 self._proc[rid] = live.base - 1
-            self._add_fixed(self._parts_of(live.base, self._proc[rid], live.final), 1)
+            parts = self._parts_of(live.base, self._proc[rid], live.final)
+            self._held[rid] = parts
+            self._add_fixed(parts, 1)
         self._changed()
 
     def _changed(self) -> None:

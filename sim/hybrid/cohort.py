@@ -130,27 +130,36 @@ class Cohort:
         #: block sizes whose reserved slots stop at the final length's block
         self.reserving = tuple(sorted({m.block_size for m in self.managers if m.token_bytes}))
         self.blocks_vec = [v[0] for v in self.vecs]
+        # Per manager, what `parts_of` reads for every request it counts (kept flat: an
+        # attribute read per manager per figure cost about as much as the arithmetic)
+        self.m_bs = [m.block_size for m in self.managers]
+        self.m_groups = [m.groups for m in self.managers]
+        self.m_tb = [m.token_bytes for m in self.managers]
+        self.m_state = [m.state_bytes for m in self.managers]
+        self.m_window = [m.window for m in self.managers]
+        self.m_pad = [m.groups * page - m.block_size * m.token_bytes for m in self.managers]
         self.clear()
 
     # ------------------------------------------------------------------ one request
     def _skipped(self, i: int, processed: int) -> int:
         """Manager i's `skipped_blocks(processed)` (its formula, without the call)."""
         code = self.codes[i]
-        m = self.managers[i]
         if code == 1:
             return 0
         if code == 2:
-            over = processed - m.window + 1
-            return over // m.block_size if over > 0 else 0
+            over = processed - self.m_window[i] + 1
+            return over // self.m_bs[i] if over > 0 else 0
         if code == 3:
-            return processed // m.window * m.window // m.block_size
-        return m.skipped_blocks(processed)
+            w = self.m_window[i]
+            return processed // w * w // self.m_bs[i]
+        return self.managers[i].skipped_blocks(processed)
 
     def blocks_of(self, tokens: int, processed: int) -> int:
         """Block ids a request holds with `tokens` slots, freed by `processed` computed."""
         total = 0
-        for i, m in enumerate(self.managers):
-            total += m.groups * (-(-tokens // m.block_size) - self._skipped(i, processed))
+        bss, groups = self.m_bs, self.m_groups
+        for i in range(len(bss)):
+            total += groups[i] * (-(-tokens // bss[i]) - self._skipped(i, processed))
         return total
 
     def parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
@@ -158,24 +167,28 @@ class Cohort:
         manager's held blocks per group) of one request: internal = padding + out_of_window +
         rounding (slots past F)."""
         blocks = token_states = reserved = padding = out = 0
-        per_manager: list[int] = []
-        page = self.page
-        for i, m in enumerate(self.managers):
-            bs, tb, groups = m.block_size, m.token_bytes, m.groups
+        n = len(self.m_bs)
+        per_manager = [0] * n
+        bss, tbs, groups, states = self.m_bs, self.m_tb, self.m_groups, self.m_state
+        pads, views = self.m_pad, self.views
+        for i in range(n):
+            bs, tb = bss[i], tbs[i]
             ceil = -(-tokens // bs)
             skipped = self._skipped(i, processed)
             held = ceil - skipped  # (`m.held`)
-            per_manager.append(held)
-            blocks += groups * held
+            per_manager[i] = held
+            blocks += groups[i] * held
             # tokens its layers read: all, less those out of their window (`needed` for the
             # manager's own kind; promoted layers by their real kind)
-            view = self.views[i]
+            view = views[i]
             unread = 0 if view is None else view.out_of_window(tokens)
-            token_states += tokens * tb - unread + m.state_bytes
-            reserved += max(0, min(final, ceil * bs) - tokens) * tb
-            padding += held * (groups * page - bs * tb) - m.state_bytes
+            token_states += tokens * tb - unread + states[i]
+            if tb and final > tokens:  # slots it will still write: up to F in held blocks
+                slots = ceil * bs
+                reserved += ((final if final < slots else slots) - tokens) * tb
+            padding += held * pads[i] - states[i]
             out += unread - skipped * bs * tb
-        internal = blocks * page - token_states - reserved
+        internal = blocks * self.page - token_states - reserved
         return (blocks, token_states, reserved, internal, padding, out, *per_manager)
 
     def clear(self) -> None:
@@ -216,9 +229,10 @@ class Cohort:
                     out[i] += v[i] * q
         return out
 
-    def _build(self, rid: int, c: int, final: int, clock: int) -> tuple[_Rec, tuple[int, ...]]:
+    def _build(self, rid: int, c: int, final: int, clock: int,
+               now: tuple[int, ...] | None = None) -> tuple[_Rec, tuple[int, ...]]:
         """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 processed), and its
-        parts then."""
+        parts then (`now`: those parts where the caller has them)."""
         rec = _Rec(c, final)
         tokens = c + clock
         terms = [(k, c + self.mods[k] - 1) for k in range(self.n_ceil)]
@@ -226,7 +240,8 @@ class Cohort:
         rec.terms = terms
         nxt, rec.light = self._next_event(tokens, final)
         width = self.width
-        now = self.parts_of(tokens, tokens - 1, final)
+        if now is None:
+            now = self.parts_of(tokens, tokens - 1, final)
         tv = self._term_value(rec, clock)
         # The slope depends only on the windows passed (out-of-window tokens grow by their
         # layers' bytes per token; every other figure moves by terms or stays): measured once.
@@ -353,14 +368,16 @@ class Cohort:
             self.fresh_corr = [0] * self.width
             self.fresh_clock = clock
 
-    def join(self, rid: int, c: int, final: int, processed: int, clock: int) -> None:
-        """A decoder joins at `clock` holding what its prefill left (`processed` computed)."""
+    def join(self, rid: int, c: int, final: int, processed: int, clock: int,
+             held: tuple[int, ...]) -> None:
+        """A decoder joins at `clock` holding what its prefill left (`processed` computed;
+        `held`: its parts then, `parts_of(c + clock, processed, final)`, as the coordinator
+        counted them outside the cohort)."""
         self._rotate(clock)
-        rec, form = self._build(rid, c, final, clock)
-        self._enter(rid, rec)
         tokens = c + clock
+        rec, form = self._build(rid, c, final, clock, held if processed == tokens - 1 else None)
+        self._enter(rid, rec)
         if processed != tokens - 1:
-            held = self.parts_of(tokens, processed, final)
             diff = [x - y for x, y in zip(held, form, strict=True)]
             self.fresh[rid] = (processed, diff)
             self._changes += 1
