@@ -14,7 +14,11 @@ accounting integrals in closed form: the cost grows with requests, never with to
 Iteration semantics (the reference the tests hold the fast path to):
 1. Decoders claim their next token's slot first: if a block cannot be had, the most recently
    admitted request is preempted by recomputation (its memory freed, requeued at the head,
-   its stored tokens to prefill again), as vLLM does.
+   its stored tokens to prefill again), as vLLM does. Then the prompts partway through take
+   their next chunks, oldest first. Where a prompt partway runs ahead of a decoder in
+   admission order (FCFS, synchronous), the running requests take their tokens, chunks and
+   blocks in admission order instead, as vLLM walks its running list: a decoder past the
+   token budget takes no token in that iteration (`_walk_running`).
 2. Waiting requests are admitted in arrival order while `max_num_seqs`, the token budget
    (`max_num_batched_tokens` less one token per decoder) and the allocator allow. Strict FCFS
    stops at the first refusal; `admission="skip"` lets later requests that fit jump ahead
@@ -136,6 +140,10 @@ class Engine:
         # which a later preemption of their request gives back
         self.granted: dict[_Req, tuple[int, float]] = {}
         self.walked = False  # policy priority: decoders took their slots one by one (a shortage)
+        # This iteration's decoding sequences that took no token (a prefill chunk ahead of
+        # them in admission order used the token budget: `_walk_running`), and their tokens.
+        self.tokenless = 0
+        self.tokenless_kv = 0
         # Running requests in admission order (the last one is the victim): a dict, so that a
         # completion leaves in O(1).
         self.running: dict[_Req, None] = {}
@@ -287,11 +295,16 @@ class Engine:
                 return
             self.preempted_now = False
             self.prefill_attn_s = 0.0
-            self._ensure_decode_room()
-            decoders = self.alloc.decoding_weight  # sequences: n samples of a request count n
-            if decoders and not self.walked:
-                self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
-            prefill_tokens = self._schedule(decoders)
+            self.tokenless = self.tokenless_kv = 0
+            if self._prefill_ahead():
+                decoders, chunks = self._walk_running()
+                prefill_tokens = self._schedule(decoders, chunks)
+            else:
+                self._ensure_decode_room()
+                decoders = self.alloc.decoding_weight  # sequences: n samples count n
+                if decoders and not self.walked:
+                    self.alloc.advance(1)  # _ensure_decode_room made room; nobody is done
+                prefill_tokens = self._schedule(decoders)
             decoders -= self.dropped  # decoders a prefill chunk preempted take no token
             self.released_now = bool(self.held)
             if self.held:
@@ -447,16 +460,25 @@ class Engine:
             self._retire(r)
         self.held.clear()
 
-    def _schedule(self, decoders: int) -> int:
-        """Admit and prefill for this iteration; returns the prefill tokens it processes."""
-        cfg = self.cfg
-        budget = cfg.max_num_batched_tokens - decoders
-        # vLLM waives the long-prefill cap when one request runs or waits: nobody to starve.
-        cap = cfg.long_prefill_token_threshold
+    def _set_long_cap(self) -> int:
+        """This iteration's long-prefill cap: vLLM waives it when one request runs or waits
+        (nobody to starve)."""
+        cap = self.cfg.long_prefill_token_threshold
         if cap and len(self.running) + len(self.queue) < 2:
             cap = 0
         self.long_cap = cap
-        used = self._continue_prefills(budget)
+        return cap
+
+    def _schedule(self, decoders: int, chunks: int | None = None) -> int:
+        """Admit and prefill for this iteration; returns the prefill tokens it processes.
+        `chunks`: the running requests' prefill tokens, when `_walk_running` gave them."""
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens - decoders
+        if chunks is None:
+            cap = self._set_long_cap()
+            used = self._continue_prefills(budget)
+        else:
+            cap, used = self.long_cap, chunks
         if self.preempted_now:
             return used  # as vLLM: no admissions in a step that had to preempt
         if cfg.batching == "static" and (self.running or self.batch_done):
@@ -518,6 +540,78 @@ class Engine:
         except on a Mamba hybrid with prefix caching, where an eviction can move the junction
         its first chunk stops at: the hybrid allocator counts such an eviction as a free.)"""
         return self.alloc.frees, self.alloc.evictions if self.groups else 0
+
+    def _prefill_ahead(self) -> bool:
+        """Whether a request partway through its prompt runs ahead of a decoder (admitted
+        before it): vLLM then schedules that chunk before the decoder's token (FCFS,
+        synchronous, continuous batching; otherwise every decoder goes first, as vLLM's
+        order gives when no chunk is ahead)."""
+        if not self.prefilling or self.by_priority or self.asynchronous:
+            return False
+        if self.cfg.batching == "static":
+            return False
+        head, alloc = self.prefilling[0], self.alloc
+        for r in reversed(self.running):
+            if r is head:
+                return False
+            if alloc.is_decoding(r.req.rid):
+                return True
+        return False
+
+    def _walk_running(self) -> tuple[int, int]:
+        """vLLM's walk of its running list in admission order, when a prefill chunk is ahead
+        of a decoder (`_prefill_ahead`): each request takes its token or its chunk and its
+        blocks in turn, while token budget is left; a refusal preempts the newest running
+        request (not scheduled yet, or the request itself, which ends the walk). Decoders
+        past the budget take no token this iteration. An event: it happens only while some
+        prompt is partway. Returns (decoding sequences that took a token, prefill tokens)."""
+        alloc, cfg = self.alloc, self.cfg
+        budget = cfg.max_num_batched_tokens
+        cap = self._set_long_cap()
+        self.dropped = 0
+        stepped = chunks = 0
+        for r in list(self.running):
+            if r.status != "running":
+                continue  # preempted by an earlier request's shortage
+            rid = r.req.rid
+            if alloc.is_decoding(rid):
+                if stepped + chunks + r.req.n > budget:
+                    self.tokenless += r.req.n
+                    self.tokenless_kv += r.req.n * alloc.tokens(rid)
+                    continue
+                while isinstance(alloc.grow(rid, 1), Refusal):
+                    victim = self._victim()
+                    self._preempt(victim)
+                    if victim is r:
+                        break
+                else:
+                    stepped += r.req.n
+                continue
+            left = budget - stepped - chunks
+            if left <= 0:
+                continue
+            chunk = min(r.prefill_left, left, cap if cap else r.prefill_left)
+            if not (chunk := alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk,
+                                                 r.prefill, cfg.prefill_chunk_limit)):
+                continue  # (Mamba "align" mode: no block boundary in reach this step)
+            last = chunk == r.prefill_left
+            if self.chunk_cost:  # (its attention runs even when a preemption discards it)
+                self.prefill_attn_s += self.st.prefill_s(chunk, r.prefill - r.prefill_left)
+            while isinstance(
+                grant := alloc.grow(rid, chunk + (r.lead if last else 0)), Refusal
+            ):
+                victim = self._victim()
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                self._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
+                r.prefill_left -= chunk
+                chunks += chunk
+                if last:
+                    self.prefilling.remove(r)
+                    self.prefilled.append(r)
+        return stepped, chunks
 
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
@@ -642,8 +736,9 @@ class Engine:
 
     def _iteration_time(self, batched: int) -> tuple[float, float]:
         """This iteration's seconds (its prefill chunks' attention is in prefill_attn_s), and
-        the step time's cost per KV token read (what a decode stretch grows by)."""
-        decoders = self.alloc.decoding_weight
+        the step time's cost per KV token read (what a decode stretch grows by). Decoders
+        that took no token this iteration (`tokenless`) neither sample nor read."""
+        decoders = self.alloc.decoding_weight - self.tokenless
         # Sampled positions: one per decoding sequence and per prompt whose prefill ends now.
         logits = min(decoders + len(self.prefilled), batched)
         st = self.st
@@ -651,7 +746,8 @@ class Engine:
             base, per_kv = st.affine(batched, logits, decoders > 0)
         else:
             base, per_kv = st.affine(batched, logits, decoders > 0)
-        return base + per_kv * self._kv_read_tokens() + self.prefill_attn_s, per_kv
+        kv = self._kv_read_tokens() - self.tokenless_kv
+        return base + per_kv * kv + self.prefill_attn_s, per_kv
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
         """How many decode-only iterations run before the next event, and their timing."""

@@ -164,6 +164,64 @@ def reference(
         r["status"] = "waiting"
         enqueue(r, front=True)
 
+    def prefill_ahead() -> bool:
+        """Whether a request partway through its prompt runs ahead of a decoder (admitted
+        before it): vLLM then schedules that chunk before the decoder's token (FCFS,
+        synchronous; otherwise every decoder goes first, as vLLM's order gives when no
+        chunk is ahead)."""
+        if not prefilling or by_priority or asynchronous:
+            return False
+        later = running[running.index(prefilling[0]) + 1:]
+        return any(alloc.is_decoding(r["rid"]) for r in later)
+
+    def walk_running(cap: int, done_prefill: list, tokenless: list) -> tuple[int, int, float]:
+        """vLLM's walk of its running list in admission order: each request takes its token
+        or its prefill chunk and its blocks in turn while token budget is left (decoders past
+        it take no token); a refusal preempts the newest running request (not scheduled yet,
+        or the request itself, which ends the walk). Returns (decoding sequences that took a
+        token, prefill tokens, the chunks' attention seconds)."""
+        total = cfg.max_num_batched_tokens
+        stepped = chunks = 0
+        seconds = 0.0
+        for r in list(running):
+            if r["status"] != "running":
+                continue  # preempted by an earlier request's shortage
+            n = r["req"].n
+            if alloc.is_decoding(r["rid"]):
+                if stepped + chunks + n > total:
+                    tokenless[0] += n
+                    tokenless[1] += n * alloc.tokens(r["rid"])
+                    continue
+                while not alloc.grow(r["rid"], 1):
+                    v = victim()
+                    preempt(v)
+                    if v is r:
+                        break
+                else:
+                    stepped += n
+                continue
+            left = total - stepped - chunks
+            if left <= 0:
+                continue
+            chunk = min(r["left"], left, cap or r["left"])
+            if not (chunk := alloc.aligned_chunk(r["req"], r["prefill"] - r["left"], chunk,
+                                                 r["prefill"], cfg.prefill_chunk_limit)):
+                continue  # (Mamba "align" mode: no block boundary in reach this step)
+            last = chunk == r["left"]
+            seconds += st_.prefill_s(chunk, r["prefill"] - r["left"])
+            while not alloc.grow(r["rid"], chunk + r["lead"] * last):
+                v = victim()
+                preempt(v)
+                if v is r:
+                    break
+            else:
+                r["left"] -= chunk
+                chunks += chunk
+                if last:
+                    prefilling.remove(r)
+                    done_prefill.append(r)
+        return stepped, chunks, seconds
+
     while True:
         while pending and pending[0]["arrival"] <= t:
             r = pending.pop(0)
@@ -183,35 +241,41 @@ def reference(
         preempted[0] = False
         counts.update(preempted=0, admitted=0, prefix_hit_tokens=0)
         evictions = alloc.evictions
-        # Priority, a decoder short of a block: vLLM's walk, each decoder taking its slot in
-        # admission order; a victim that took its slot already gives its token back.
-        walked = by_priority and alloc.n_decoding and alloc.steps_until_full() == 0
-        if walked:
-            stepped: set = set()
-            for r in list(running):
-                if r["status"] != "running" or not alloc.is_decoding(r["rid"]):
-                    continue
-                while not alloc.grow(r["rid"], 1):
-                    v = victim()
-                    preempt(v, int(v["rid"] in stepped), v["rid"] in stepped)
-                    if v is r:
-                        break
-                else:
-                    stepped.add(r["rid"])
-        while not walked and alloc.n_decoding and alloc.steps_until_full() == 0:
-            alloc.evict_idle()  # (the decoders before the shortage took every free block)
-            preempt(victim())
-        decoders = alloc.decoding_weight
-        if decoders and not walked:
-            assert alloc.step(1)
-        budget = cfg.max_num_batched_tokens - decoders
         # vLLM's long-prefill cap, waived when one request runs or waits
         cap = cfg.long_prefill_token_threshold if len(running) + len(queue) > 1 else 0
         used = 0
         attention = 0.0  # prefill chunks' attention, when the step time counts it apart
         done_prefill = []
+        tokenless = [0, 0]  # decoding sequences that took no token, and their tokens
+        ahead = prefill_ahead()
+        walked = False
+        if ahead:  # vLLM's walk of its running list: a prefill chunk before a decoder
+            decoders, used, attention = walk_running(cap, done_prefill, tokenless)
+        else:
+            # Priority, a decoder short of a block: vLLM's walk, each decoder taking its slot
+            # in admission order; a victim that took its slot already gives its token back.
+            walked = by_priority and alloc.n_decoding and alloc.steps_until_full() == 0
+            if walked:
+                stepped: set = set()
+                for r in list(running):
+                    if r["status"] != "running" or not alloc.is_decoding(r["rid"]):
+                        continue
+                    while not alloc.grow(r["rid"], 1):
+                        v = victim()
+                        preempt(v, int(v["rid"] in stepped), v["rid"] in stepped)
+                        if v is r:
+                            break
+                    else:
+                        stepped.add(r["rid"])
+            while not walked and alloc.n_decoding and alloc.steps_until_full() == 0:
+                alloc.evict_idle()  # (the decoders before the shortage took every free block)
+                preempt(victim())
+            decoders = alloc.decoding_weight
+            if decoders and not walked:
+                assert alloc.step(1)
+        budget = cfg.max_num_batched_tokens - decoders
         granted: dict = {}  # rid -> (chunk, attention) given this iteration
-        for r in list(prefilling):
+        for r in ([] if ahead else list(prefilling)):
             if used >= budget:
                 break
             if r["status"] != "running":
@@ -321,6 +385,7 @@ def reference(
         tokens = decoders + used
         base, per_kv = st_.affine(tokens, min(decoders + len(done_prefill), tokens), decoders > 0)
         kv = alloc.decoding_sequence_tokens() if st_.decode_kv_only else alloc.sequence_tokens()
+        kv -= tokenless[1]  # (decoders that took no token read nothing)
         dt = base + per_kv * kv + attention
         acc = alloc.account(queue[0]["req"] if queue else ref)
         acc.check()

@@ -47,6 +47,17 @@ CASES = {
     "jamba-1.5-mini-align-retention-160-chunked": Case(
         shapes.jamba_1_5_mini(), True, 100, 512, 1200, 300, n=60, system_blocks=40,
         retention=160),
+    # The order within a step: prompts partway through their prefill run ahead of decoders
+    # admitted after them, and vLLM schedules their chunks (budget and blocks) first. In
+    # 512-token chunks under a 544-token block a chunk can take the whole budget (a decoder
+    # behind it takes no token); with whole prefill in tight pools the chunk's blocks come
+    # before the decoders', which decides a preemption.
+    "qwen3-next-align-chunked-512": Case(shapes.qwen3_next(), True, 30, 512, 1200, 300,
+                                         n=100, system_blocks=100),
+    "qwen3-next-align-chunked-512-seed-1": Case(shapes.qwen3_next(), True, 40, 512, 1200,
+                                                300, n=100, system_blocks=100, seed=1),
+    "jamba-1.5-mini-align-whole-tight": Case(shapes.jamba_1_5_mini(), True, 80, 4096, 1200,
+                                             300, n=60, system_blocks=40),
 }
 
 
@@ -79,6 +90,7 @@ def test_mamba_align_matches_vllm(name: str) -> None:
     rows = fast.requests.set_index("request_id")
     for rid, r in ref["requests"].items():  # the fast engine: the reference's every request
         assert rows.loc[rid, "finished_s"] == r["finished"], rid
+        assert rows.loc[rid, "first_token_s"] == r["first"], rid
         assert rows.loc[rid, "preemptions"] == r["preemptions"], rid
     assert fast.summary["prefill_tokens_skipped"] == hits
     assert fast.summary["prefix_evictions"] == evictions
