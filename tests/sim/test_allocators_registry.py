@@ -41,16 +41,22 @@ def test_options_of():
 
 def _constructor_params(cls: type) -> list[str]:
     """The parameters of `cls.__init__` as written in its source (compiled classes keep no
-    signature to inspect), from the first class in its MRO that defines one."""
+    signature to inspect), from the first class in its MRO that defines one. The source is
+    found from the module's name under the `kvfrag.sim` package, not from the module's
+    `__file__`: a compiled module first imported by another compiled one (paged, by the
+    hybrid cohort) gets a `__file__` that mypyc builds from its full name, which is not where
+    it lies."""
     import ast
-    import sys
     from pathlib import Path
 
+    import kvfrag.sim
+
+    root = Path(kvfrag.sim.__file__).parent
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
-        module = Path(sys.modules[klass.__module__].__file__)
-        tree = ast.parse(module.with_name(module.name.split(".")[0] + ".py").read_text())
+        relative = klass.__module__.removeprefix("kvfrag.sim.").replace(".", "/")
+        tree = ast.parse((root / f"{relative}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
                 init = next(f for f in node.body
