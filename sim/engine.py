@@ -16,7 +16,7 @@ Iteration semantics (the reference the tests hold the fast path to):
    admitted request is preempted by recomputation (its memory freed, requeued at the head,
    its stored tokens to prefill again), as vLLM does. Then the prompts partway through take
    their next chunks, oldest first. Where a prompt partway runs ahead of a decoder in
-   admission order (FCFS, synchronous), the running requests take their tokens, chunks and
+   admission order (FCFS), the running requests take their tokens, chunks and
    blocks in admission order instead, as vLLM walks its running list: a decoder past the
    token budget takes no token in that iteration (`_walk_running`).
 2. Waiting requests are admitted in arrival order while `max_num_seqs`, the token budget
@@ -544,9 +544,9 @@ class Engine:
     def _prefill_ahead(self) -> bool:
         """Whether a request partway through its prompt runs ahead of a decoder (admitted
         before it): vLLM then schedules that chunk before the decoder's token (FCFS,
-        synchronous, continuous batching; otherwise every decoder goes first, as vLLM's
-        order gives when no chunk is ahead)."""
-        if not self.prefilling or self.by_priority or self.asynchronous:
+        continuous batching; otherwise every decoder goes first, as vLLM's order gives when
+        no chunk is ahead)."""
+        if not self.prefilling or self.by_priority:
             return False
         if self.cfg.batching == "static":
             return False

@@ -166,10 +166,10 @@ def reference(
 
     def prefill_ahead() -> bool:
         """Whether a request partway through its prompt runs ahead of a decoder (admitted
-        before it): vLLM then schedules that chunk before the decoder's token (FCFS,
-        synchronous; otherwise every decoder goes first, as vLLM's order gives when no
-        chunk is ahead)."""
-        if not prefilling or by_priority or asynchronous:
+        before it): vLLM then schedules that chunk before the decoder's token (FCFS;
+        otherwise every decoder goes first, as vLLM's order gives when no chunk is
+        ahead)."""
+        if not prefilling or by_priority:
             return False
         later = running[running.index(prefilling[0]) + 1:]
         return any(alloc.is_decoding(r["rid"]) for r in later)
