@@ -416,8 +416,7 @@ class HybridAllocator(Allocator):
             raise ValueError(
                 f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
             )
-        parts = self._parts_of(tokens, 0, live.final)
-        need = parts[0]
+        need = self._blocks(tokens, 0)
         if need > self.num_blocks:
             return Refusal(rid, Reason.TOO_LARGE, need * self.page, self.free_bytes(),
                            "needs more blocks than exist")
@@ -427,6 +426,7 @@ class HybridAllocator(Allocator):
         self._admissions += 1
         self._rank[rid] = self._admissions
         ids = self._name_new(live, tokens, 0)
+        parts = self._parts_of(tokens, 0, live.final)  # (once granted: refusals are common)
         self._held[rid] = parts
         self._add_fixed(parts, 1)
         self._changed()
@@ -435,14 +435,14 @@ class HybridAllocator(Allocator):
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
         held = self._held[rid]  # (its parts at (old, processed), as added)
-        parts = self._parts_of(new, old, live.final)
-        have, want = held[0], parts[0]
-        if want - have > self.free_blocks():
-            return Refusal(rid, Reason.OUT_OF_MEMORY, (want - have) * self.page,
+        want = self._blocks(new, old)
+        if want - held[0] > self.free_blocks():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, (want - held[0]) * self.page,
                            self.free_bytes())
         taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
                     for m in self.managers)
         ids = self._name_new(live, new, old)
+        parts = self._parts_of(new, old, live.final)
         self._add_fixed(held, -1)
         self._add_fixed(parts, 1)
         self._held[rid] = parts

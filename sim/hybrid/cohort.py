@@ -196,7 +196,8 @@ class Cohort:
         self.fixed = [0] * width  # over the requests outside the cohort (`add_fixed`)
         self._changes = 0  # every change of the sums: `figures` keeps its last answer
         self._memo: list[int] = []
-        self._memo_at = (-1, -1)
+        self._memo_clock = -1  # (two ints, not a tuple: the check runs several times an event)
+        self._memo_changes = -1
         self._slopes: dict[int, list[int]] = {}  # windows passed -> a decoder's slope
         self.recs: dict[int, _Rec] = {}
         self.A = [0] * width  # sum of a
@@ -434,14 +435,15 @@ class Cohort:
 
     def figures(self, clock: int) -> list[int]:
         """Every live request's figures at `clock`: the cohort's and the others'."""
-        if self._memo_at == (clock, self._changes):
+        if self._memo_clock == clock and self._memo_changes == self._changes:
             return self._memo
         out = self.totals(clock)
         f = self.fixed
         for i in range(self.width):
             out[i] += f[i]
         self._memo = out
-        self._memo_at = (clock, self._changes)
+        self._memo_clock = clock
+        self._memo_changes = self._changes
         return out
 
     def blocks_now(self, clock: int) -> int:
