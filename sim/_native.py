@@ -47,6 +47,7 @@ HOT = (
     "allocators/torch_caching",
     "allocators/hybrid",
     "hybrid/cohort",
+    "model_view",
 )
 _NAMES = frozenset(f"{__package__}.{name.replace('/', '.')}" for name in HOT)
 

@@ -31,11 +31,13 @@ import heapq
 from collections.abc import Mapping
 
 from kvfrag.sim.layers import ChunkedLocal, LayerStack, SlidingWindow
+from mypy_extensions import mypyc_attr
 
 #: A segment that never ends (a decoder past every sliding window, no chunked layers).
 NEVER = 1 << 62
 
 
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class ModelView:
     """Out-of-window bytes of the live requests, as running totals (see the module)."""
 
@@ -51,7 +53,9 @@ class ModelView:
         self.sliding = tuple(sorted(sliding.items()))
         self.chunked = tuple(sorted(chunked.items()))
         self._fixed = 0  # over requests outside the decode cohort
-        self._const = 0  # the cohort's segments: const + slope x K
+        # the cohort's segments: offset + slope x K (not `_const`: mypyc names a field `__const`,
+        # which C compilers read as the keyword)
+        self._offset = 0
         self._slope = 0
         self._rec: dict[int, tuple[int, int]] = {}  # rid -> (mult, tokens), outside the cohort
         # rid -> (hi, const, slope, mult, phase): valid for K <= hi, tokens = phase + K
@@ -122,7 +126,7 @@ class ModelView:
         hi = NEVER if end == NEVER else clock + end - tokens
         const = base - slope * clock
         self._seg[rid] = (hi, const, slope, mult, phase)
-        self._const += const
+        self._offset += const
         self._slope += slope
         if hi != NEVER:
             heapq.heappush(self._heap, (hi + 1, rid))
@@ -131,7 +135,7 @@ class ModelView:
         """Request `rid` leaves the decode cohort (if it is in it)."""
         seg = self._seg.pop(rid, None)
         if seg is not None:
-            self._const -= seg[1]
+            self._offset -= seg[1]
             self._slope -= seg[2]
 
     def stepped(self, clock: int) -> None:
@@ -146,7 +150,7 @@ class ModelView:
 
     def total(self, clock: int) -> int:
         """Out-of-window bytes of every live request now."""
-        return self._fixed + self._const + self._slope * clock
+        return self._fixed + self._offset + self._slope * clock
 
     def integral(self, n: int, w0: float, w1: float, clock: int) -> float:
         """Sum over the next n steps of `total` after step j x (w0 + w1 (j - 1)), j = 1..n."""
@@ -154,7 +158,7 @@ class ModelView:
             return 0.0
         weight = n * w0 + w1 * n * (n - 1) / 2
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
-        const, slope, walked = self._const, self._slope, 0.0
+        const, slope, walked = self._offset, self._slope, 0.0
         for rid in self._ending_by(clock + n):
             _, c, sl, mult, phase = self._seg[rid]
             const -= c

@@ -79,7 +79,7 @@ class Manager:
     def starts(self, lo: int, hi: int) -> list[int]:
         """Lengths in [lo, hi] at which these groups' counts or needed tokens may stop being
         linear in the length (`progressions`)."""
-        out = []
+        out: list[int] = []
         for r, mod in self.progressions():
             out.extend(range(lo + (r - lo) % mod, hi + 1, mod))
         return out
