@@ -465,19 +465,19 @@ def test_without_reserve_full_isl(chunked, threshold, watermark):
 @pytest.mark.parametrize("reserve_full_isl", [True, False], ids=["reserve", "first-chunk"])
 def test_prefix_caching_with_threshold(reserve_full_isl):
     """Shared prefixes with a 64-token cap on prefill chunks, with and without the
-    full-sequence gate: every iteration equal, tokens found cached included. Pins the one
-    difference left: a decoder after an in-progress chunk in admission order, preempted by
-    that chunk, took its next block before the chunk in kvfrag (it may evict an idle cached
-    block vLLM keeps), where vLLM never reached it: one eviction in 9,000-11,000."""
+    full-sequence gate: every iteration equal, tokens found cached and evictions included. A
+    decoder after an in-progress chunk in admission order takes its block after that chunk,
+    as vLLM walks its running list (before that walk, a decoder the chunk preempted had taken
+    its block first and could evict an idle cached block vLLM keeps)."""
     wl = shared_prefixes(300, 1)
     oracle, trace, ref, fast = both(
         wl, num_blocks=150, max_num_seqs=24, budget=256, chunked=True, max_model_len=1024,
         kind="prefix-caching", long_prefill=64, reserve_full_isl=reserve_full_isl,
     )
     assert sum(s["preempted"] for s in oracle.steps) > 20
-    assert assert_same(oracle, trace, ref, (*COMPARED, "prefix_hit_tokens")) > 3000
+    assert assert_same(oracle, trace, ref, (*COMPARED, "prefix_hit_tokens", "evictions")) > 3000
     assert_fast_engine_agrees(ref, fast)
     s = fast.summary
     assert s["prefill_tokens_skipped"] == sum(x["prefix_hit_tokens"] for x in oracle.steps)
     evicted = sum(x["evictions"] for x in oracle.steps)
-    assert evicted > 5000 and 0 <= s["prefix_evictions"] - evicted <= 1
+    assert evicted > 5000 and s["prefix_evictions"] == evicted
