@@ -381,12 +381,33 @@ class Engine:
                 continue
             while isinstance(alloc.grow(rid, 1), Refusal):
                 victim = self._victim()
-                self._preempt(victim, int(victim in stepped), victim in stepped)
+                self._preempt_walked(victim, stepped, {})
                 if victim is r:
                     break
             else:
                 stepped.add(r)
         self.walked = True
+
+    def _preempt_walked(self, victim: _Req, stepped: set[_Req],
+                        granted: dict[_Req, tuple[int, float]]) -> tuple[int, int]:
+        """Preempt `victim` in a walk of the running list. Under policy priority it may have
+        been scheduled earlier in the walk: a decoder in `stepped` gives its token back (vLLM
+        had scheduled it: its slot's block cached), a chunk in `granted` (tokens, attention
+        seconds) its tokens and attention. Returns (sequences, prefill tokens) given back to
+        the token budget."""
+        if victim in stepped:
+            stepped.discard(victim)
+            self._preempt(victim, 1, True)
+            return victim.req.n, 0
+        if victim in granted:
+            chunk, seconds = granted.pop(victim)
+            self.prefill_attn_s -= seconds
+            if victim in self.prefilled:
+                self.prefilled.remove(victim)
+            self._preempt(victim, chunk)
+            return 0, chunk
+        self._preempt(victim)
+        return 0, 0
 
     def _preempt(self, r: _Req, unstepped: int = 0, scheduled: bool = False) -> None:
         """Free `r` and queue it first (policy priority: by its key); `unstepped`: tokens this
@@ -543,10 +564,10 @@ class Engine:
 
     def _prefill_ahead(self) -> bool:
         """Whether a request partway through its prompt runs ahead of a decoder (admitted
-        before it): vLLM then schedules that chunk before the decoder's token (FCFS,
-        continuous batching; otherwise every decoder goes first, as vLLM's order gives when
-        no chunk is ahead)."""
-        if not self.prefilling or self.by_priority:
+        before it): vLLM then schedules that chunk before the decoder's token (continuous
+        batching, FCFS or priority; otherwise every decoder goes first, as vLLM's order gives
+        when no chunk is ahead)."""
+        if not self.prefilling:
             return False
         if self.cfg.batching == "static":
             return False
@@ -562,14 +583,18 @@ class Engine:
         """vLLM's walk of its running list in admission order, when a prefill chunk is ahead
         of a decoder (`_prefill_ahead`): each request takes its token or its chunk and its
         blocks in turn, while token budget is left; a refusal preempts the newest running
-        request (not scheduled yet, or the request itself, which ends the walk). Decoders
-        past the budget take no token this iteration. An event: it happens only while some
-        prompt is partway. Returns (decoding sequences that took a token, prefill tokens)."""
+        request (FCFS: not scheduled yet, or the request itself, which ends the walk) or the
+        victim by priority (`_victim`; one scheduled already gives its tokens back, and one
+        that preempted itself lets the following ones go on). Decoders past the budget take
+        no token this iteration. An event: it happens only while some prompt is partway.
+        Returns (decoding sequences that took a token, prefill tokens)."""
         alloc, cfg = self.alloc, self.cfg
         budget = cfg.max_num_batched_tokens
         cap = self._set_long_cap()
         self.dropped = 0
         stepped = chunks = 0
+        took: set[_Req] = set()  # scheduled in this walk: a victim by priority may be one
+        granted: dict[_Req, tuple[int, float]] = {}
         for r in list(self.running):
             if r.status != "running":
                 continue  # preempted by an earlier request's shortage
@@ -581,11 +606,14 @@ class Engine:
                     continue
                 while isinstance(alloc.grow(rid, 1), Refusal):
                     victim = self._victim()
-                    self._preempt(victim)
+                    back, back_chunk = self._preempt_walked(victim, took, granted)
+                    stepped -= back
+                    chunks -= back_chunk
                     if victim is r:
                         break
                 else:
                     stepped += r.req.n
+                    took.add(r)
                 continue
             left = budget - stepped - chunks
             if left <= 0:
@@ -595,19 +623,24 @@ class Engine:
                                                  r.prefill, cfg.prefill_chunk_limit)):
                 continue  # (Mamba "align" mode: no block boundary in reach this step)
             last = chunk == r.prefill_left
+            attention = 0.0
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
-                self.prefill_attn_s += self.st.prefill_s(chunk, r.prefill - r.prefill_left)
+                attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
+                self.prefill_attn_s += attention
             while isinstance(
                 grant := alloc.grow(rid, chunk + (r.lead if last else 0)), Refusal
             ):
                 victim = self._victim()
-                self._preempt(victim)
+                back, back_chunk = self._preempt_walked(victim, took, granted)
+                stepped -= back
+                chunks -= back_chunk
                 if victim is r:
                     break
             else:
                 self._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
                 r.prefill_left -= chunk
                 chunks += chunk
+                granted[r] = (chunk, attention)
                 if last:
                     self.prefilling.remove(r)
                     self.prefilled.append(r)

@@ -166,10 +166,10 @@ def reference(
 
     def prefill_ahead() -> bool:
         """Whether a request partway through its prompt runs ahead of a decoder (admitted
-        before it): vLLM then schedules that chunk before the decoder's token (FCFS;
-        otherwise every decoder goes first, as vLLM's order gives when no chunk is
+        before it): vLLM then schedules that chunk before the decoder's token (FCFS or
+        priority; otherwise every decoder goes first, as vLLM's order gives when no chunk is
         ahead)."""
-        if not prefilling or by_priority:
+        if not prefilling:
             return False
         later = running[running.index(prefilling[0]) + 1:]
         return any(alloc.is_decoding(r["rid"]) for r in later)
@@ -177,12 +177,34 @@ def reference(
     def walk_running(cap: int, done_prefill: list, tokenless: list) -> tuple[int, int, float]:
         """vLLM's walk of its running list in admission order: each request takes its token
         or its prefill chunk and its blocks in turn while token budget is left (decoders past
-        it take no token); a refusal preempts the newest running request (not scheduled yet,
-        or the request itself, which ends the walk). Returns (decoding sequences that took a
-        token, prefill tokens, the chunks' attention seconds)."""
+        it take no token); a refusal preempts the newest running request (FCFS: not scheduled
+        yet, or the request itself, which ends the walk) or the victim by priority (one
+        scheduled already gives its token or chunk back; one that preempted itself lets the
+        following ones go on). Returns (decoding sequences that took a token, prefill tokens,
+        the chunks' attention seconds)."""
         total = cfg.max_num_batched_tokens
         stepped = chunks = 0
         seconds = 0.0
+        took: set = set()  # rids that took their token in this walk
+        granted: dict = {}  # rid -> (chunk, attention) granted in this walk
+
+        def preempt_walked(v) -> None:
+            """Preempt v; one scheduled earlier in the walk (priority) gives it back."""
+            nonlocal stepped, chunks, seconds
+            if v["rid"] in took:
+                took.discard(v["rid"])
+                stepped -= v["req"].n
+                preempt(v, 1, True)
+                return
+            if v["rid"] in granted:
+                back, back_s = granted.pop(v["rid"])
+                chunks -= back
+                seconds -= back_s
+                if v in done_prefill:
+                    done_prefill.remove(v)
+                preempt(v, back)
+                return
+            preempt(v)
         for r in list(running):
             if r["status"] != "running":
                 continue  # preempted by an earlier request's shortage
@@ -194,11 +216,12 @@ def reference(
                     continue
                 while not alloc.grow(r["rid"], 1):
                     v = victim()
-                    preempt(v)
+                    preempt_walked(v)
                     if v is r:
                         break
                 else:
                     stepped += n
+                    took.add(r["rid"])
                 continue
             left = total - stepped - chunks
             if left <= 0:
@@ -208,15 +231,17 @@ def reference(
                                                  r["prefill"], cfg.prefill_chunk_limit)):
                 continue  # (Mamba "align" mode: no block boundary in reach this step)
             last = chunk == r["left"]
-            seconds += st_.prefill_s(chunk, r["prefill"] - r["left"])
+            spent = st_.prefill_s(chunk, r["prefill"] - r["left"])
+            seconds += spent
             while not alloc.grow(r["rid"], chunk + r["lead"] * last):
                 v = victim()
-                preempt(v)
+                preempt_walked(v)
                 if v is r:
                     break
             else:
                 r["left"] -= chunk
                 chunks += chunk
+                granted[r["rid"]] = (chunk, spent)
                 if last:
                     prefilling.remove(r)
                     done_prefill.append(r)

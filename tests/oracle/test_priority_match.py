@@ -244,3 +244,37 @@ def test_priority_with_async_scheduling(kind):
     assert sum(s["preempted"] for s in oracle.steps) > 20
     assert assert_same_async(oracle, trace, ref, COMPARED + (PREFIX if caching else ())) > 3000
     assert_fast_engine_agrees(ref, run(wl, fresh(), cfg))
+
+
+@pytest.mark.parametrize(("seed", "max_num_seqs", "budget"), [(0, 24, 128), (1, 16, 96)])
+def test_priority_walk_with_long_prefill_prefix_caching(seed, max_num_seqs, budget, monkeypatch):
+    """The long-prefill cap (32) leaves prompts partway ahead of decoders: vLLM walks its
+    running list in admission order under priority too, each request taking its token or
+    chunk and its blocks in turn, a shortage preempting the victim by priority, which gives
+    back its token or chunk when it was scheduled earlier in the walk. Where the chunk before
+    a decoder meets the shortage decides which freed blocks are evicted: evictions and idle
+    cached blocks identical at every iteration (150 requests with shared prefixes, a pool
+    of 100 blocks)."""
+    from kvfrag.sim.engine import Engine
+
+    given_back: list = []
+    walked = Engine._preempt_walked
+
+    def counted(self, victim, stepped, granted):
+        if victim in stepped or victim in granted:
+            given_back.append(victim)
+        return walked(self, victim, stepped, granted)
+
+    monkeypatch.setattr(Engine, "_preempt_walked", counted)
+    wl = shared_prefixes(150, seed)
+    wl["request_id"] = 100 + np.arange(len(wl))
+    wl["priority"] = np.random.default_rng(seed).integers(0, 3, len(wl))
+    oracle, trace, ref, fast = both(
+        wl, num_blocks=100, max_num_seqs=max_num_seqs, budget=budget, chunked=True,
+        long_prefill=32, kind="prefix-caching",
+    )
+    assert given_back, "a victim by priority should have been scheduled earlier in the walk"
+    assert victims_not_newest(oracle) > 0
+    assert sum(s["evictions"] for s in oracle.steps) > 500
+    assert assert_same(oracle, trace, ref, COMPARED + PREFIX) > 300
+    assert_fast_engine_agrees(ref, fast)

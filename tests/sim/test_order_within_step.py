@@ -7,6 +7,7 @@ token that step). The fast engine is held to the per-iteration reference where t
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from runpy import run_path
 
@@ -92,4 +93,33 @@ def test_walk_in_admission_order_matches_the_reference(name, monkeypatch):
           f"left without a token, {fast.summary['preemptions']} preemptions")
     assert walks and fast.summary["preemptions"] > 0
     assert any(walks) == tokenless
+    AGREE(fast, slow)
+
+
+@pytest.mark.parametrize(
+    ("kind", "cap", "hashed", "seed", "asynchronous"),
+    [("paged", 32, 8, 0, False), ("prefix-caching", 16, 16, 1, True)],
+    ids=["paged-sync", "prefix-caching-async"],
+)
+def test_walk_under_priority_matches_the_reference(kind, cap, hashed, seed, asynchronous,
+                                                   monkeypatch):
+    """Policy priority walks the running list too (vLLM's order): a shortage preempts the
+    victim by priority, and one scheduled earlier in the walk gives its token or chunk back
+    (tests/oracle/test_priority_match.py holds both engines to vLLM)."""
+    given_back: list = []
+    walked = Engine._preempt_walked
+
+    def counted(self, victim, stepped, granted):
+        if victim in stepped or victim in granted:
+            given_back.append(victim)
+        return walked(self, victim, stepped, granted)
+
+    monkeypatch.setattr(Engine, "_preempt_walked", counted)
+    budget = 96 if kind == "paged" else 64
+    cfg = replace(config(budget, cap, asynchronous), policy="priority")
+    wl = workload(seed, 60, hashed)
+    wl["priority"] = np.random.default_rng(seed).integers(0, 3, len(wl))
+    fast = run(wl, allocator(kind, budget), cfg)
+    slow = reference(wl, allocator(kind, budget), cfg)
+    assert given_back and fast.summary["preemptions"] > 0
     AGREE(fast, slow)
