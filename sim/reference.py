@@ -164,6 +164,24 @@ def reference(
         r["status"] = "waiting"
         enqueue(r, front=True)
 
+    def preempt_walked(v, took: set, granted: dict, done_prefill: list) -> tuple[int, int, float]:
+        """Preempt v in a walk of the running list; under priority it may have been scheduled
+        earlier in the walk: a decoder in `took` gives its token back (vLLM had scheduled it),
+        a chunk in `granted` its tokens. Returns (sequences, prefill tokens, attention
+        seconds) given back."""
+        if v["rid"] in took:
+            took.discard(v["rid"])
+            preempt(v, 1, True)
+            return v["req"].n, 0, 0.0
+        if v["rid"] in granted:
+            back, back_s = granted.pop(v["rid"])
+            if v in done_prefill:
+                done_prefill.remove(v)
+            preempt(v, back)
+            return 0, back, back_s
+        preempt(v)
+        return 0, 0, 0.0
+
     def prefill_ahead() -> bool:
         """Whether a request partway through its prompt runs ahead of a decoder (admitted
         before it): vLLM then schedules that chunk before the decoder's token (FCFS or
@@ -188,23 +206,10 @@ def reference(
         took: set = set()  # rids that took their token in this walk
         granted: dict = {}  # rid -> (chunk, attention) granted in this walk
 
-        def preempt_walked(v) -> None:
-            """Preempt v; one scheduled earlier in the walk (priority) gives it back."""
+        def give_back(v) -> None:
             nonlocal stepped, chunks, seconds
-            if v["rid"] in took:
-                took.discard(v["rid"])
-                stepped -= v["req"].n
-                preempt(v, 1, True)
-                return
-            if v["rid"] in granted:
-                back, back_s = granted.pop(v["rid"])
-                chunks -= back
-                seconds -= back_s
-                if v in done_prefill:
-                    done_prefill.remove(v)
-                preempt(v, back)
-                return
-            preempt(v)
+            n, back, back_s = preempt_walked(v, took, granted, done_prefill)
+            stepped, chunks, seconds = stepped - n, chunks - back, seconds - back_s
         for r in list(running):
             if r["status"] != "running":
                 continue  # preempted by an earlier request's shortage
@@ -216,7 +221,7 @@ def reference(
                     continue
                 while not alloc.grow(r["rid"], 1):
                     v = victim()
-                    preempt_walked(v)
+                    give_back(v)
                     if v is r:
                         break
                 else:
@@ -235,7 +240,7 @@ def reference(
             seconds += spent
             while not alloc.grow(r["rid"], chunk + r["lead"] * last):
                 v = victim()
-                preempt_walked(v)
+                give_back(v)
                 if v is r:
                     break
             else:
@@ -287,7 +292,7 @@ def reference(
                         continue
                     while not alloc.grow(r["rid"], 1):
                         v = victim()
-                        preempt(v, int(v["rid"] in stepped), v["rid"] in stepped)
+                        preempt_walked(v, stepped, {}, done_prefill)
                         if v is r:
                             break
                     else:
