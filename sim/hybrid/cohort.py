@@ -432,6 +432,10 @@ class Cohort:
         for i in range(self.width):
             f[i] += sign * parts[i]
         self._changes += 1
+        if self._memo_changes == self._changes - 1:  # (the figures just before: kept valid)
+            memo = self._memo
+            self._memo = [memo[i] + sign * parts[i] for i in range(self.width)]
+            self._memo_changes = self._changes
 
     def figures(self, clock: int) -> list[int]:
         """Every live request's figures at `clock`: the cohort's and the others'."""
