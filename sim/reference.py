@@ -7,7 +7,11 @@ stretches, no closed forms, so its cost grows with generated tokens. Use it to c
 run workloads. With `trace` (a list), each iteration appends one record: when it started,
 requests running and waiting after it, preemptions and admissions in it, bytes allocated
 (blocks in use), and for prefix caching the tokens its admissions found cached, the idle
-cached blocks it evicted and those left idle after it.
+cached blocks it evicted and those left idle after it; and how it walked its running list:
+`walked` (1 where a prompt partway ran ahead of a decoder: the walk in admission order),
+`tokenless` (decoding sequences that took no token) and `given_back` (victims by priority
+that had taken their token or chunk earlier in a walk). Tests read these where the fast
+engine, compiled, cannot be observed from outside.
 
 `cfg.policy == "priority"`: the queue in (priority, arrival, workload order), a preempted
 request back in by that key, and the victim of a shortage the running request with the
@@ -32,6 +36,8 @@ from kvfrag.sim.allocators import PARTS, Reason, Request
 from kvfrag.sim.engine_config import EngineConfig, async_modelled
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
+#: What an iteration's trace record counts (see the module's docstring).
+COUNTS = ("preempted", "admitted", "prefix_hit_tokens", "walked", "tokenless", "given_back")
 
 
 def reference(
@@ -97,7 +103,7 @@ def reference(
             waste[key] += now[key] * dt
     t, total = 0.0, 0.0
     preempted = [False]  # in this iteration
-    counts = {"preempted": 0, "admitted": 0, "prefix_hit_tokens": 0}  # in this iteration
+    counts = dict.fromkeys(COUNTS, 0)  # in this iteration
     idle = getattr(alloc, "idle_cached_blocks", lambda: 0)
 
     def seqs():
@@ -169,6 +175,8 @@ def reference(
         earlier in the walk: a decoder in `took` gives its token back (vLLM had scheduled it),
         a chunk in `granted` its tokens. Returns (sequences, prefill tokens, attention
         seconds) given back."""
+        if v["rid"] in took or v["rid"] in granted:
+            counts["given_back"] += 1
         if v["rid"] in took:
             took.discard(v["rid"])
             preempt(v, 1, True)
@@ -269,7 +277,7 @@ def reference(
             t = pending[0]["arrival"]
             continue
         preempted[0] = False
-        counts.update(preempted=0, admitted=0, prefix_hit_tokens=0)
+        counts.update(dict.fromkeys(COUNTS, 0))
         evictions = alloc.evictions
         # vLLM's long-prefill cap, waived when one request runs or waits
         cap = cfg.long_prefill_token_threshold if len(running) + len(queue) > 1 else 0
@@ -281,6 +289,7 @@ def reference(
         walked = False
         if ahead:  # vLLM's walk of its running list: a prefill chunk before a decoder
             decoders, used, attention = walk_running(cap, done_prefill, tokenless)
+            counts.update(walked=1, tokenless=tokenless[0])
         else:
             # Priority, a decoder short of a block: vLLM's walk, each decoder taking its slot
             # in admission order; a victim that took its slot already gives its token back.
