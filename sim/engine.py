@@ -69,7 +69,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 import simpy
-from kvfrag.sim.allocators.base import Allocator, Reason, Refusal, Request
+from kvfrag.sim.allocators.base import Allocator, Grant, Reason, Refusal, Request
 from kvfrag.sim.engine_config import EngineConfig, StepTime, async_modelled
 from kvfrag.sim.engine_records import (
     _ROWS_PER_CHUNK,
@@ -379,14 +379,25 @@ class Engine:
             rid = r.req.rid
             if r.status != "running" or not alloc.is_decoding(rid):
                 continue
-            while isinstance(alloc.grow(rid, 1), Refusal):
-                victim = self._victim()
-                self._preempt_walked(victim, stepped, {})
-                if victim is r:
-                    break
-            else:
+            if self._grow_walked(r, 1, stepped, {})[0] is not None:
                 stepped.add(r)
         self.walked = True
+
+    def _grow_walked(self, r: _Req, tokens: int, stepped: set[_Req],
+                     granted: dict[_Req, tuple[int, float]]) -> tuple[Grant | None, int, int]:
+        """Grow `r` by `tokens` in a walk of the running list, preempting the victim of each
+        refusal (`_preempt_walked`) until it fits or `r` itself is preempted. Returns (the
+        grant, or None when `r` went; the sequences and prefill tokens given back to the token
+        budget by victims scheduled earlier in the walk)."""
+        seqs = chunks = 0
+        while isinstance(grant := self.alloc.grow(r.req.rid, tokens), Refusal):
+            victim = self._victim()
+            back, back_chunk = self._preempt_walked(victim, stepped, granted)
+            seqs += back
+            chunks += back_chunk
+            if victim is r:
+                return None, seqs, chunks
+        return grant, seqs, chunks
 
     def _preempt_walked(self, victim: _Req, stepped: set[_Req],
                         granted: dict[_Req, tuple[int, float]]) -> tuple[int, int]:
@@ -604,14 +615,10 @@ class Engine:
                     self.tokenless += r.req.n
                     self.tokenless_kv += r.req.n * alloc.tokens(rid)
                     continue
-                while isinstance(alloc.grow(rid, 1), Refusal):
-                    victim = self._victim()
-                    back, back_chunk = self._preempt_walked(victim, took, granted)
-                    stepped -= back
-                    chunks -= back_chunk
-                    if victim is r:
-                        break
-                else:
+                grant, back, back_chunk = self._grow_walked(r, 1, took, granted)
+                stepped -= back
+                chunks -= back_chunk
+                if grant is not None:
                     stepped += r.req.n
                     took.add(r)
                 continue
@@ -627,16 +634,11 @@ class Engine:
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
                 attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
                 self.prefill_attn_s += attention
-            while isinstance(
-                grant := alloc.grow(rid, chunk + (r.lead if last else 0)), Refusal
-            ):
-                victim = self._victim()
-                back, back_chunk = self._preempt_walked(victim, took, granted)
-                stepped -= back
-                chunks -= back_chunk
-                if victim is r:
-                    break
-            else:
+            grant, back, back_chunk = self._grow_walked(
+                r, chunk + (r.lead if last else 0), took, granted)
+            stepped -= back
+            chunks -= back_chunk
+            if grant is not None:
                 self._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
                 r.prefill_left -= chunk
                 chunks += chunk

@@ -190,6 +190,21 @@ def reference(
         preempt(v)
         return 0, 0, 0.0
 
+    def grow_walked(r, tokens: int, took: set, granted: dict,
+                    done_prefill: list) -> tuple[bool, int, int, float]:
+        """Grow r by `tokens` in a walk of the running list, preempting the victim of each
+        refusal (`preempt_walked`) until it fits or r itself goes. Returns (whether it grew;
+        the sequences, prefill tokens and attention seconds given back)."""
+        n = back = 0
+        back_s = 0.0
+        while not alloc.grow(r["rid"], tokens):
+            v = victim()
+            dn, db, ds = preempt_walked(v, took, granted, done_prefill)
+            n, back, back_s = n + dn, back + db, back_s + ds
+            if v is r:
+                return False, n, back, back_s
+        return True, n, back, back_s
+
     def prefill_ahead() -> bool:
         """Whether a request partway through its prompt runs ahead of a decoder (admitted
         before it): vLLM then schedules that chunk before the decoder's token (FCFS or
@@ -214,10 +229,11 @@ def reference(
         took: set = set()  # rids that took their token in this walk
         granted: dict = {}  # rid -> (chunk, attention) granted in this walk
 
-        def give_back(v) -> None:
+        def grow(r, tokens: int) -> bool:
             nonlocal stepped, chunks, seconds
-            n, back, back_s = preempt_walked(v, took, granted, done_prefill)
+            grew, n, back, back_s = grow_walked(r, tokens, took, granted, done_prefill)
             stepped, chunks, seconds = stepped - n, chunks - back, seconds - back_s
+            return grew
         for r in list(running):
             if r["status"] != "running":
                 continue  # preempted by an earlier request's shortage
@@ -227,12 +243,7 @@ def reference(
                     tokenless[0] += n
                     tokenless[1] += n * alloc.tokens(r["rid"])
                     continue
-                while not alloc.grow(r["rid"], 1):
-                    v = victim()
-                    give_back(v)
-                    if v is r:
-                        break
-                else:
+                if grow(r, 1):
                     stepped += n
                     took.add(r["rid"])
                 continue
@@ -246,12 +257,7 @@ def reference(
             last = chunk == r["left"]
             spent = st_.prefill_s(chunk, r["prefill"] - r["left"])
             seconds += spent
-            while not alloc.grow(r["rid"], chunk + r["lead"] * last):
-                v = victim()
-                give_back(v)
-                if v is r:
-                    break
-            else:
+            if grow(r, chunk + r["lead"] * last):
                 r["left"] -= chunk
                 chunks += chunk
                 granted[r["rid"]] = (chunk, spent)
@@ -299,12 +305,7 @@ def reference(
                 for r in list(running):
                     if r["status"] != "running" or not alloc.is_decoding(r["rid"]):
                         continue
-                    while not alloc.grow(r["rid"], 1):
-                        v = victim()
-                        preempt_walked(v, stepped, {}, done_prefill)
-                        if v is r:
-                            break
-                    else:
+                    if grow_walked(r, 1, stepped, {}, done_prefill)[0]:
                         stepped.add(r["rid"])
             while not walked and alloc.n_decoding and alloc.steps_until_full() == 0:
                 alloc.evict_idle()  # (the decoders before the shortage took every free block)
