@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvfrag.sim.allocators.base import Allocator
+from kvfrag.sim.speculative import Speculative
 
 
 class IterationTime(Protocol):
@@ -96,6 +97,9 @@ class EngineConfig:
     # vLLM's scheduling policy: "fcfs", or "priority" (the request table's `priority` column,
     # lowest first; preemption by priority too)
     policy: str = "fcfs"
+    # vLLM's speculative decoding (sim/speculative.py): k drafts a decode step, lookahead
+    # slots, accepted counts per request. None: off
+    speculative: Speculative | None = None
     step_time: IterationTime = field(default_factory=StepTime)
     max_time_s: float | None = None  # stop the simulation here (None: run to the end)
     log_allocations: bool = False  # record every allocation for `validate` (costs O(running))
@@ -117,6 +121,11 @@ class EngineConfig:
             raise ValueError("watermark must be in [0, 1)")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.speculative is not None and self.batching != "continuous":
+            raise ValueError("speculative decoding needs continuous batching")
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding is modelled with vLLM's synchronous "
+                             "scheduler only: set async_scheduling false")
 
     @property
     def prefill_chunk_limit(self) -> int:

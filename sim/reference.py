@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 from kvfrag.sim.allocators import PARTS, Reason, Request
 from kvfrag.sim.engine_config import EngineConfig, async_modelled
+from kvfrag.sim.speculative import Acceptance
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: What an iteration's trace record counts (see the module's docstring).
@@ -52,13 +53,21 @@ def reference(
         slot taken at admission (1)."""
         return int(int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)) > 1)
 
+    spec = cfg.speculative
+    # speculative decoding: the slots past the tokens the output needs (the last step's
+    # drafts and lookahead, within max_model_len)
+    extra = spec.num_tokens + spec.lookahead if spec else 0
+    if spec and any(lead(row) for row in workload.itertuples()):
+        raise ValueError("speculative decoding: sample groups and beams (n > 1) not modelled")
     reqs = [
         {
             "rid": int(row.request_id),
             "req": Request(
                 int(row.request_id),
                 int(row.prompt_tokens),
-                int(row.output_tokens) - 1 + lead(row),
+                int(row.output_tokens) - 1 + lead(row) + min(
+                    extra, max(alloc.max_model_len - int(row.prompt_tokens)
+                               - int(row.output_tokens) + 1, 0)),
                 n=int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)),
                 beam=int(getattr(row, "beam_width", 1)) > 1,
                 prefix=tuple(getattr(row, "hash_ids", ())),
@@ -78,10 +87,25 @@ def reference(
             "peak": 0,
             "priority": int(getattr(row, "priority", 0)),
             "order": order,
+            # speculative decoding: tokens computed, outputs delivered, drafts it carries,
+            # verifying steps so far, tokens scheduled in this iteration
+            "c": 0, "out": 0, "drafts": 0, "verified": 0, "sched": 0,
+            "output": int(row.output_tokens),
         }
         for order, row in enumerate(workload.itertuples())
     ]
     by_rid = {r["rid"]: r for r in reqs}
+    acceptance = Acceptance(spec, {
+        int(row.request_id): list(row.accepted_drafts) for row in workload.itertuples()
+    } if spec and spec.from_column else None) if spec else None
+    look = spec.lookahead if spec else 0
+    ds = spec.draft_slots if spec else 0
+
+    def grow_to(r, tokens: int) -> int:
+        """Speculative decoding: the slots r grows by so that it holds `tokens` past its
+        computed ones and the lookahead (a high-water mark: rejections free nothing)."""
+        want = min(r["c"] + tokens + look, alloc.max_model_len)
+        return max(want - alloc.tokens(r["rid"]), 0)
     ref = Request(
         -1,
         max(int(np.median([r["req"].prompt for r in reqs])), 1),
@@ -124,6 +148,27 @@ def reference(
 
     by_priority = cfg.policy == "priority"
 
+    def verify(done_prefill: list) -> None:
+        """Speculative decoding, a step's output: a decode step of d drafts with a accepted
+        gives 1 + a tokens and rolls its computed tokens back by d - a; a final prefill chunk
+        gives the first token. Each that sampled carries k drafts into its next step."""
+        for r in running:
+            if not r["sched"]:
+                continue
+            if r in done_prefill:
+                r["out"] += 1
+            elif alloc.is_decoding(r["rid"]):
+                d = r["sched"] - 1
+                a = 0
+                if d:
+                    a = min(acceptance.count(r["rid"], r["verified"]), d)
+                    r["verified"] += 1
+                r["c"] -= d - a
+                r["out"] += 1 + a
+            else:
+                continue  # a chunk partway through its prompt samples nothing
+            r["drafts"] = spec.num_tokens
+
     def key(r) -> tuple:
         return (r["priority"], r["arrival"], r["order"])
 
@@ -144,6 +189,9 @@ def reference(
 
     def preempt(r, unstepped=False, scheduled=False):
         stored = alloc.tokens(r["rid"]) - unstepped  # (a decoder stepped before its turn)
+        if spec:  # (its slots run ahead of its computed tokens)
+            stored, r["drafts"], r["sched"] = r["c"], 0, 0
+            r["c"] = 0
         r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
         if r in held:  # async: its last token is in flight; it finishes, not resumed
             free(r, stored)
@@ -179,13 +227,20 @@ def reference(
             counts["given_back"] += 1
         if v["rid"] in took:
             took.discard(v["rid"])
+            if spec:
+                v["c"] -= v["sched"]
+                back = v["sched"]
+                preempt(v)
+                return back, 0, 0.0
             preempt(v, 1, True)
             return v["req"].n, 0, 0.0
         if v["rid"] in granted:
             back, back_s = granted.pop(v["rid"])
             if v in done_prefill:
                 done_prefill.remove(v)
-            preempt(v, back)
+            if spec:
+                v["c"] -= back
+            preempt(v, 0 if spec else back)
             return 0, back, back_s
         preempt(v)
         return 0, 0, 0.0
@@ -238,6 +293,23 @@ def reference(
             if r["status"] != "running":
                 continue  # preempted by an earlier request's shortage
             n = r["req"].n
+            if spec and alloc.is_decoding(r["rid"]):
+                # its sampled token and drafts, cut to the token and input budgets and to
+                # max_model_len (vLLM leaves room for the token it samples)
+                tokens = min(1 + r["drafts"],
+                             total - stepped - chunks - ds * (len(took) + len(granted) + 1),
+                             alloc.max_model_len - r["c"] - 1)
+                if tokens <= 0:
+                    tokenless[0] += n
+                    tokenless[1] += r["c"]
+                    continue
+                more = grow_to(r, tokens)
+                if not more or grow(r, more):
+                    r["c"] += tokens
+                    r["sched"] = tokens
+                    stepped += tokens
+                    took.add(r["rid"])
+                continue
             if alloc.is_decoding(r["rid"]):
                 if stepped + chunks + n > total:
                     tokenless[0] += n
@@ -247,7 +319,7 @@ def reference(
                     stepped += n
                     took.add(r["rid"])
                 continue
-            left = total - stepped - chunks
+            left = total - stepped - chunks - ds * (len(took) + len(granted) + 1)
             if left <= 0:
                 continue
             chunk = min(r["left"], left, cap or r["left"])
@@ -257,7 +329,11 @@ def reference(
             last = chunk == r["left"]
             spent = st_.prefill_s(chunk, r["prefill"] - r["left"])
             seconds += spent
-            if grow(r, chunk + r["lead"] * last):
+            more = grow_to(r, chunk) if spec else chunk + r["lead"] * last
+            if not more or grow(r, more):
+                if spec:
+                    r["c"] += chunk
+                    r["sched"] = chunk
                 r["left"] -= chunk
                 chunks += chunk
                 granted[r["rid"]] = (chunk, spent)
@@ -291,11 +367,14 @@ def reference(
         attention = 0.0  # prefill chunks' attention, when the step time counts it apart
         done_prefill = []
         tokenless = [0, 0]  # decoding sequences that took no token, and their tokens
+        for r in running:
+            r["sched"] = 0
         ahead = prefill_ahead()
         walked = False
-        if ahead:  # vLLM's walk of its running list: a prefill chunk before a decoder
+        if ahead or spec:  # vLLM's walk of its running list: a prefill chunk before a decoder
+            # (speculative decoding: always, each decoder taking its own tokens)
             decoders, used, attention = walk_running(cap, done_prefill, tokenless)
-            counts.update(walked=1, tokenless=tokenless[0])
+            counts.update(walked=int(ahead), tokenless=tokenless[0])
         else:
             # Priority, a decoder short of a block: vLLM's walk, each decoder taking its slot
             # in admission order; a victim that took its slot already gives its token back.
@@ -315,7 +394,7 @@ def reference(
                 assert alloc.step(1)
         budget = cfg.max_num_batched_tokens - decoders
         granted: dict = {}  # rid -> (chunk, attention) given this iteration
-        for r in ([] if ahead else list(prefilling)):
+        for r in ([] if ahead or spec else list(prefilling)):
             if used >= budget:
                 break
             if r["status"] != "running":
@@ -356,8 +435,12 @@ def reference(
                     prefilling.remove(r)
                     done_prefill.append(r)
         i = 0
+        # the token budget a request can still take; speculative decoding with a draft model:
+        # one input slot more for each request scheduled (`draft_slots`)
+        scheduled = sum(1 for r in running if r["sched"]) if ds else 0
         while (
-            not preempted[0] and i < len(queue) and seqs() < cfg.max_num_seqs and used < budget
+            not preempted[0] and i < len(queue) and seqs() < cfg.max_num_seqs
+            and (room := budget - used - ds * (scheduled + 1)) > 0
         ):
             r = queue[i]
             if r["req"].n > cfg.max_num_seqs:
@@ -369,8 +452,8 @@ def reference(
             hit = alloc.cached_prefix_tokens(r["req"], r["prefill"])
             work = r["prefill"] - hit
             want = cap if 0 < cap < work else work
-            chunk = min(want, budget - used) if cfg.chunked_prefill else want
-            if chunk <= budget - used and not (chunk := alloc.aligned_chunk(
+            chunk = min(want, room) if cfg.chunked_prefill else want
+            if chunk <= room and not (chunk := alloc.aligned_chunk(
                     r["req"], hit, chunk, r["prefill"], cfg.prefill_chunk_limit)):
                 break  # (Mamba "align" mode: no block boundary in reach this step)
             whole = chunk == work
@@ -381,7 +464,7 @@ def reference(
             )
             keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and running else 0
             gate = cfg.chunked_prefill or keep or cap
-            if chunk > budget - used:
+            if chunk > room:
                 reason = Reason.PROMPT_TOO_LONG if r["req"].prompt >= alloc.max_model_len else None
             elif gate and (
                 alloc.too_large(r["req"])
@@ -391,7 +474,9 @@ def reference(
             elif gate and full + keep > alloc.free_bytes():
                 reason = Reason.OUT_OF_MEMORY  # the whole prompt must fit, and the watermark
             else:
-                grant = alloc.admit(r["req"], hit + chunk + r["lead"] * whole, decoding=False)
+                slots = (min(hit + chunk + look, alloc.max_model_len) if spec
+                         else hit + chunk + r["lead"] * whole)
+                grant = alloc.admit(r["req"], slots, decoding=False)
                 reason = None if grant else grant.reason
                 if grant:
                     del queue[i]
@@ -404,6 +489,8 @@ def reference(
                         r["admitted"] = t
                     r["status"] = "running"
                     r["left"] = r["prefill"] - hit - chunk
+                    r["c"], r["sched"], r["drafts"] = hit + chunk, chunk, 0
+                    scheduled += 1
                     running.append(r)
                     (done_prefill if whole else prefilling).append(r)
                     continue
@@ -424,8 +511,13 @@ def reference(
             continue  # everything waiting was rejected, or it only preempted: no iteration
         tokens = decoders + used
         base, per_kv = st_.affine(tokens, min(decoders + len(done_prefill), tokens), decoders > 0)
-        kv = alloc.decoding_sequence_tokens() if st_.decode_kv_only else alloc.sequence_tokens()
-        kv -= tokenless[1]  # (decoders that took no token read nothing)
+        if spec:  # (slots run ahead of the tokens: the scheduled decoders' contexts)
+            kv = sum(r["c"] for r in running if (r["sched"] and alloc.is_decoding(r["rid"]))
+                     or not (st_.decode_kv_only or alloc.is_decoding(r["rid"])))
+        else:
+            kv = (alloc.decoding_sequence_tokens() if st_.decode_kv_only
+                  else alloc.sequence_tokens())
+            kv -= tokenless[1]  # (decoders that took no token read nothing)
         dt = base + per_kv * kv + attention
         acc = alloc.account(queue[0]["req"] if queue else ref)
         acc.check()
@@ -442,11 +534,21 @@ def reference(
                 fresh.add(r["rid"])
                 if math.isnan(r["first"]):
                     r["first"] = t
+        if spec:
+            verify(done_prefill)
         # Requests done together free in rid order (prefix caching: the order idle blocks
         # are evicted in).
         for r in sorted(running, key=lambda r: r["rid"]):
             rid = r["rid"]
-            if alloc.is_decoding(rid) and alloc.tokens(rid) == alloc.final_tokens(rid):
+            if spec and alloc.is_decoding(rid) and r["out"] >= r["output"]:
+                r["status"], r["finished"] = "completed", t
+                r["generated"] = r["output"]
+                r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
+                alloc.free(rid)
+                running.remove(r)
+            elif spec:
+                continue
+            elif alloc.is_decoding(rid) and alloc.tokens(rid) == alloc.final_tokens(rid):
                 r["status"], r["finished"] = "completed", t
                 r["generated"] = r["req"].n * (alloc.tokens(rid) - r["req"].prompt + 1 - r["lead"])
                 r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
