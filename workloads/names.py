@@ -12,4 +12,5 @@ FORMATS: tuple[str, ...] = get_args(Format)
 #: Request fields a column mapping may name, in the order problems are reported.
 FIELDS: tuple[str, ...] = (
     "arrival", "prompt_tokens", "output_tokens", "max_tokens", "n", "hash_ids", "priority",
+    "accepted_drafts",
 )

@@ -2,7 +2,8 @@
 
 A trace is a container (CSV, JSONL or Parquet, optionally gzip-compressed for CSV/JSONL) plus a
 *layout*: which column holds the arrival time (and in which unit), the prompt and output
-lengths, and optionally max_tokens, samples per prompt, prefix block hashes and priorities.
+lengths, and optionally max_tokens, samples per prompt, prefix block hashes, priorities and
+accepted-draft counts (`accepted_drafts`, a list per request, for speculative decoding).
 Known layouts:
 
 - `azure`: Azure LLM inference trace 2023 (`TIMESTAMP` datetime, `ContextTokens`,
@@ -56,7 +57,13 @@ import numpy as np
 import pandas as pd
 from kvfrag.workloads import samples
 from kvfrag.workloads.names import FIELDS, FORMATS, TIME_UNITS, Format, TimeUnit
-from kvfrag.workloads.table import Workload, WorkloadError, show, validate_requests
+from kvfrag.workloads.table import (
+    Workload,
+    WorkloadError,
+    accepted_problem,
+    show,
+    validate_requests,
+)
 
 _UNITS_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "ns": 1e9, "datetime": 1e9}
 CONTAINERS = ("csv", "jsonl", "parquet")
@@ -85,6 +92,7 @@ class Layout:
     hash_ids: str | None = None
     hash_block_tokens: int | None = None
     priority: str | None = None
+    accepted_drafts: str | None = None
     optional: frozenset[str] = frozenset()
 
     def fields(self) -> dict[str, str]:
@@ -105,7 +113,9 @@ LAYOUTS: dict[str, Layout] = {
     "kvfrag": Layout(
         "kvfrag", "prompt_tokens", "output_tokens", "arrival_s", "s",
         max_tokens="max_tokens", n="n", hash_ids="hash_ids", priority="priority",
-        optional=frozenset({"arrival", "max_tokens", "n", "hash_ids", "priority"}),
+        accepted_drafts="accepted_drafts",
+        optional=frozenset({"arrival", "max_tokens", "n", "hash_ids", "priority",
+                            "accepted_drafts"}),
     ),
 }
 
@@ -384,7 +394,8 @@ def _csv_chunks(
                 f"header has {width}")
 
     # No usecols: with it pandas silently ignores rows with extra fields.
-    dtypes = {col: str for f, col in fields.items() if f in ("arrival", "hash_ids")}
+    dtypes = {col: str for f, col in fields.items()
+              if f in ("arrival", "hash_ids", "accepted_drafts")}
     head = _wide_head(path, width, first_only=not drop)
     if head and not drop:
         raise WorkloadError(malformed(*head[0]))
@@ -603,6 +614,22 @@ def _parse_hashes(raw: pd.Series) -> tuple[list[list[int] | None], np.ndarray]:
     return parsed, np.array([h is None for h in parsed], dtype=bool)
 
 
+def _parse_accepted(raw: pd.Series) -> tuple[list[list[int] | None], np.ndarray]:
+    """Accepted-draft counts: a list of whole numbers >= 0 per row (JSON text in a CSV)."""
+    parsed, bad = _parse_hashes(raw)
+    for i, counts in enumerate(parsed):
+        if counts is not None and accepted_problem(counts) is not None:
+            parsed[i], bad[i] = None, True
+    return parsed, bad
+
+
+def _accepted_message(value: object) -> str:
+    value = _plain(value)
+    if _missing(value):
+        return "missing accepted_drafts (empty, null or NaN)"
+    return f"{show(value)} is not a non-empty list of whole numbers >= 0 (accepted drafts)"
+
+
 @dataclass
 class _Columns:
     """Typed columns accumulated over chunks, plus what was dropped and why."""
@@ -610,6 +637,7 @@ class _Columns:
     times: list[np.ndarray] = field(default_factory=list)
     counts: dict[str, list[np.ndarray]] = field(default_factory=dict)
     hashes: list[list[int]] = field(default_factory=list)
+    accepted: list[list[int]] = field(default_factory=list)
     dropped: int = 0
     examples: list[str] = field(default_factory=list)
     last_time: float | int | None = None
@@ -675,6 +703,9 @@ class _ChunkParser:
             elif name == "priority":
                 typed[name], bad[name] = _parse_priorities(raw)
                 describe[name] = lambda i, raw=raw: _priority_problem(raw.iloc[i])
+            elif name == "accepted_drafts":
+                typed[name], bad[name] = _parse_accepted(raw)
+                describe[name] = lambda i, raw=raw: _accepted_message(raw.iloc[i])
             elif name == "hash_ids":
                 typed[name], bad[name] = _parse_hashes(raw)
                 describe[name] = lambda i, raw=raw: f"{show(raw.iloc[i])} is not a list of integers"
@@ -728,6 +759,8 @@ class _ChunkParser:
         for name, values in typed.items():
             if name == "hash_ids":
                 self.out.hashes.extend(h for h, k in zip(values, keep, strict=True) if k)
+            elif name == "accepted_drafts":
+                self.out.accepted.extend(a for a, k in zip(values, keep, strict=True) if k)
             elif name == "arrival":
                 self.out.times.append(values[keep])
             else:
@@ -748,7 +781,8 @@ def load_trace(
     `path` may be `sample:NAME` (a shipped sample). `format` is "auto", a layout name
     (azure, mooncake, sarathi, kvfrag) or a container (csv, jsonl, parquet) used with `columns`,
     a mapping from request field (arrival, prompt_tokens, output_tokens, max_tokens, n,
-    hash_ids, priority) to source column. `time_unit` overrides or supplies the arrival unit.
+    hash_ids, priority, accepted_drafts) to source column. `time_unit` overrides or supplies
+    the arrival unit.
     """
     if format not in FORMATS:
         raise WorkloadError(f"{path}: unknown format {format!r}; formats: {', '.join(FORMATS)}")
@@ -838,6 +872,8 @@ def _assemble(path: Path, layout: Layout, out: _Columns) -> Workload:
         table["hash_ids"] = pd.Series(out.hashes, dtype=object)
     if "priority" in out.counts:
         table["priority"] = take("priority")
+    if layout.accepted_drafts is not None:
+        table["accepted_drafts"] = pd.Series(out.accepted, dtype=object)
     df = pd.DataFrame(table, copy=False)
     if layout.hash_ids is not None:
         df.attrs["hash_block_tokens"] = layout.hash_block_tokens

@@ -262,6 +262,7 @@ class ColumnMap(_Model):
     n: str | None = None
     hash_ids: str | None = None
     priority: str | None = None
+    accepted_drafts: str | None = None
 
     def mapping(self) -> dict[str, str]:
         return self.model_dump(exclude_none=True)

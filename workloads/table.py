@@ -19,6 +19,10 @@ pandas DataFrame with these columns, in this order:
   positions mean a reusable prefix.
 - optional `priority` int64, any sign (0 where absent): vLLM's request priority, read by
   `engine.policy: priority` (a lower value is served first).
+- optional `accepted_drafts` (object): one non-empty Python `list[int]` per request, each >= 0:
+  the drafts its verifying steps accept, in order (read again from the start when they run
+  out), for `engine.speculative.acceptance: column`; a count above the scenario's
+  `num_tokens` is clipped to it by the engine.
 - closed loop only: `user_id` int64 and `think_s` float64. Request i belongs to user
   `user_id[i]`; a user's requests are issued in `request_id` order. `arrival_s` holds the
   arrival of each user's FIRST request (staggered, or 0) and is NaN for the user's later
@@ -37,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 REQUIRED = ("request_id", "arrival_s", "prompt_tokens", "output_tokens")
-OPTIONAL = ("max_tokens", "n", "beam_width", "hash_ids", "priority")
+OPTIONAL = ("max_tokens", "n", "beam_width", "hash_ids", "priority", "accepted_drafts")
 CLOSED_LOOP = ("user_id", "think_s")
 #: The full column order; a table holds a subsequence of it.
 COLUMN_ORDER = REQUIRED + OPTIONAL + CLOSED_LOOP
@@ -222,5 +226,22 @@ def validate_requests(df: pd.DataFrame, source: str) -> pd.DataFrame:
         blocks = -(-df["prompt_tokens"].to_numpy() // block)
         check.fail("hash_ids", counts > blocks,
                    f"has more ids than the prompt has blocks of {block} tokens")
+    if "accepted_drafts" in columns:
+        problems = [accepted_problem(v) for v in df["accepted_drafts"]]
+        first = next((p for p in problems if p is not None), "")
+        check.fail("accepted_drafts", np.array([p is not None for p in problems], dtype=bool),
+                   first)
     return df
+
+
+def accepted_problem(value: object) -> str | None:
+    """Why `value` is not a request's accepted-draft counts (a non-empty list of ints >= 0),
+    or None if it is one."""
+    if not isinstance(value, list):
+        return "is not a list of accepted-draft counts"
+    if not value:
+        return "is an empty list (a request needs at least one accepted-draft count)"
+    if not all(type(x) is int and x >= 0 for x in value):
+        return "holds a count that is not a whole number >= 0"
+    return None
 
