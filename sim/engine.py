@@ -81,6 +81,7 @@ from kvfrag.sim.engine_records import (
 from kvfrag.sim.engine_requests import _Arrivals, _Inputs, _Outcomes, _Req
 from kvfrag.sim.engine_summary import summary
 from kvfrag.sim.interrupts import poll
+from kvfrag.sim.speculative import acceptance_for
 from kvfrag.sim.units import check_size
 from kvfrag.sim.waiting import PriorityQueue
 
@@ -128,7 +129,17 @@ class Engine:
         # Requests as columns; engine state (`_Req`) exists only from arrival to retirement,
         # when its figures move into the result columns: memory follows the requests in
         # flight, not the workload's length.
-        self.inputs = _Inputs(workload)
+        # Speculative decoding (sim/speculative.py): every iteration walks the running list
+        # (each decoder takes its own tokens) and applies the accepted counts at its end.
+        spec = self.spec = config.speculative
+        self.acceptance = acceptance_for(spec, workload) if spec is not None else None
+        self.lookahead = spec.lookahead if spec is not None else 0
+        self.draft_slots = spec.draft_slots if spec is not None else 0
+        self.spec_decode_tokens = 0  # this iteration's decoders' tokens (drafts included)
+        self.inputs = _Inputs(workload, spec, allocator.max_model_len)
+        if spec is not None and self.inputs.groups:
+            raise ValueError("speculative decoding: sample groups and beams (n > 1) are not "
+                             "modelled")
         self.made: dict[int, _Req] = {}  # idx -> state of requests arrived and not retired
         self.by_rid: dict[int, _Req] = {}  # rid -> state, for the requests made
         self.out = _Outcomes(self.inputs)
@@ -296,7 +307,7 @@ class Engine:
             self.preempted_now = False
             self.prefill_attn_s = 0.0
             self.tokenless = self.tokenless_kv = 0
-            if self._prefill_ahead():
+            if self.spec is not None or self._prefill_ahead():
                 decoders, chunks = self._walk_running()
                 prefill_tokens = self._schedule(decoders, chunks)
             else:
@@ -313,8 +324,9 @@ class Engine:
                 if (self.running or self.queue) and not (self.preempted_now or self.released_now):
                     raise RuntimeError("engine stalled: requests wait but none can run")
                 continue  # every waiting request was rejected, or the step only preempted
-            if prefill_tokens:
-                # A compaction during admission stalls every running request.
+            if prefill_tokens or self.spec is not None:
+                # A compaction during admission stalls every running request. (Speculative
+                # decoding: each iteration on its own, its tokens following the draws.)
                 dt = self._iteration_time(decoders + prefill_tokens)[0] + self.alloc.take_stall()
                 self._record(dt, 1)
                 env.timeout(dt).callbacks.append(self._iterated)
@@ -406,8 +418,14 @@ class Engine:
         had scheduled it: its slot's block cached), a chunk in `granted` (tokens, attention
         seconds) its tokens and attention. Returns (sequences, prefill tokens) given back to
         the token budget."""
+        st = victim.spec
         if victim in stepped:
             stepped.discard(victim)
+            if st is not None:  # (its tokens scheduled go back; its slots are freed)
+                back = st.scheduled
+                st.computed -= back
+                self._preempt(victim)
+                return back, 0
             self._preempt(victim, 1, True)
             return victim.req.n, 0
         if victim in granted:
@@ -415,7 +433,9 @@ class Engine:
             self.prefill_attn_s -= seconds
             if victim in self.prefilled:
                 self.prefilled.remove(victim)
-            self._preempt(victim, chunk)
+            if st is not None:
+                st.computed -= chunk
+            self._preempt(victim, 0 if st is not None else chunk)
             return 0, chunk
         self._preempt(victim)
         return 0, 0
@@ -428,6 +448,10 @@ class Engine:
         the tokens known then (async: one more than those processed before)."""
         alloc, rid = self.alloc, r.req.rid
         stored = alloc.tokens(rid) - unstepped
+        st = r.spec
+        if st is not None:  # (its slots run ahead of its computed tokens)
+            stored = st.computed
+            st.computed = st.drafts = st.scheduled = 0
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
         if r.status == "completed":  # async: done, its last token in flight
             self._drop_held(r)
@@ -521,7 +545,14 @@ class Engine:
             return used  # FCFS head refused for memory and nothing was freed since
         self.head_reason = None
         i = 0
-        while i < len(self.queue) and self.seqs < cfg.max_num_seqs and used < budget:
+        # the token budget a request can still take; speculative decoding with a draft model:
+        # one input slot more for each request scheduled (`draft_slots`)
+        ds = self.draft_slots
+        scheduled = 0
+        if ds:
+            scheduled = sum(1 for r in self.running if r.spec is not None and r.spec.scheduled)
+        while (i < len(self.queue) and self.seqs < cfg.max_num_seqs
+               and (room := budget - used - ds * (scheduled + 1)) > 0):
             r = self.queue[i]
             if r.req.n > cfg.max_num_seqs:  # more sequences than a batch may ever hold
                 del self.queue[i]
@@ -534,18 +565,19 @@ class Engine:
             work = r.prefill - hit
             if 0 < cap < work:
                 work = cap  # (vLLM caps before it checks the budget: it chunks even unchunked)
-            chunk = min(work, budget - used) if cfg.chunked_prefill else work
-            if chunk <= budget - used and not (chunk := self.alloc.aligned_chunk(
+            chunk = min(work, room) if cfg.chunked_prefill else work
+            if chunk <= room and not (chunk := self.alloc.aligned_chunk(
                     r.req, hit, chunk, r.prefill, cfg.prefill_chunk_limit)):
                 break  # (Mamba "align" mode: no block boundary in reach this step)
             reason: Reason | None
-            if chunk > budget - used and r.req.prompt >= self.alloc.max_model_len:
+            if chunk > room and r.req.prompt >= self.alloc.max_model_len:
                 reason = Reason.PROMPT_TOO_LONG  # (it would wait for a token budget forever)
             else:
-                reason = self._try_admit(r, hit, chunk) if chunk <= budget - used else None
-            if reason is None and chunk <= budget - used:
+                reason = self._try_admit(r, hit, chunk) if chunk <= room else None
+            if reason is None and chunk <= room:
                 del self.queue[i]
                 used += chunk
+                scheduled += 1
                 continue
             if reason is not None and reason in _NEVER:
                 del self.queue[i]
@@ -606,10 +638,39 @@ class Engine:
         stepped = chunks = 0
         took: set[_Req] = set()  # scheduled in this walk: a victim by priority may be one
         granted: dict[_Req, tuple[int, float]] = {}
+        spec, ds = self.spec is not None, self.draft_slots
+        if spec:
+            for r in self.running:
+                r.spec.scheduled = 0  # type: ignore[union-attr]
         for r in list(self.running):
             if r.status != "running":
                 continue  # preempted by an earlier request's shortage
             rid = r.req.rid
+            if spec and alloc.is_decoding(rid):
+                # its sampled token and drafts, cut to the token and input budgets and to
+                # max_model_len (vLLM leaves room for the token it samples)
+                st = r.spec
+                assert st is not None
+                tokens = min(1 + st.drafts,
+                             budget - stepped - chunks - ds * (len(took) + len(granted) + 1),
+                             alloc.max_model_len - st.computed - 1)
+                if tokens <= 0:
+                    self.tokenless += r.req.n
+                    self.tokenless_kv += st.computed
+                    continue
+                more = self._spec_slots(r, tokens)
+                grown = True
+                if more:
+                    grant, back, back_chunk = self._grow_walked(r, more, took, granted)
+                    stepped -= back
+                    chunks -= back_chunk
+                    grown = grant is not None
+                if grown:
+                    st.computed += tokens
+                    st.scheduled = tokens
+                    stepped += tokens
+                    took.add(r)
+                continue
             if alloc.is_decoding(rid):
                 if stepped + chunks + r.req.n > budget:
                     self.tokenless += r.req.n
@@ -622,7 +683,7 @@ class Engine:
                     stepped += r.req.n
                     took.add(r)
                 continue
-            left = budget - stepped - chunks
+            left = budget - stepped - chunks - ds * (len(took) + len(granted) + 1)
             if left <= 0:
                 continue
             chunk = min(r.prefill_left, left, cap if cap else r.prefill_left)
@@ -634,19 +695,34 @@ class Engine:
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
                 attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
                 self.prefill_attn_s += attention
-            grant, back, back_chunk = self._grow_walked(
-                r, chunk + (r.lead if last else 0), took, granted)
-            stepped -= back
-            chunks -= back_chunk
-            if grant is not None:
-                self._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
+            more = self._spec_slots(r, chunk) if spec else chunk + (r.lead if last else 0)
+            grant = None
+            if more:
+                grant, back, back_chunk = self._grow_walked(r, more, took, granted)
+                stepped -= back
+                chunks -= back_chunk
+            if grant is not None or not more:
+                if grant is not None:
+                    self._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
+                if r.spec is not None:
+                    r.spec.computed += chunk
+                    r.spec.scheduled = chunk
                 r.prefill_left -= chunk
                 chunks += chunk
                 granted[r] = (chunk, attention)
                 if last:
                     self.prefilling.remove(r)
                     self.prefilled.append(r)
+        self.spec_decode_tokens = stepped
         return stepped, chunks
+
+    def _spec_slots(self, r: _Req, tokens: int) -> int:
+        """Speculative decoding: the slots `r` grows by to hold `tokens` more past its computed
+        ones and the lookahead (a high-water mark: rejected drafts free nothing)."""
+        st = r.spec
+        assert st is not None
+        want = min(st.computed + tokens + self.lookahead, self.alloc.max_model_len)
+        return max(want - self.alloc.tokens(r.req.rid), 0)
 
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
@@ -709,6 +785,8 @@ class Engine:
         alloc, cfg = self.alloc, self.cfg
         whole = hit + chunk == r.prefill
         tokens = hit + chunk + (r.lead if whole else 0)
+        if r.spec is not None:  # (and the lookahead's slots)
+            tokens = min(hit + chunk + self.lookahead, alloc.max_model_len)
         # vLLM's admission gate: the whole prompt (less its cached prefix) must fit, with the
         # watermark kept free while anybody else runs, even when only a first chunk is taken
         # (`reserve_full_isl`; off, only the first chunk and the watermark must fit).
@@ -734,6 +812,8 @@ class Engine:
             r.admitted = self.now
         r.status = "running"
         r.prefill_left = r.prefill - hit - chunk
+        if r.spec is not None:
+            r.spec.computed, r.spec.scheduled, r.spec.drafts = hit + chunk, chunk, 0
         self.prompt_lookups += r.prefill  # tokens looked up (vLLM's prefix cache queries)
         self.prefix_hits += hit
         if not r.preemptions:  # a first admission: what reuse across requests gave
@@ -765,6 +845,8 @@ class Engine:
 
     # ----------------------------------------------------------------- timing
     def _kv_read_tokens(self) -> int:
+        if self.spec is not None:  # (slots run ahead of tokens: the contexts read)
+            return self._spec_kv_read_tokens()
         if self.chunk_cost:
             return self.alloc.decoding_sequence_tokens()
         return self.alloc.sequence_tokens() - self.held_done_tokens
@@ -774,6 +856,8 @@ class Engine:
         the step time's cost per KV token read (what a decode stretch grows by). Decoders
         that took no token this iteration (`tokenless`) neither sample nor read."""
         decoders = self.alloc.decoding_weight - self.tokenless
+        if self.spec is not None:  # (every token a decoder verifies is sampled)
+            decoders = self.spec_decode_tokens
         # Sampled positions: one per decoding sequence and per prompt whose prefill ends now.
         logits = min(decoders + len(self.prefilled), batched)
         st = self.st
@@ -781,8 +865,22 @@ class Engine:
             base, per_kv = st.affine(batched, logits, decoders > 0)
         else:
             base, per_kv = st.affine(batched, logits, decoders > 0)
-        kv = self._kv_read_tokens() - self.tokenless_kv
+        kv = self._kv_read_tokens()
+        if self.spec is None:
+            kv -= self.tokenless_kv  # (decoders that took no token read nothing)
         return base + per_kv * kv + self.prefill_attn_s, per_kv
+
+    def _spec_kv_read_tokens(self) -> int:
+        """Speculative decoding: the KV read is the scheduled decoders' contexts (and, when the
+        step time counts every token held, the prompts partway too)."""
+        alloc, total = self.alloc, 0
+        for r in self.running:
+            st = r.spec
+            assert st is not None
+            decoding = alloc.is_decoding(r.req.rid)
+            if (st.scheduled and decoding) or not (self.chunk_cost or decoding):
+                total += st.computed
+        return total
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
         """How many decode-only iterations run before the next event, and their timing."""
@@ -827,6 +925,15 @@ class Engine:
                 alloc.set_decoding(r.req.rid, True)
                 if math.isnan(r.first_token):
                     r.first_token = now
+        if self.spec is not None:
+            self._verify()
+            self.prefilled.clear()
+            done = [r for r in self.running
+                    if alloc.is_decoding(r.req.rid) and r.spec is not None
+                    and r.spec.delivered >= r.output]
+            for r in sorted(done, key=_rid_of):  # (together: in rid order, as the reference)
+                self._complete(r)
+            return
         self.prefilled.clear()
         while alloc.n_decoding and alloc.steps_until_done() == 0:
             first = alloc.first_done()
@@ -834,6 +941,32 @@ class Engine:
             self._complete(self.by_rid[first])
         if self.cfg.batching == "static" and not self.running:
             self._release_batch()
+
+    def _verify(self) -> None:
+        """Speculative decoding, the iteration's output: a decode step of d drafts with a
+        accepted gives 1 + a tokens and rolls its computed tokens back by d - a; a final prefill
+        chunk gives the first token. Each that sampled carries k drafts into its next step."""
+        acceptance, spec = self.acceptance, self.spec
+        assert acceptance is not None and spec is not None
+        prefilled = set(self.prefilled)
+        for r in self.running:
+            st = r.spec
+            assert st is not None
+            if not st.scheduled:
+                continue
+            if r in prefilled:
+                st.delivered += 1
+            elif self.alloc.is_decoding(r.req.rid):
+                d = st.scheduled - 1
+                a = 0
+                if d:
+                    a = min(acceptance.count(r.req.rid, st.verified), d)
+                    st.verified += 1
+                st.computed -= d - a
+                st.delivered += 1 + a
+            else:
+                continue  # a chunk partway through its prompt samples nothing
+            st.drafts = spec.num_tokens
 
     def _release_batch(self) -> None:
         """Static batching: the finished members of a batch free their memory together."""
@@ -852,6 +985,8 @@ class Engine:
         r.status = "completed"
         r.finished = now
         r.generated = r.req.n * (alloc.tokens(rid) - r.req.prompt + 1 - r.lead)
+        if r.spec is not None:  # (its slots ran ahead of its tokens)
+            r.generated = r.output
         if self.asynchronous:  # it keeps memory and seat through the next scheduling
             alloc.set_decoding(rid, False)
             self.held.append(r)

@@ -16,6 +16,7 @@ from typing import Final
 import numpy as np
 import pandas as pd
 from kvfrag.sim.allocators.base import Request
+from kvfrag.sim.speculative import SpecState, Speculative, extra_slots
 
 
 class _Req:
@@ -45,6 +46,7 @@ class _Req:
         "recomputed",
         "released",
         "req",
+        "spec",
         "status",
         "think",
         "user",
@@ -79,6 +81,7 @@ class _Req:
         self.user = -1
         self.think = 0.0
         self.priority = 0  # vLLM's request priority (policy "priority": lowest first)
+        self.spec: SpecState | None = None  # speculative decoding's progress
 
 
 class _Arrivals:
@@ -160,7 +163,10 @@ class _Inputs:
     """A request table as compact columns (see `workloads` for its columns): what `_Req`s
     are made of when each request arrives."""
 
-    def __init__(self, workload: pd.DataFrame) -> None:
+    def __init__(self, workload: pd.DataFrame, spec: Speculative | None = None,
+                 max_model_len: int = 0) -> None:
+        # speculative decoding: each request's allocator request holds `extra_slots` more
+        self.spec, self.max_model_len = spec, max_model_len
         for col in ("arrival_s", "prompt_tokens", "output_tokens"):
             if col not in workload.columns:
                 raise ValueError(f"workload has no column {col!r}")
@@ -211,11 +217,17 @@ class _Inputs:
         k, width = self.samples[i], self.beams[i]
         hashes, chunk = self.hashes, self.chunk
         prefix = tuple(map(int, hashes[i])) if hashes is not None and chunk else ()
+        extra = 0
+        if self.spec is not None:
+            extra = extra_slots(self.spec, self.prompt[i], self.output[i], self.max_model_len)
         req, lead = slot_request(
-            self.rid[i], self.prompt[i], self.output[i], mt, max(k, width), width > 1, prefix,
+            self.rid[i], self.prompt[i], self.output[i] + extra,
+            None if mt is None else mt + extra, max(k, width), width > 1, prefix,
             chunk if prefix else 0,
         )
         r = _Req(i, req, self.arrival[i], self.output[i], lead)
+        if self.spec is not None:
+            r.spec = SpecState()
         r.priority = self.priority[i]
         if self.users[i] >= 0:
             r.user = self.users[i]

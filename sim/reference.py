@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 from kvfrag.sim.allocators import PARTS, Reason, Request
 from kvfrag.sim.engine_config import EngineConfig, async_modelled
-from kvfrag.sim.speculative import Acceptance
+from kvfrag.sim.speculative import acceptance_for, extra_slots
 
 NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: What an iteration's trace record counts (see the module's docstring).
@@ -54,9 +54,6 @@ def reference(
         return int(int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)) > 1)
 
     spec = cfg.speculative
-    # speculative decoding: the slots past the tokens the output needs (the last step's
-    # drafts and lookahead, within max_model_len)
-    extra = spec.num_tokens + spec.lookahead if spec else 0
     if spec and any(lead(row) for row in workload.itertuples()):
         raise ValueError("speculative decoding: sample groups and beams (n > 1) not modelled")
     reqs = [
@@ -65,9 +62,8 @@ def reference(
             "req": Request(
                 int(row.request_id),
                 int(row.prompt_tokens),
-                int(row.output_tokens) - 1 + lead(row) + min(
-                    extra, max(alloc.max_model_len - int(row.prompt_tokens)
-                               - int(row.output_tokens) + 1, 0)),
+                int(row.output_tokens) - 1 + lead(row) + extra_slots(
+                    spec, int(row.prompt_tokens), int(row.output_tokens), alloc.max_model_len),
                 n=int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)),
                 beam=int(getattr(row, "beam_width", 1)) > 1,
                 prefix=tuple(getattr(row, "hash_ids", ())),
@@ -95,9 +91,7 @@ def reference(
         for order, row in enumerate(workload.itertuples())
     ]
     by_rid = {r["rid"]: r for r in reqs}
-    acceptance = Acceptance(spec, {
-        int(row.request_id): list(row.accepted_drafts) for row in workload.itertuples()
-    } if spec and spec.from_column else None) if spec else None
+    acceptance = acceptance_for(spec, workload) if spec else None
     look = spec.lookahead if spec else 0
     ds = spec.draft_slots if spec else 0
 

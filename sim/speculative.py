@@ -122,3 +122,39 @@ class Acceptance:
             return np.zeros(n, dtype=np.int64)
         # successes before the first failure, at most k
         return np.minimum(gen.geometric(1.0 - p, size=n) - 1, k).astype(np.int64)
+
+
+class SpecState:
+    """A request's progress under speculative decoding, beside the slots its allocator holds
+    (which run ahead of it: drafts, lookahead, rejected tokens' slots)."""
+
+    __slots__ = ("computed", "delivered", "drafts", "scheduled", "verified")
+
+    def __init__(self) -> None:
+        self.computed = 0  # tokens whose KV is stored (vLLM's num_computed_tokens)
+        self.delivered = 0  # output tokens so far
+        self.drafts = 0  # drafts it carries into its next step (k once it has sampled)
+        self.scheduled = 0  # tokens scheduled for it in this iteration
+        self.verified = 0  # steps that verified drafts: the next accepted count's index
+
+
+def extra_slots(spec: Speculative | None, prompt: int, output: int, max_model_len: int) -> int:
+    """Slots a request may hold past the P + O - 1 its tokens need: the last step's drafts
+    and the lookahead, within max_model_len (vLLM caps the slots it allocates there)."""
+    if spec is None:
+        return 0
+    return min(spec.num_tokens + spec.lookahead, max(max_model_len - prompt - output + 1, 0))
+
+
+def acceptance_for(spec: Speculative, workload) -> Acceptance:
+    """The accepted counts of a run over `workload` (a request table): drawn, or its
+    `accepted_drafts` column when the spec says so."""
+    if not spec.from_column:
+        return Acceptance(spec)
+    if "accepted_drafts" not in workload:
+        raise ValueError("speculative acceptance 'column': the request table has no "
+                         "accepted_drafts column")
+    rids = workload["request_id"] if "request_id" in workload else range(len(workload))
+    return Acceptance(spec, {int(rid): [int(a) for a in counts]
+                             for rid, counts in zip(rids, workload["accepted_drafts"],
+                                                    strict=True)})

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.oracle
 pytest.importorskip("vllm.v1.core.sched.scheduler")
 
 from kvfrag.sim.allocators import make_allocator  # noqa: E402
+from kvfrag.sim.engine import run  # noqa: E402
 from kvfrag.sim.engine_config import EngineConfig, StepTime  # noqa: E402
 from kvfrag.sim.reference import reference  # noqa: E402
 from kvfrag.sim.speculative import Acceptance, Speculative  # noqa: E402
@@ -29,7 +30,8 @@ from .vllm_driver import OracleRequest, run_vllm  # noqa: E402
 
 def both(wl: pd.DataFrame, spec: Speculative, num_blocks: int, max_num_seqs: int, budget: int,
          chunked: bool, max_model_len: int = 1024):
-    """(vLLM's run, kvfrag's per-iteration trace, kvfrag's reference result)."""
+    """(vLLM's run, kvfrag's per-iteration trace, kvfrag's reference result); the fast
+    engine is held to the reference here too."""
     acceptance = Acceptance(spec)
     # a request verifies at most once per output token: that many counts are enough
     accepted = {int(r.request_id): [int(a) for a in acceptance.counts(
@@ -45,13 +47,17 @@ def both(wl: pd.DataFrame, spec: Speculative, num_blocks: int, max_num_seqs: int
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                        chunked_prefill=chunked, async_scheduling=False, speculative=spec,
                        step_time=StepTime(base_s=1.0))
-    alloc = make_allocator("paged", capacity=(num_blocks + 1) * BS * BYTES_PER_TOKEN,
-                           bytes_per_token=BYTES_PER_TOKEN, max_model_len=max_model_len,
-                           block_size=BS)
+    def fresh():
+        return make_allocator("paged", capacity=(num_blocks + 1) * BS * BYTES_PER_TOKEN,
+                              bytes_per_token=BYTES_PER_TOKEN, max_model_len=max_model_len,
+                              block_size=BS)
     trace: list[dict] = []
-    ref = reference(wl, alloc, cfg, trace)
+    ref = reference(wl, fresh(), cfg, trace)
+    fast = run(wl, fresh(), cfg).requests.set_index("request_id")
     for rid, r in ref["requests"].items():  # the same counts were used, clipped the same way
         assert r["verified"] == len(oracle.requests[rid]["accepted"]), rid
+        assert (fast.loc[rid, "first_token_s"], fast.loc[rid, "finished_s"],
+                fast.loc[rid, "preemptions"]) == (r["first"], r["finished"], r["preemptions"])
     return oracle, trace, ref
 
 
