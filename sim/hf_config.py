@@ -351,6 +351,8 @@ READ_KEYS = frozenset({*LENGTH_KEYS, "rope_parameters", "rope_scaling",
     "mamba_d_state", "mamba_d_conv", "full_attention_interval", "linear_num_key_heads",
     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
     "linear_conv_kernel_dim", "mamba_ssm_dtype", "mamba_ssm_cache_dtype", *MOE_KEYS,
+    # (MTP layers: the draft's KV under speculative decoding, sim/speculative_spec.py)
+    "num_nextn_predict_layers", "mtp_num_hidden_layers",
 })
 
 

@@ -50,6 +50,8 @@ from kvfrag.sim.scenario_parts import (
     _size,
     context_length,
 )
+from kvfrag.sim.speculative import Speculative
+from kvfrag.sim.speculative_spec import draft_geometry, draft_stack, mtp_layers, refusal
 from kvfrag.sim.timing import OVERHEAD_S, from_profile, read_profile, roofline
 from kvfrag.sim.units import (
     clip_quoted,
@@ -259,6 +261,17 @@ class Scenario(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _speculative(self) -> Scenario:
+        """What speculative decoding is not modelled with (async scheduling, static batching,
+        the hybrid and prefix-caching allocators, n > 1), refused at its field."""
+        spec = self.engine.speculative
+        if spec is not None:
+            problem = refusal(spec, self)
+            if problem is not None:
+                raise FieldError(*problem)
+        return self
+
+    @model_validator(mode="after")
     def _engine(self) -> Scenario:
         seqs, tokens = self._batch_limits()
         e = self.engine
@@ -363,14 +376,37 @@ class Scenario(_Frozen):
     @property
     def geometry(self) -> KVGeometry:
         """The KV shape one GPU stores: KV heads split `tp` ways (replicated when fewer; an
-        MLA latent whole on every GPU)."""
-        stack = self.stack
+        MLA latent whole on every GPU), the draft's KV layers included (`draft_layers`)."""
+        stack = self.kv_stack
         if stack is not None:
-            return stack.shard(self.tp).geometry()
+            return stack.geometry()
         geo = self.full_geometry
-        if self.tp == 1:
-            return geo
-        return replace(geo, kv_heads=max(geo.kv_heads // self.tp, 1))
+        if self.tp > 1:
+            geo = replace(geo, kv_heads=max(geo.kv_heads // self.tp, 1))
+        return draft_geometry(geo, self.draft_layers)
+
+    @property
+    def kv_stack(self) -> LayerStack | None:
+        """The layers one GPU of `tp` keeps KV for: the model's (`stack`), then the draft's
+        (speculative decoding: vLLM puts them in the target's KV group, so every block holds
+        them too); None where `stack` is."""
+        stack = self.stack
+        if stack is None:
+            return None
+        return draft_stack(stack.shard(self.tp), self.draft_layers)
+
+    @property
+    def speculative(self) -> Speculative | None:
+        """`engine.speculative` as the engine takes it (its seed defaults to the workload's)."""
+        spec = self.engine.speculative
+        return None if spec is None else spec.resolve(self.workload.seed)
+
+    @property
+    def draft_layers(self) -> int:
+        """KV layers of the speculative draft (0 without one): `engine.speculative.draft_layers`,
+        else the method's default (EAGLE 1, MTP the model's MTP layers, n-gram 0)."""
+        spec = self.engine.speculative
+        return 0 if spec is None else spec.draft_layer_count(mtp_layers(self.model))
 
     @property
     def gpu(self) -> GPU | None:
@@ -438,8 +474,11 @@ class Scenario(_Frozen):
     @property
     def async_scheduling(self) -> bool:
         """`engine.async_scheduling` resolved: vLLM's default (true) unless an allocator is
-        hybrid, whose async scheduling is not modelled yet (then false, for all of them)."""
+        hybrid, whose async scheduling is not modelled yet (then false, for all of them), or
+        speculative decoding is on (modelled with the synchronous scheduler only)."""
         e = self.engine.async_scheduling
+        if e is None and self.engine.speculative is not None:
+            return False
         return (not self._has_hybrid) if e is None else e
 
     def engine_config(self) -> EngineConfig:
@@ -457,6 +496,7 @@ class Scenario(_Frozen):
             reserve_full_isl=e.scheduler_reserve_full_isl,
             policy=e.policy,
             async_scheduling=self.async_scheduling,
+            speculative=self.speculative,
             step_time=self.step_time(tokens),
             max_time_s=e.max_time_s,
         )
@@ -565,8 +605,8 @@ def build_allocator(point: Scenario, spec: AllocatorSpec) -> Allocator:
         geometry=geo,
         **allocator_options(point, spec),
     )
-    stack = point.stack
+    stack = point.kv_stack
     if stack is not None and not _takes_stack(spec.kind):
         # (it keeps every token in every layer: token states as the layers read them)
-        allocator.view_model(stack.shard(point.tp))
+        allocator.view_model(stack)
     return allocator

@@ -18,6 +18,7 @@ from kvfrag.sim.hybrid_presets import CONTEXT_LENGTHS as HYBRID_CONTEXT_LENGTHS
 from kvfrag.sim.hybrid_presets import STACKS
 from kvfrag.sim.model_forms import HfModelSpec, LayeredModelSpec
 from kvfrag.sim.presets import nearest
+from kvfrag.sim.speculative_spec import SpeculativeSpec
 from kvfrag.sim.timing import OVERHEAD_S
 from kvfrag.sim.units import (
     MAX_SIZE,
@@ -287,6 +288,10 @@ class EngineSpec(_Frozen):
     # a hybrid allocator (not modelled for it yet: all its allocators then run synchronously,
     # compared on one scheduler); `Scenario.async_scheduling` resolves it
     async_scheduling: bool | None = None
+    # vLLM's speculative decoding (sim/speculative_spec.py): method, num_tokens drafts per
+    # decode step, their acceptance, the draws' seed, the draft's KV layers. None: off.
+    # Modelled with the synchronous scheduler: async_scheduling left out then resolves false
+    speculative: SpeculativeSpec | None = None
     # None: the roofline of `hardware` when the scenario names one, else a flat 20 ms
     step_time: StepTimeForm | None = None
     max_time_s: number(0, MAX_TIME_S, above=True, unit="seconds") | None = None

@@ -15,6 +15,7 @@ from kvfrag.sim.engine import run as run_engine
 from kvfrag.sim.engine_records import RunResult
 from kvfrag.sim.scenario import Scenario, build_allocator
 from kvfrag.sim.scenario_parts import AllocatorSpec
+from kvfrag.sim.speculative_spec import check_workload
 from kvfrag.workloads import Workload, build_workload
 
 
@@ -117,6 +118,7 @@ def run(
         if key not in cache:
             cache[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
         workloads[i] = cache[key]
+        check_workload(point.engine.speculative, workloads[i].requests, workloads[i].source)
         result = run_point(point, spec, workloads[i].requests)
         runs.append(PointRun(i, values, spec.label, spec.kind, point, result))
         if on_run is not None:

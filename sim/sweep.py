@@ -116,17 +116,21 @@ def build_workloads(
     is raised, naming the sweep point: like a bad scenario it refuses the whole sweep before
     any run, rather than failing only that point's runs.
     """
+    from kvfrag.sim.speculative_spec import check_workload
     from kvfrag.workloads import WorkloadError
 
     built: dict[str, Workload] = {}
     errors: dict[str, str] = {}
     for task in tasks:
         key = task.workload
-        if key in built or key in errors:
+        if key in errors:
             continue
         point = task.scenario
         try:
-            built[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
+            if key not in built:
+                built[key] = build_workload(point.workload, base_dir, None, point.max_model_len)
+            # (what speculative decoding needs of the table, at every point that asks for it)
+            check_workload(point.engine.speculative, built[key].requests, built[key].source)
         except WorkloadError as exc:
             if not task.sweep:
                 raise

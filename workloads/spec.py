@@ -94,6 +94,10 @@ MIN_FLOPS, MAX_FLOPS = 1e9, 1e18
 
 #: The engine (sim.scenario_parts.EngineSpec): max_num_seqs (vLLM's defaults are 256 and 1,024).
 MAX_NUM_SEQS = 1_048_576
+#: Speculative decoding (engine.speculative): drafts per decode step (vLLM's EAGLE and MTP
+#: runs use 1 to 8; 1,024 is far past any proposer) and (accepted count, weight) pairs.
+MAX_DRAFT_TOKENS = 1024
+MAX_ACCEPTANCE_PAIRS = 1025
 #: max_num_batched_tokens when the step time comes from `hardware` (roofline or profile): its
 #: tables hold every batch size up to it, 2 s and 0.5 GB to build at 2**22.
 MAX_TIMED_TOKENS = 2**22
