@@ -52,9 +52,10 @@ MAX_SAMPLE = 32768
 MIN_TURNOVERS = 2
 #: Seed of the draw of `SAMPLE` requests from a larger workload.
 SEED = 0
-#: Columns a replay keeps: lengths, samples, beams and prefixes (arrivals are all 0; a closed
-#: loop's users and think times are dropped: everyone is already waiting).
-_KEPT = ("prompt_tokens", "output_tokens", "max_tokens", "n", "beam_width", "hash_ids")
+#: Columns a replay keeps: lengths, samples, beams, prefixes and accepted drafts (arrivals are
+#: all 0; a closed loop's users and think times are dropped: everyone is already waiting).
+_KEPT = ("prompt_tokens", "output_tokens", "max_tokens", "n", "beam_width", "hash_ids",
+         "accepted_drafts")
 #: The summary fields `saturate` returns, in order.
 FIELDS = ("capacity_requests", "capacity_throughput_tok_s", "capacity_memory_requests",
           "capacity_capped", "capacity_sample_requests")
