@@ -63,6 +63,14 @@ def test_keys_reach_the_engine(tmp_path):
     assert load(tmp_path, ["engine.async_scheduling=false"]).engine_config().speculative
 
 
+def test_a_sweep_of_acceptance_gives_each_point_its_own(tmp_path):
+    text = SCENARIO.replace("acceptance: 0.7", "acceptance: {distribution: [[0, 1], [3, 1]]}")
+    text += "sweep:\n  engine.speculative.acceptance: [0.2, {distribution: [[1, 1]]}]\n"
+    specs = [p.engine_config().speculative for _, p in load(tmp_path, text=text).points()]
+    assert specs == [Speculative("eagle", 3, rate=0.2, seed=7),
+                     Speculative("eagle", 3, distribution=((1, 1.0),), seed=7)]
+
+
 def test_without_speculative_nothing_changes(tmp_path):
     s = load(tmp_path, text=SCENARIO.split("  speculative:")[0])
     assert s.engine_config().speculative is None and s.async_scheduling is True
