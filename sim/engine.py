@@ -136,7 +136,8 @@ class Engine:
         self.lookahead = spec.lookahead if spec is not None else 0
         self.draft_slots = spec.draft_slots if spec is not None else 0
         self.spec_decode_tokens = 0  # this iteration's decoders' tokens (drafts included)
-        self.inputs = _Inputs(workload, spec, allocator.max_model_len)
+        self.inputs = _Inputs(workload, spec, allocator.max_model_len,
+                              async_modelled(config, allocator))
         if spec is not None and self.inputs.groups:
             raise ValueError("speculative decoding: sample groups and beams (n > 1) are not "
                              "modelled")
@@ -320,6 +321,12 @@ class Engine:
             self.released_now = bool(self.held)
             if self.held:
                 self._release_held()  # (async: the previous iteration's output applied)
+            if self.spec is not None and self.asynchronous:
+                for r in self.running:  # (the previous step's rejected drafts, known now)
+                    st = r.spec
+                    assert st is not None
+                    st.computed -= st.rollback
+                    st.rollback = 0
             if not prefill_tokens and not decoders:
                 if (self.running or self.queue) and not (self.preempted_now or self.released_now):
                     raise RuntimeError("engine stalled: requests wait but none can run")
@@ -449,9 +456,9 @@ class Engine:
         alloc, rid = self.alloc, r.req.rid
         stored = alloc.tokens(rid) - unstepped
         st = r.spec
-        if st is not None:  # (its slots run ahead of its computed tokens)
-            stored = st.computed
-            st.computed = st.drafts = st.scheduled = 0
+        if st is not None:  # (its slots run ahead of its computed tokens; async: less those
+            stored = st.computed - st.rollback  # rejected in its step in flight)
+            st.computed = st.drafts = st.scheduled = st.rollback = 0
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
         if r.status == "completed":  # async: done, its last token in flight
             self._drop_held(r)
@@ -486,6 +493,8 @@ class Engine:
         is applied (vLLM's victim is the newest running request, done or not). It is freed
         now and counted as preempted; the token in flight still finishes it."""
         alloc, rid = self.alloc, r.req.rid
+        if r.spec is not None:
+            r.spec.extra = False  # (not scheduled again)
         if r in self.fresh:
             self._log_free(r)
             alloc.free(rid)
@@ -643,7 +652,7 @@ class Engine:
             for r in self.running:
                 r.spec.scheduled = 0  # type: ignore[union-attr]
         for r in list(self.running):
-            if r.status != "running":
+            if r.status != "running" and not (r.spec is not None and r.spec.extra):
                 continue  # preempted by an earlier request's shortage
             rid = r.req.rid
             if spec and alloc.is_decoding(rid):
@@ -952,18 +961,24 @@ class Engine:
         for r in self.running:
             st = r.spec
             assert st is not None
+            st.inflight = 0
             if not st.scheduled:
                 continue
             if r in prefilled:
                 st.delivered += 1
+                st.inflight = 1
             elif self.alloc.is_decoding(r.req.rid):
                 d = st.scheduled - 1
                 a = 0
                 if d:
                     a = min(acceptance.count(r.req.rid, st.verified), d)
                     st.verified += 1
-                st.computed -= d - a
+                if self.asynchronous:  # (vLLM rolls back after the next scheduling)
+                    st.rollback = d - a
+                else:
+                    st.computed -= d - a
                 st.delivered += 1 + a
+                st.inflight = 1 + a
             else:
                 continue  # a chunk partway through its prompt samples nothing
             st.drafts = spec.num_tokens
@@ -988,7 +1003,13 @@ class Engine:
         if r.spec is not None:  # (its slots ran ahead of its tokens)
             r.generated = r.output
         if self.asynchronous:  # it keeps memory and seat through the next scheduling
-            alloc.set_decoding(rid, False)
+            st = r.spec
+            if st is not None:
+                # vLLM schedules it once more unless the one token its step in flight surely
+                # gives reaches the output's length
+                st.extra = st.delivered - st.inflight + 1 < r.output
+            if st is None or not st.extra:
+                alloc.set_decoding(rid, False)
             self.held.append(r)
             if r.user >= 0:
                 self._next_of(r, now)

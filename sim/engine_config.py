@@ -123,9 +123,6 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.speculative is not None and self.batching != "continuous":
             raise ValueError("speculative decoding needs continuous batching")
-        if self.speculative is not None and self.async_scheduling:
-            raise ValueError("speculative decoding is modelled with vLLM's synchronous "
-                             "scheduler only: set async_scheduling false")
 
     @property
     def prefill_chunk_limit(self) -> int:

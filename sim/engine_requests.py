@@ -164,9 +164,9 @@ class _Inputs:
     are made of when each request arrives."""
 
     def __init__(self, workload: pd.DataFrame, spec: Speculative | None = None,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, asynchronous: bool = False) -> None:
         # speculative decoding: each request's allocator request holds `extra_slots` more
-        self.spec, self.max_model_len = spec, max_model_len
+        self.spec, self.max_model_len, self.asynchronous = spec, max_model_len, asynchronous
         for col in ("arrival_s", "prompt_tokens", "output_tokens"):
             if col not in workload.columns:
                 raise ValueError(f"workload has no column {col!r}")
@@ -219,7 +219,8 @@ class _Inputs:
         prefix = tuple(map(int, hashes[i])) if hashes is not None and chunk else ()
         extra = 0
         if self.spec is not None:
-            extra = extra_slots(self.spec, self.prompt[i], self.output[i], self.max_model_len)
+            extra = extra_slots(self.spec, self.prompt[i], self.output[i], self.max_model_len,
+                                self.asynchronous)
         req, lead = slot_request(
             self.rid[i], self.prompt[i], self.output[i] + extra,
             None if mt is None else mt + extra, max(k, width), width > 1, prefix,

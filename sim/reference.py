@@ -63,7 +63,8 @@ def reference(
                 int(row.request_id),
                 int(row.prompt_tokens),
                 int(row.output_tokens) - 1 + lead(row) + extra_slots(
-                    spec, int(row.prompt_tokens), int(row.output_tokens), alloc.max_model_len),
+                    spec, int(row.prompt_tokens), int(row.output_tokens), alloc.max_model_len,
+                    async_modelled(cfg, alloc)),
                 n=int(getattr(row, "n", 1)) * int(getattr(row, "beam_width", 1)),
                 beam=int(getattr(row, "beam_width", 1)) > 1,
                 prefix=tuple(getattr(row, "hash_ids", ())),
@@ -86,6 +87,10 @@ def reference(
             # speculative decoding: tokens computed, outputs delivered, drafts it carries,
             # verifying steps so far, tokens scheduled in this iteration
             "c": 0, "out": 0, "drafts": 0, "verified": 0, "sched": 0,
+            # async: the last step's outputs and rejected drafts, applied after the next
+            # scheduling; "extra": done, but scheduled once more (vLLM could not tell)
+            "inflight": 0, "rollback": 0, "extra": False,
+            "discarded": 0,  # extra steps with drafts (vLLM's model verifies them, unread)
             "output": int(row.output_tokens),
         }
         for order, row in enumerate(workload.itertuples())
@@ -147,18 +152,24 @@ def reference(
         gives 1 + a tokens and rolls its computed tokens back by d - a; a final prefill chunk
         gives the first token. Each that sampled carries k drafts into its next step."""
         for r in running:
+            r["inflight"] = 0
             if not r["sched"]:
                 continue
             if r in done_prefill:
                 r["out"] += 1
+                r["inflight"] = 1
             elif alloc.is_decoding(r["rid"]):
                 d = r["sched"] - 1
                 a = 0
                 if d:
                     a = min(acceptance.count(r["rid"], r["verified"]), d)
                     r["verified"] += 1
-                r["c"] -= d - a
+                if asynchronous:  # (vLLM rolls back after the next scheduling)
+                    r["rollback"] = d - a
+                else:
+                    r["c"] -= d - a
                 r["out"] += 1 + a
+                r["inflight"] = 1 + a
             else:
                 continue  # a chunk partway through its prompt samples nothing
             r["drafts"] = spec.num_tokens
@@ -183,11 +194,12 @@ def reference(
 
     def preempt(r, unstepped=False, scheduled=False):
         stored = alloc.tokens(r["rid"]) - unstepped  # (a decoder stepped before its turn)
-        if spec:  # (its slots run ahead of its computed tokens)
-            stored, r["drafts"], r["sched"] = r["c"], 0, 0
-            r["c"] = 0
+        if spec:  # (its slots run ahead of its computed tokens; async: less those rejected)
+            stored, r["drafts"], r["sched"] = r["c"] - r["rollback"], 0, 0
+            r["c"] = r["rollback"] = 0
         r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))
         if r in held:  # async: its last token is in flight; it finishes, not resumed
+            r["extra"] = False
             free(r, stored)
             held.remove(r)
             running.remove(r)
@@ -284,7 +296,7 @@ def reference(
             stepped, chunks, seconds = stepped - n, chunks - back, seconds - back_s
             return grew
         for r in list(running):
-            if r["status"] != "running":
+            if r["status"] != "running" and not r["extra"]:
                 continue  # preempted by an earlier request's shortage
             n = r["req"].n
             if spec and alloc.is_decoding(r["rid"]):
@@ -301,6 +313,7 @@ def reference(
                 if not more or grow(r, more):
                     r["c"] += tokens
                     r["sched"] = tokens
+                    r["discarded"] += r["extra"] and tokens > 1
                     stepped += tokens
                     took.add(r["rid"])
                 continue
@@ -500,6 +513,9 @@ def reference(
             alloc.free(r["rid"])
             running.remove(r)
         held.clear()
+        for r in running if spec and asynchronous else ():
+            r["c"] -= r["rollback"]  # (step k-1's rejected drafts, known now)
+            r["rollback"] = 0
         if not decoders and not used:
             assert (not running and not queue) or preempted[0] or released
             continue  # everything waiting was rejected, or it only preempted: no iteration
@@ -538,6 +554,14 @@ def reference(
                 r["status"], r["finished"] = "completed", t
                 r["generated"] = r["output"]
                 r["peak"] = max(r["peak"], alloc.allocated_bytes(rid))
+                if asynchronous:
+                    # freed after the next scheduling; vLLM schedules it once more unless the
+                    # one token its step in flight surely gives reaches the output's length
+                    r["extra"] = r["out"] - r["inflight"] + 1 < r["output"]
+                    if not r["extra"]:
+                        alloc.set_decoding(rid, False)
+                    held.append(r)
+                    continue
                 alloc.free(rid)
                 running.remove(r)
             elif spec:

@@ -474,11 +474,8 @@ class Scenario(_Frozen):
     @property
     def async_scheduling(self) -> bool:
         """`engine.async_scheduling` resolved: vLLM's default (true) unless an allocator is
-        hybrid, whose async scheduling is not modelled yet (then false, for all of them), or
-        speculative decoding is on (modelled with the synchronous scheduler only)."""
+        hybrid, whose async scheduling is not modelled yet (then false, for all of them)."""
         e = self.engine.async_scheduling
-        if e is None and self.engine.speculative is not None:
-            return False
         return (not self._has_hybrid) if e is None else e
 
     def engine_config(self) -> EngineConfig:

@@ -128,7 +128,8 @@ class SpecState:
     """A request's progress under speculative decoding, beside the slots its allocator holds
     (which run ahead of it: drafts, lookahead, rejected tokens' slots)."""
 
-    __slots__ = ("computed", "delivered", "drafts", "scheduled", "verified")
+    __slots__ = ("computed", "delivered", "drafts", "extra", "inflight", "rollback", "scheduled",
+                 "verified")
 
     def __init__(self) -> None:
         self.computed = 0  # tokens whose KV is stored (vLLM's num_computed_tokens)
@@ -136,14 +137,24 @@ class SpecState:
         self.drafts = 0  # drafts it carries into its next step (k once it has sampled)
         self.scheduled = 0  # tokens scheduled for it in this iteration
         self.verified = 0  # steps that verified drafts: the next accepted count's index
+        # Async scheduling: the outputs of its step in flight and its rejected drafts (vLLM
+        # rolls them back after the next scheduling), and whether, done, it is scheduled once
+        # more (vLLM could not tell it was done)
+        self.inflight = 0
+        self.rollback = 0
+        self.extra = False
 
 
-def extra_slots(spec: Speculative | None, prompt: int, output: int, max_model_len: int) -> int:
+def extra_slots(spec: Speculative | None, prompt: int, output: int, max_model_len: int,
+                asynchronous: bool = False) -> int:
     """Slots a request may hold past the P + O - 1 its tokens need: the last step's drafts
-    and the lookahead, within max_model_len (vLLM caps the slots it allocates there)."""
+    and the lookahead (async scheduling: also the drafts of the step in flight, taken as
+    accepted, and the step vLLM schedules after the last one), within max_model_len (vLLM
+    caps the slots it allocates there)."""
     if spec is None:
         return 0
-    return min(spec.num_tokens + spec.lookahead, max(max_model_len - prompt - output + 1, 0))
+    extra = spec.num_tokens + spec.lookahead + (spec.num_tokens + 1) * asynchronous
+    return min(extra, max(max_model_len - prompt - output + 1, 0))
 
 
 def acceptance_for(spec: Speculative, workload) -> Acceptance:

@@ -208,9 +208,6 @@ def refusal(spec: SpeculativeSpec, scenario: Any) -> tuple[tuple[str | int, ...]
     """(field, message) of what speculative decoding does not run with in `scenario`
     (a `Scenario` being validated), or None."""
     e = scenario.engine
-    if e.async_scheduling:
-        return (("engine", "async_scheduling"), "speculative decoding is modelled with vLLM's "
-                "synchronous scheduler only: leave the key out or set it false")
     if e.batching != "continuous":
         return (("engine", "batching"), "speculative decoding needs continuous batching "
                 "(static batching with engine.speculative is not modelled)")

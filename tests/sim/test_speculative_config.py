@@ -53,7 +53,7 @@ def test_keys_reach_the_engine(tmp_path):
     s = load(tmp_path)
     cfg = s.engine_config()
     assert cfg.speculative == Speculative("eagle", 3, rate=0.7, seed=7)  # the workload's seed
-    assert cfg.async_scheduling is False  # left out: the synchronous scheduler
+    assert cfg.async_scheduling is True  # left out: vLLM's server default
     dist = load(tmp_path, ["engine.speculative.acceptance={distribution: [[0, 0.2], [1, 0.3], "
                            "[3, 0.5]]}", "engine.speculative.seed=3",
                            "engine.speculative.method=ngram"]).engine_config().speculative
@@ -108,9 +108,6 @@ def test_without_speculative_nothing_changes(tmp_path):
     (["engine.speculative.method=ngram", "engine.speculative.draft_layers=1"],
      r"engine\.speculative\.draft_layers: ngram proposes drafts from the prompt"),
     (["engine.speculative.window=4"], r"engine\.speculative\.window: unknown key 'window'"),
-    (["engine.async_scheduling=true"],
-     r"engine\.async_scheduling: speculative decoding is modelled with vLLM's synchronous "
-     r"scheduler only"),
     (["engine.batching=static"], r"engine\.batching: speculative decoding needs continuous"),
     (["allocators.paged-16.kind=prefix-caching"],
      r"allocators\[0\]: allocator 'paged-16': prefix caching with engine\.speculative is not "
