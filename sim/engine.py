@@ -33,7 +33,7 @@ Iteration semantics (the reference the tests hold the fast path to):
 
 Async scheduling (`async_scheduling`, vLLM's AsyncScheduler and its server's default; continuous
 batching): vLLM schedules step k before step k-1's output is back, so for requests that end by
-their output length (kvfrag's) three things differ from the synchronous scheduler, and nothing
+their output length (kvfrag's) four things differ from the synchronous scheduler, and nothing
 else (tests/oracle/test_async_match.py):
 - A request that stored its final token is done (its finish time is unchanged) but keeps its
   memory and its seat through the next iteration's scheduling (vLLM skips it: its last token is
@@ -42,9 +42,11 @@ else (tests/oracle/test_async_match.py):
   preempted, freed, and finishes all the same (its token in flight is delivered).
 - A preempted decoder's KV holds its processed tokens only (computed less the one in flight):
   prefix caching keeps only the full blocks within them (`Allocator.free_preempted`).
+- The hybrid allocator's windows free by the tokens processed, computed less those in flight
+  (`Allocator.set_async`, the in-flight tokens passed to `grow`: a decoder's token, a prompt's
+  previous chunk; tests/oracle/test_hybrid_async_match.py).
 A preempted decoder resumes with the same tokens as in the synchronous scheduler (its token in
-flight is delivered before it is resumed). Not modelled for the hybrid allocator yet
-(`ASYNC_NOT_MODELLED`: it runs synchronously).
+flight is delivered before it is resumed).
 
 With `policy="priority"` (vLLM's `SchedulingPolicy.PRIORITY`) the queue is ordered by (priority,
 arrival, workload order), a lower value first, and a preempted request goes back in by that
@@ -172,6 +174,12 @@ class Engine:
         # seat through this iteration's scheduling; those whose prefill ended then (their
         # last step did not decode); whether this turn freed any of the held.
         self.asynchronous = async_modelled(config, allocator)
+        if self.asynchronous:
+            allocator.set_async()
+        # async: rid -> prefill tokens scheduled this iteration, and in the previous one (in
+        # flight: a windowed group frees by the tokens processed, `Allocator.grow`)
+        self.chunks_now: dict[int, int] = {}
+        self.chunks_prev: dict[int, int] = {}
         self.held: list[_Req] = []
         self.fresh: list[_Req] = []
         self.released_now = False
@@ -306,6 +314,8 @@ class Engine:
                 env.timeout(wait).callbacks.append(self._waited)
                 return
             self.preempted_now = False
+            if self.asynchronous:
+                self.chunks_prev, self.chunks_now = self.chunks_now, {}
             self.prefill_attn_s = 0.0
             self.tokenless = self.tokenless_kv = 0
             if self.spec is not None or self._prefill_ahead():
@@ -409,7 +419,8 @@ class Engine:
         grant, or None when `r` went; the sequences and prefill tokens given back to the token
         budget by victims scheduled earlier in the walk)."""
         seqs = chunks = 0
-        while isinstance(grant := self.alloc.grow(r.req.rid, tokens), Refusal):
+        while isinstance(grant := self.alloc.grow(r.req.rid, tokens, self._in_flight(r)),
+                         Refusal):
             victim = self._victim()
             back, back_chunk = self._preempt_walked(victim, stepped, granted)
             seqs += back
@@ -417,6 +428,16 @@ class Engine:
             if victim is r:
                 return None, seqs, chunks
         return grant, seqs, chunks
+
+    def _in_flight(self, r: _Req) -> int:
+        """Async: `r`'s tokens scheduled in the previous iteration, its output not applied
+        yet (a decoder's token; a prompt's chunk); 0 when synchronous."""
+        if not self.asynchronous:
+            return 0
+        got = self.chunks_prev.get(r.req.rid)
+        if got is not None:
+            return got
+        return 1 if self.alloc.is_decoding(r.req.rid) else 0
 
     def _preempt_walked(self, victim: _Req, stepped: set[_Req],
                         granted: dict[_Req, tuple[int, float]]) -> tuple[int, int]:
@@ -586,6 +607,8 @@ class Engine:
             if reason is None and chunk <= room:
                 del self.queue[i]
                 used += chunk
+                if self.asynchronous:
+                    self.chunks_now[r.req.rid] = chunk
                 scheduled += 1
                 continue
             if reason is not None and reason in _NEVER:
@@ -719,6 +742,8 @@ class Engine:
                 r.prefill_left -= chunk
                 chunks += chunk
                 granted[r] = (chunk, attention)
+                if self.asynchronous:
+                    self.chunks_now[rid] = chunk
                 if last:
                     self.prefilling.remove(r)
                     self.prefilled.append(r)
@@ -755,9 +780,8 @@ class Engine:
             if self.chunk_cost:  # (its attention runs even when a preemption discards it)
                 attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
                 self.prefill_attn_s += attention
-            while isinstance(
-                grant := self.alloc.grow(r.req.rid, chunk + (r.lead if last else 0)), Refusal
-            ):
+            while isinstance(grant := self.alloc.grow(
+                    r.req.rid, chunk + (r.lead if last else 0), self._in_flight(r)), Refusal):
                 victim = self._victim()
                 # vLLM schedules running requests in admission order: a decoder after this
                 # one had not taken its token yet, nor its share of the budget (policy
@@ -781,6 +805,8 @@ class Engine:
                 self._log_op("grow", r.req.rid, grant.nbytes, -1, grant.blocks)
                 r.prefill_left -= chunk
                 used += chunk
+                if self.asynchronous:
+                    self.chunks_now[r.req.rid] = chunk
                 if self.by_priority:
                     granted[r] = (chunk, attention)
                 if last:

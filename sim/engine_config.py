@@ -132,8 +132,9 @@ class EngineConfig:
 
 
 #: Allocator kinds whose behaviour under async scheduling is not modelled yet: they run as
-#: vLLM's synchronous scheduler would (vLLM frees sliding-window blocks over processed tokens).
-ASYNC_NOT_MODELLED = frozenset({"hybrid"})
+#: vLLM's synchronous scheduler would. None today (the hybrid allocator frees its windows by
+#: the tokens processed, `Allocator.set_async`).
+ASYNC_NOT_MODELLED: frozenset[str] = frozenset()
 
 
 def async_modelled(config: EngineConfig, allocator: Allocator) -> bool:

@@ -133,6 +133,18 @@ def reference(
         return sum(r["req"].n for r in running)
 
     asynchronous = async_modelled(cfg, alloc)
+    if asynchronous:
+        alloc.set_async()
+    # async: rid -> prefill tokens scheduled in this iteration, and in the previous one
+    chunks_now: dict = {}
+    chunks_prev: dict = {}
+
+    def in_flight(r) -> int:
+        """Async: r's tokens scheduled in the previous iteration, whose output is not applied
+        yet (a decoder's token, a prompt's chunk): what `grow` frees by."""
+        if not asynchronous:
+            return 0
+        return chunks_prev.get(r["rid"], int(alloc.is_decoding(r["rid"])))
     held: list = []  # async: done, holding memory and seat through the next scheduling
     fresh: set = set()  # rids whose prefill ended in the last iteration (they did not decode)
 
@@ -258,7 +270,7 @@ def reference(
         the sequences, prefill tokens and attention seconds given back)."""
         n = back = 0
         back_s = 0.0
-        while not alloc.grow(r["rid"], tokens):
+        while not alloc.grow(r["rid"], tokens, in_flight(r)):
             v = victim()
             dn, db, ds = preempt_walked(v, took, granted, done_prefill)
             n, back, back_s = n + dn, back + db, back_s + ds
@@ -344,6 +356,7 @@ def reference(
                 r["left"] -= chunk
                 chunks += chunk
                 granted[r["rid"]] = (chunk, spent)
+                chunks_now[r["rid"]] = chunk
                 if last:
                     prefilling.remove(r)
                     done_prefill.append(r)
@@ -366,6 +379,9 @@ def reference(
             t = pending[0]["arrival"]
             continue
         preempted[0] = False
+        chunks_prev.clear()
+        chunks_prev.update(chunks_now)
+        chunks_now.clear()
         counts.update(dict.fromkeys(COUNTS, 0))
         evictions = alloc.evictions
         # vLLM's long-prefill cap, waived when one request runs or waits
@@ -414,7 +430,7 @@ def reference(
             seconds = st_.prefill_s(chunk, r["prefill"] - r["left"])
             attention += seconds
             ok = True
-            while not alloc.grow(r["rid"], chunk + r["lead"] * last):
+            while not alloc.grow(r["rid"], chunk + r["lead"] * last, in_flight(r)):
                 v = victim()
                 # a decoder after r in admission order: no token this iteration (priority:
                 # one before r gives its token back, and so does a prefill chunk before r)
@@ -438,6 +454,7 @@ def reference(
                 r["left"] -= chunk
                 used += chunk
                 granted[r["rid"]] = (chunk, seconds)
+                chunks_now[r["rid"]] = chunk
                 if last:
                     prefilling.remove(r)
                     done_prefill.append(r)
@@ -488,6 +505,7 @@ def reference(
                 if grant:
                     del queue[i]
                     used += chunk
+                    chunks_now[r["rid"]] = chunk
                     attention += st_.prefill_s(chunk, hit)
                     counts["admitted"] += 1
                     counts["prefix_hit_tokens"] += hit

@@ -340,6 +340,10 @@ class Allocator(ABC):
         self._top: tuple[int, int] | None = None
         self._top_ok = True
         self.frees = 0  # how many frees so far: memory can only come back through one
+        # Async scheduling (`set_async`): whether a decoder's last token is in flight when it
+        # steps, and the tokens in flight of the request `grow` is growing now
+        self.asynchronous = False
+        self.in_flight_now = 0
         # A hybrid model's layers, where it has sliding or chunked ones (`view_model`): the
         # out-of-window bytes of the tokens kept, moved from token_states into internal.
         self._view: ModelView | None = None
@@ -562,9 +566,13 @@ class Allocator(ABC):
                 self.set_decoding(req.rid, True)
         return result
 
-    def grow(self, rid: int, n: int = 1) -> Grant | Refusal:
-        """Add `n` tokens to one request, allocating if it needs more room."""
+    def grow(self, rid: int, n: int = 1, in_flight: int = 0) -> Grant | Refusal:
+        """Add `n` tokens to one request, allocating if it needs more room. `in_flight` (async
+        scheduling): its tokens scheduled in the previous step, whose output is not applied
+        yet; vLLM frees a sliding window's blocks over the tokens processed, computed less
+        those (`in_flight_now`, read by the hybrid allocator)."""
         live = self._get(rid)
+        self.in_flight_now = in_flight
         old = self.tokens(rid)
         if n < 1 or old + n > live.final:
             raise ValueError(f"request {rid}: cannot grow {old} by {n} past {live.final} tokens")
@@ -665,6 +673,13 @@ class Allocator(ABC):
         if self._view is not None:
             self._view.stepped(self._clock)
         self._stepped()
+
+    def set_async(self) -> None:
+        """The engine schedules asynchronously (vLLM's AsyncScheduler): each allocation of a
+        request scheduled in the previous step comes with that step's tokens in flight (a
+        decode step: one; `grow`'s `in_flight` otherwise). Only where what is freed depends
+        on the tokens processed (the hybrid allocator's windows) does it change anything."""
+        self.asynchronous = True
 
     def evict_idle(self) -> None:
         """Evict every idle cached block (its id becomes a plain free block): decoders that

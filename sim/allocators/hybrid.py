@@ -32,8 +32,15 @@ admission of T tokens holds every block of them (P = 0) until the request's next
 `grow(old -> new)` frees by P = old then takes blocks up to `new`; a decode step from L to L + 1
 frees by P = L. So a decoder of L tokens holds ceil(L / bs) - floor(max(0, L - W) / bs) blocks
 per sliding group, except right after it joins the cohort, when its prefill's blocks are still
-held (vLLM frees them at the first decode step: issue #30166). No async scheduling is modelled:
-no tokens are in flight when blocks are freed.
+held (vLLM frees them at the first decode step: issue #30166).
+
+Async scheduling (`set_async`, vLLM's AsyncScheduler): vLLM frees by the tokens *processed*,
+computed less those in flight (`allocate_slots` passes `num_computed_tokens -
+num_in_flight_tokens` to `remove_skipped_blocks`): the tokens scheduled for the request in the
+previous step, whose output is not applied yet. A chunk grows by P = old - the previous chunk
+(`grow`'s `in_flight`, from the engine: 0 when the request was not scheduled then); a decoder's
+first step frees by the tokens before its final chunk, every later one by P = L - 1 (its last
+token in flight): the cohort's `lag`.
 
 The coordinator (vLLM's `kv_cache_coordinator.py` / `kv_cache_manager.py`) sums over groups:
 an allocation is granted when the blocks it takes, less the blocks it frees first, fit in the
@@ -179,6 +186,10 @@ class HybridAllocator(Allocator):
         self._stack_ids = FreeIds(self.plan.num_blocks)
         self._stack_ids.pop()  # block 0: the null block
         self._proc: dict[int, int] = {}  # rid -> tokens processed at its last allocation
+        # Async scheduling: a decoder's last token is in flight when it steps (1; 0: not async)
+        self._lag = 0
+        self._last_n: dict[int, int] = {}  # async: rid -> tokens its last allocation scheduled
+        self._first: dict[int, int] = {}  # async: decoder rid -> processed at its first step
         # rid -> the parts (`_parts_of`) a request outside the cohort adds to the running
         # totals, as added: taken out again as they are, not recounted
         self._held: dict[int, tuple[int, ...]] = {}
@@ -212,7 +223,9 @@ class HybridAllocator(Allocator):
         rid = live.req.rid
         tokens = self._tokens_of(live)
         if live.decoding and self._joined[rid] != self._clock:
-            return tokens, tokens - 1
+            if self._lag and self._joined[rid] == self._clock - 1:
+                return tokens, self._first[rid]
+            return tokens, tokens - 1 - self._lag
         return tokens, self._proc[rid]
 
     def _blocks(self, tokens: int, processed: int) -> int:
@@ -327,7 +340,7 @@ class HybridAllocator(Allocator):
         lo = max(1, final - max(m.peak_span() for m in self.managers))
         # Full groups only grow; sliding/chunked counts repeat with the block size, and are
         # largest by the end unless the request ends inside its first window; Mamba's hold.
-        peak = max(self._blocks(t, t - 1) for t in range(lo, final + 1))
+        peak = max(self._blocks(t, max(0, t - 1 - self._lag)) for t in range(lo, final + 1))
         return peak > self.num_blocks
 
     def summary_stats(self) -> dict[str, float | int]:
@@ -342,6 +355,14 @@ class HybridAllocator(Allocator):
 
     def defer_block_ids(self) -> None:
         self._deferred = True
+
+    def set_async(self) -> None:
+        """Async scheduling: free by the tokens processed (see the module)."""
+        if self._live:
+            raise ValueError("set_async before any request is admitted")
+        super().set_async()
+        self._lag = 1
+        self._cohort.set_lag(1)
 
     # ------------------------------------------------------------------ block ids
     def group_tables(self, rid: int) -> list[tuple[int, ...]]:
@@ -423,6 +444,7 @@ class HybridAllocator(Allocator):
         if need > self.free_blocks():
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
         self._proc[rid] = 0
+        self._last_n[rid] = tokens
         self._admissions += 1
         self._rank[rid] = self._admissions
         ids = self._name_new(live, tokens, 0)
@@ -435,18 +457,20 @@ class HybridAllocator(Allocator):
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
         held = self._held[rid]  # (its parts at (old, processed), as added)
-        want = self._blocks(new, old)
+        proc = max(0, old - self.in_flight_now) if self._lag else old
+        want = self._blocks(new, proc)
         if want - held[0] > self.free_blocks():
             return Refusal(rid, Reason.OUT_OF_MEMORY, (want - held[0]) * self.page,
                            self.free_bytes())
         taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
                     for m in self.managers)
-        ids = self._name_new(live, new, old)
-        parts = self._parts_of(new, old, live.final)
+        ids = self._name_new(live, new, proc)
+        parts = self._parts_of(new, proc, live.final)
         self._add_fixed(held, -1)
         self._add_fixed(parts, 1)
         self._held[rid] = parts
-        self._proc[rid] = old
+        self._proc[rid] = proc
+        self._last_n[rid] = new - old
         self._changed()
         return Grant(rid, taken * self.page, live.cap, blocks=ids)
 
@@ -461,6 +485,8 @@ class HybridAllocator(Allocator):
         self._rank.pop(rid, None)
         self._proc.pop(rid, None)
         self._joined.pop(rid, None)
+        self._last_n.pop(rid, None)
+        self._first.pop(rid, None)
         self._changed()
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
@@ -469,12 +495,19 @@ class HybridAllocator(Allocator):
             held = self._held.pop(rid)
             self._add_fixed(held, -1)
             self._joined[rid] = self._clock
-            self._cohort.join(rid, live.base, live.final, self._proc[rid], self._clock, held)
+            first = -1
+            if self._lag:  # its first step frees by the tokens before its last allocation
+                first = self._first[rid] = live.base + self._clock - self._last_n.get(rid, 1)
+            self._cohort.join(rid, live.base, live.final, self._proc[rid], self._clock, held,
+                              first)
         else:
             self._cohort.leave(rid, self._clock)
             joined = self._joined.pop(rid)
             if joined != self._clock:  # stepped since joining: processed all but the last
-                self._proc[rid] = live.base - 1
+                tokens = live.base
+                self._proc[rid] = (self._first[rid] if self._lag and joined == self._clock - 1
+                                   else tokens - 1 - self._lag)
+                self._last_n[rid] = 1
             parts = self._parts_of(live.base, self._proc[rid], live.final)
             self._held[rid] = parts
             self._add_fixed(parts, 1)

@@ -34,6 +34,10 @@ with the decoders of each residue, so that:
 
 A decoder in the clock it joined holds its prefill's blocks (vLLM frees them at its first
 decode step): its parts differ from the form above at that clock only, kept as a correction.
+
+Async scheduling (`set_lag(1)`): vLLM frees by the tokens processed, its last token in flight:
+a decoder of L tokens has processed L - 1 - lag, and its first step frees by the tokens before
+its final chunk (that chunk in flight), a second correction, at the clock after it joined.
 """
 
 from __future__ import annotations
@@ -118,15 +122,8 @@ class Cohort:
                 self.vecs.append(v)
         self.windowed = tuple(m for m in self.managers if m.frees)
         self.chunked = tuple(m for m in self.managers if m.kind == "chunked_local")
-        # Event lengths: window edges and chunk sizes, of managers and promoted layers.
-        windows = {m.window for m in self.managers if m.kind == "sliding_window"}
-        chunks = {m.window for m in self.chunked}
-        for view in views:
-            if view is not None:
-                windows.update(w for w, _ in view.sliding)
-                chunks.update(c for c, _ in view.chunked)
-        self.windows = tuple(sorted(windows))
-        self.chunks = tuple(sorted(chunks))
+        self.lag = 0  # async scheduling: a decoder's last token in flight (`set_lag`)
+        self._events_at()
         #: block sizes whose reserved slots stop at the final length's block
         self.reserving = tuple(sorted({m.block_size for m in self.managers if m.token_bytes}))
         self.blocks_vec = [v[0] for v in self.vecs]
@@ -139,6 +136,29 @@ class Cohort:
         self.m_window = [m.window for m in self.managers]
         self.m_pad = [m.groups * page - m.block_size * m.token_bytes for m in self.managers]
         self.clear()
+
+    def _events_at(self) -> None:
+        """Event lengths: window edges and chunk starts, of managers and promoted layers (a
+        manager's frees start `lag` tokens later than what its layers read)."""
+        lag = self.lag
+        windows = {m.window for m in self.managers if m.kind == "sliding_window"}
+        windows.update(m.window + lag for m in self.managers if m.kind == "sliding_window")
+        starts = {(m.window, 1) for m in self.chunked}
+        starts.update((m.window, 1 + lag) for m in self.chunked)
+        for view in self.views:
+            if view is not None:
+                windows.update(w for w, _ in view.sliding)
+                starts.update((c, 1) for c, _ in view.chunked)
+        self.windows = tuple(sorted(windows))
+        self.chunk_starts = tuple(sorted(starts))
+
+    def set_lag(self, lag: int) -> None:
+        """Async scheduling (lag 1): decoders free by L - 1 - lag processed (see the module).
+        Before any decoder joins."""
+        assert not self.recs
+        self.lag = lag
+        self._slopes = {}
+        self._events_at()
 
     # ------------------------------------------------------------------ one request
     def _skipped(self, i: int, processed: int) -> int:
@@ -213,6 +233,14 @@ class Cohort:
         self.fresh_corr = [0] * width
         self.fresh_clock = -1
         self.prev_fresh: dict[int, int] = {}  # decoders that joined at clock - 1 -> processed
+        # async: decoders that joined at `fresh_clock` -> (processed at their first step, its
+        # parts less their form's then); those that joined at `first_clock` - 1, at it now
+        self.first_next: dict[int, tuple[int, list[int]]] = {}
+        self.first_next_corr = [0] * width
+        self.first_now: dict[int, tuple[int, list[int]]] = {}
+        self.first_now_corr = [0] * width
+        self.first_clock = -1
+        self.prev_first: dict[int, int] = {}  # those at their first step at clock - 1
         self.switched_clock = -1  # clock at which `switched` decoders reached their window
         self.switched = [0] * len(self.mods)
         self.freed_clock = -1  # a chunked group freed a block at the step into this clock
@@ -232,17 +260,18 @@ class Cohort:
 
     def _build(self, rid: int, c: int, final: int, clock: int,
                now: tuple[int, ...] | None = None) -> tuple[_Rec, tuple[int, ...]]:
-        """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 processed), and its
-        parts then (`now`: those parts where the caller has them)."""
+        """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 - lag processed),
+        and its parts then (`now`: those parts where the caller has them)."""
         rec = _Rec(c, final)
         tokens = c + clock
+        lag = self.lag
         terms = [(k, c + self.mods[k] - 1) for k in range(self.n_ceil)]
-        terms.extend((k, c - w) for k, w, _ in self.sliding if tokens >= w)
+        terms.extend((k, c - w - lag) for k, w, _ in self.sliding if tokens - lag >= w)
         rec.terms = terms
         nxt, rec.light = self._next_event(tokens, final)
         width = self.width
         if now is None:
-            now = self.parts_of(tokens, tokens - 1, final)
+            now = self.parts_of(tokens, max(0, tokens - 1 - lag), final)
         tv = self._term_value(rec, clock)
         # The slope depends only on the windows passed (out-of-window tokens grow by their
         # layers' bytes per token; every other figure moves by terms or stays): measured once.
@@ -250,7 +279,7 @@ class Cohort:
         s = self._slopes.get(passed)
         if s is None:
             if nxt > tokens + 1 and tokens < final:
-                after = self.parts_of(tokens + 1, tokens, final)
+                after = self.parts_of(tokens + 1, tokens - lag, final)
                 tv1 = self._term_value(rec, clock + 1)
                 s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
                 self._slopes[passed] = s
@@ -261,22 +290,25 @@ class Cohort:
         rec.a = [now[i] - s[i] * clock - tv[i] for i in range(width)]
         rec.event = NEVER if nxt == NEVER else nxt - c
         # frees no term counts: an in-window sliding decoder's first, a chunked one's next
+        # (lag: a step to L frees as a synchronous one to L - lag: lengths shifted by lag)
         nf = NEVER
         last = 0
+        at, end = max(1, tokens - lag), final - lag
         for m in self.windowed:
             if m.kind == "sliding_window":
-                if tokens < m.window:
-                    t = m.next_free(tokens, final)
+                if at < m.window:
+                    t = m.next_free(at, end)
                     if t is not None and tokens + t < nf:
                         nf = tokens + t
-                k_last = (final - m.window) // m.block_size
+                k_last = (end - m.window) // m.block_size
                 if k_last >= 1:
-                    last = max(last, m.window + k_last * m.block_size)
+                    last = max(last, m.window + k_last * m.block_size + lag)
             else:
-                t = m.next_free(tokens, final)
+                t = m.next_free(at, end)
                 if t is not None:
                     nf = min(nf, tokens + t)
-                    last = max(last, _last_chunk_free(m, tokens, final))
+                    got = _last_chunk_free(m, at, end)
+                    last = max(last, got + lag if got else 0)
         rec.nf = NEVER if nf == NEVER else nf - c
         rec.last = last - c if last > tokens else -1
         return rec, now
@@ -290,8 +322,8 @@ class Cohort:
             if w > tokens:
                 nxt = w
                 break
-        for ch in self.chunks:
-            x = tokens + 1 + (1 - tokens - 1) % ch
+        for ch, r in self.chunk_starts:
+            x = tokens + 1 + (r - tokens - 1) % ch
             if x < nxt:
                 nxt = x
         light = False
@@ -363,22 +395,42 @@ class Cohort:
         decoders, whose first step `steps_until_shrink` looks at)."""
         if self.fresh_clock != clock:
             self._changes += 1
+            follows = self.fresh_clock == clock - 1
             self.prev_fresh = ({rid: p for rid, (p, _) in self.fresh.items()}
-                               if self.fresh_clock == clock - 1 else {})
+                               if follows else {})
             self.fresh = {}
             self.fresh_corr = [0] * self.width
+            if self.lag:
+                self.prev_first = ({rid: p for rid, (p, _) in self.first_now.items()}
+                                   if self.first_clock == clock - 1 else {})
+                self.first_now = self.first_next if follows else {}
+                self.first_now_corr = self.first_next_corr if follows else [0] * self.width
+                self.first_clock = clock
+                self.first_next = {}
+                self.first_next_corr = [0] * self.width
             self.fresh_clock = clock
 
     def join(self, rid: int, c: int, final: int, processed: int, clock: int,
-             held: tuple[int, ...]) -> None:
+             held: tuple[int, ...], first: int = -1) -> None:
         """A decoder joins at `clock` holding what its prefill left (`processed` computed;
         `held`: its parts then, `parts_of(c + clock, processed, final)`, as the coordinator
-        counted them outside the cohort)."""
+        counted them outside the cohort). `first` (lag): processed at its first step."""
         self._rotate(clock)
         tokens = c + clock
-        rec, form = self._build(rid, c, final, clock, held if processed == tokens - 1 else None)
+        lag = self.lag
+        formed = tokens - 1 - lag
+        rec, form = self._build(rid, c, final, clock, held if processed == formed else None)
         self._enter(rid, rec)
-        if processed != tokens - 1:
+        if lag and first != tokens - lag and tokens < final:
+            exact = self.parts_of(tokens + 1, first, final)
+            formed1 = self.parts_of(tokens + 1, tokens - lag, final)  # (its form, exact)
+            diff1 = [x - y for x, y in zip(exact, formed1, strict=True)]
+            self.first_next[rid] = (first, diff1)
+            self._changes += 1
+            corr = self.first_next_corr
+            for i in range(self.width):
+                corr[i] += diff1[i]
+        if processed != formed:
             diff = [x - y for x, y in zip(held, form, strict=True)]
             self.fresh[rid] = (processed, diff)
             self._changes += 1
@@ -397,6 +449,14 @@ class Cohort:
             for i in range(self.width):
                 corr[i] -= got[1][i]
         self.prev_fresh.pop(rid, None)
+        self.prev_first.pop(rid, None)
+        for pending, corr in ((self.first_next, self.first_next_corr),
+                              (self.first_now, self.first_now_corr)):
+            got = pending.pop(rid, None)
+            if got is not None:
+                self._changes += 1
+                for i in range(self.width):
+                    corr[i] -= got[1][i]
 
     def stepped(self, clock: int) -> None:
         """The clock is `clock`: rebuild the decoders whose event it has reached."""
@@ -416,13 +476,13 @@ class Cohort:
             tokens = rec.c + clock
             if key == clock:
                 for k, w, _ in self.sliding:
-                    if tokens == w:  # (its skipped blocks' term starts at 0 now)
+                    if tokens - self.lag == w:  # (its skipped blocks' term starts at 0 now)
                         if self.switched_clock != clock:
                             self.switched_clock = clock
                             self.switched = [0] * len(self.mods)
                         self.switched[k] += 1
-                if any(m.skipped_blocks(tokens - 1) > m.skipped_blocks(tokens - 2)
-                       for m in self.chunked):
+                p = tokens - 1 - self.lag
+                if any(m.skipped_blocks(p) > m.skipped_blocks(p - 1) for m in self.chunked):
                     self.freed_clock = clock
 
     # ------------------------------------------------------------------ figures
@@ -469,6 +529,10 @@ class Cohort:
             corr = self.fresh_corr
             for i in range(self.width):
                 out[i] += corr[i]
+        if self.first_clock == clock and self.first_now:
+            corr = self.first_now_corr
+            for i in range(self.width):
+                out[i] += corr[i]
         return out
 
     def blocks(self, clock: int) -> int:
@@ -479,6 +543,8 @@ class Cohort:
                 total += b * fs.value(clock)
         if self.fresh_clock == clock and self.fresh:
             total += self.fresh_corr[0]
+        if self.first_clock == clock and self.first_now:
+            total += self.first_now_corr[0]
         return total
 
     def _rec_blocks(self, rec: _Rec, clock: int) -> int:
@@ -518,6 +584,10 @@ class Cohort:
                     sums[i] += v[i] * val
         for rid in self._ending_by(clock + n):
             self._walk_events(rid, clock, n, w0, w1, sums)
+        if n and self.fresh_clock == clock and self.first_next:  # (their first step: j = 1)
+            corr = self.first_next_corr
+            for i in range(6):
+                sums[i] += w0 * corr[i]
         return sums
 
     def _walk_events(self, rid: int, clock: int, n: int, w0: float, w1: float,
@@ -547,7 +617,17 @@ class Cohort:
         n_ceil, sums, bv = self.n_ceil, self.sums, self.blocks_vec
         now = self.blocks(clock)
         limit = now + free
-        taken = 0  # blocks the ceil terms take over the whole stretch: frees only lower it
+        lag = self.lag
+        # blocks the ceil terms take over the whole stretch: frees only lower it (async: and
+        # what the first steps' corrections may add, `first_*`)
+        taken = 0
+        first_next = self.first_next if lag and self.fresh_clock == clock else {}
+        first_now = self.first_now if lag and self.first_clock == clock else {}
+        if lag:
+            if self.fresh_clock == clock:
+                taken += max(0, -self.fresh_corr[0]) + max(0, self.first_next_corr[0])
+            if first_now:
+                taken += max(0, -self.first_now_corr[0])
         for k in range(n_ceil):
             if bv[k]:
                 taken += bv[k] * (sums[k].value(clock + done) - sums[k].value(clock))
@@ -576,11 +656,16 @@ class Cohort:
                 rec = recs[rid]
                 if rec.event <= k1:
                     tokens = rec.c + k1
-                    delta += (self.blocks_of(tokens, tokens - 1) - self._rec_blocks(rec, k1)
-                              - self.blocks_of(tokens - 1, tokens - 2)
+                    p = max(0, tokens - 1 - lag)
+                    delta += (self.blocks_of(tokens, p) - self._rec_blocks(rec, k1)
+                              - self.blocks_of(tokens - 1, max(0, p - 1))
                               + self._rec_blocks(rec, k1 - 1))
             if t == 1 and self.fresh_clock == clock and self.fresh:
                 delta -= self.fresh_corr[0]
+            if t == 1 and first_now:
+                delta -= self.first_now_corr[0]
+            if first_next and t <= 2:
+                delta += self.first_next_corr[0] * (1 if t == 1 else -1)
             if cur + up <= limit:
                 cur += delta
                 continue
@@ -594,6 +679,9 @@ class Cohort:
                     cands.update(group)
             if t == 1 and self.fresh_clock == clock:
                 cands.update(self.fresh)
+                cands.update(first_now)
+            if t <= 2:
+                cands.update(first_next)
             walked = cur
             for rid in sorted(cands, key=order):
                 rec = recs[rid]
@@ -614,7 +702,15 @@ class Cohort:
             got = self.fresh.get(rid)
             if got is not None:
                 return self.blocks_of(tokens, got[0])
-        return self.blocks_of(tokens, tokens - 1)
+        if self.lag:
+            got = None
+            if clock == self.fresh_clock + 1:
+                got = self.first_next.get(rid)
+            elif clock == self.first_clock:
+                got = self.first_now.get(rid)
+            if got is not None:
+                return self.blocks_of(tokens, got[0])
+        return self.blocks_of(tokens, max(0, tokens - 1 - self.lag))
 
     def steps_until_shrink(self, clock: int, done: int | None) -> int | None:
         """See the module: exact up to `done`, a lower bound past it, None if no decoder
@@ -626,13 +722,19 @@ class Cohort:
         if self.freed_clock == clock:
             return 1
         fresh = self.fresh if self.fresh_clock == clock else {}
+        lag = self.lag
+        # async: the decoders at their first step and those that joined now (`first_*`)
+        first_now = self.first_now if lag and self.first_clock == clock else {}
+        first_next = self.first_next if lag and self.fresh_clock == clock else {}
+        unformed = set(fresh) | set(first_now) | set(first_next) if lag else fresh
+        second = NEVER
         for k, _, _ in self.sliding:
             hit = self._hit(k, clock)
             if hit and self.switched_clock == clock:
                 hit -= self.switched[k]
             if hit:  # (less the decoders that joined now: their step is still to come)
                 mod = self.mods[k]
-                for rid in fresh:
+                for rid in unformed:
                     hit -= sum(1 for kind, x in self.recs[rid].terms
                                if kind == k and (x + clock) % mod == 0)
             if hit > 0:
@@ -640,16 +742,38 @@ class Cohort:
         for rid, processed in self.prev_fresh.items():
             rec = self.recs[rid]
             tokens = rec.c + clock
-            if any(m.skipped_blocks(tokens - 1) > m.skipped_blocks(processed) for m in windowed):
+            got = first_now.get(rid)
+            p = got[0] if got is not None else tokens - 1 - lag
+            if any(m.skipped_blocks(p) > m.skipped_blocks(processed) for m in windowed):
                 return 1
-        if fresh:
-            for rid, (processed, _) in fresh.items():
+        for rid, p in self.prev_first.items() if lag else ():  # (their second step, just taken)
+            tokens = self.recs[rid].c + clock
+            if any(m.skipped_blocks(tokens - 1 - lag) > m.skipped_blocks(p) for m in windowed):
+                return 1
+        for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
+            tokens = self.recs[rid].c + clock
+            before = self.prev_fresh.get(rid, tokens - 2 - lag)
+            if any(m.skipped_blocks(p) > m.skipped_blocks(before) for m in windowed):
+                return 1
+            if tokens < self.recs[rid].final and any(
+                    m.skipped_blocks(tokens - lag) > m.skipped_blocks(p) for m in windowed):
+                return 1
+        if fresh or first_next:
+            for rid in set(fresh) | set(first_next):
                 rec = self.recs[rid]
                 tokens = rec.c + clock
+                got = fresh.get(rid)
+                processed = got[0] if got is not None else tokens - 1 - lag
+                ahead = first_next.get(rid)
+                p = ahead[0] if ahead is not None else tokens - lag
                 if tokens < rec.final and any(
-                        m.skipped_blocks(tokens) > m.skipped_blocks(processed) for m in windowed):
+                        m.skipped_blocks(p) > m.skipped_blocks(processed) for m in windowed):
                     return 1
-        best = NEVER
+                if ahead is not None and tokens + 1 < rec.final and any(
+                        m.skipped_blocks(tokens + 1 - lag) > m.skipped_blocks(p)
+                        for m in windowed):
+                    second = 2  # (its second step frees by the form: no term counts it)
+        best = second
         for k, _, _ in self.sliding:
             mod = self.mods[k]
             for r in self.counts[k]:
