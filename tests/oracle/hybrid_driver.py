@@ -14,10 +14,14 @@ planned the way
 ``VllmConfig`` is built (the CPU platform switches it off; the manager itself is
 platform-independent), or left off to get vLLM's fallback (every layer promoted to full
 attention, one group). The scheduler then runs through ``vllm_driver.run_vllm``'s loop and
-fake model output unchanged, so both drivers follow the same step conventions.
+fake model output unchanged, so both drivers follow the same step conventions; with
+``async_scheduling=True`` that is vLLM's ``AsyncScheduler`` driven as
+``EngineCore.step_with_batch_queue`` does (a batch queue of two: step k's ``schedule()``
+before step k-1's ``update_from_output()``; the record's clock ``t`` as ``run_vllm`` keeps it).
 
 Extra per step (besides ``vllm_driver.STEP_FIELDS``; after ``update_from_output()`` unless
-said otherwise):
+said otherwise; async: the update that follows the step's ``schedule()``, which applies the
+previous step's output, or none for the first step):
   group_blocks        per KV-cache group: non-null blocks in its single-type manager's
                       ``req_to_blocks``, summed over requests
   group_blocks_sched  the same right after ``schedule()`` (the step's peak)
@@ -285,13 +289,15 @@ def make_hybrid_scheduler(
     hybrid_manager: bool = True,
     prefix_caching: bool = False,
     retention: int | None = 0,
+    async_scheduling: bool = False,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """vLLM's scheduler over the KV cache its own planner lays out, as EngineCore builds it.
 
     Returns (scheduler, block_hasher or None, plan). Either ``budget_bytes`` (the memory the
     planner divides into block ids) or ``num_blocks`` (vLLM's ``num_gpu_blocks_override``: the
     block ids including the null block) sizes the pool. vLLM's own memory check applies: a pool
-    that cannot hold one ``max_model_len`` request raises ValueError.
+    that cannot hold one ``max_model_len`` request raises ValueError. ``async_scheduling``:
+    vLLM's ``AsyncScheduler`` (what the engine core builds with it on).
     """
     if (budget_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of budget_bytes and num_blocks")
@@ -311,7 +317,7 @@ def make_hybrid_scheduler(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=chunked,
-            async_scheduling=False,
+            async_scheduling=async_scheduling,
             policy="fcfs",
         ),
         device_config=v["DeviceConfig"](device="cpu"),
@@ -321,7 +327,7 @@ def make_hybrid_scheduler(
         "max_num_batched_tokens": (sc.max_num_batched_tokens, max_num_batched_tokens),
         "max_num_seqs": (sc.max_num_seqs, max_num_seqs),
         "enable_chunked_prefill": (sc.enable_chunked_prefill, chunked),
-        "async_scheduling": (bool(sc.async_scheduling), False),
+        "async_scheduling": (bool(sc.async_scheduling), async_scheduling),
         "enable_prefix_caching": (config.cache_config.enable_prefix_caching, prefix_caching),
         "max_model_len": (config.model_config.max_model_len, max_model_len),
     }
@@ -353,6 +359,8 @@ def make_hybrid_scheduler(
     sched_bs, hash_bs = v["resolve_kv_cache_block_sizes"](kv_cache_config, config)
     scheduler, block_hasher = scheduler_for(config, kv_cache_config, sched_bs, hash_bs,
                                             prefix_caching)
+    if async_scheduling != (type(scheduler).__name__ == "AsyncScheduler"):
+        raise RuntimeError(f"async_scheduling={async_scheduling} built {type(scheduler)}")
     plan = {
         "num_blocks": kv_cache_config.num_blocks,
         "page_bytes": (
@@ -405,6 +413,7 @@ def run_vllm_hybrid(
     max_model_len: int | None = None,
     prefix_caching: bool = False,
     retention: int | None = 0,
+    async_scheduling: bool = False,
 ) -> HybridRun:
     """Replay ``requests`` through vLLM's scheduler over a hybrid model's KV cache.
 
@@ -417,7 +426,9 @@ def run_vllm_hybrid(
     ``chunked``: vLLM's chunked prefill with ``max_num_batched_tokens`` per step; without it
     ``max_num_batched_tokens`` must cover ``max_model_len``. ``prefix_caching``: vLLM's
     prefix caching, with ``retention`` its ``prefix_cache_retention_interval`` (0 by default,
-    vLLM's; None: dense).
+    vLLM's; None: dense). ``async_scheduling``: vLLM's ``AsyncScheduler`` (``run_vllm``'s
+    async loop: each step's record then carries its clock ``t``, and requests their
+    ``first_token_t`` / ``finished_t``).
 
     Returns ``HybridRun``; ``steps, per_request = run_vllm_hybrid(...)``. ``steps``: one
     record per ``schedule()`` call with ``vllm_driver.STEP_FIELDS`` (``blocks_used`` and
@@ -443,33 +454,44 @@ def run_vllm_hybrid(
         hybrid_manager=hybrid_manager,
         prefix_caching=prefix_caching,
         retention=retention,
+        async_scheduling=async_scheduling,
     )
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    extra: list[dict] = []
-    pending: dict[str, Any] = {}
+    extra: list[dict] = []  # one per schedule(): its step's fields
+    # whether the last schedule()'s step still waits for the update its record follows (async:
+    # none follows the first step, and an idle wait's update follows a record already taken)
+    waiting_update = [False]
     real_schedule, real_update = scheduler.schedule, scheduler.update_from_output
     by_id = scheduler.requests
 
+    def groups() -> tuple[int, ...]:
+        return tuple(sum(_count(b) for b in m.req_to_blocks.values()) for m in managers)
+
     def schedule():
         out = real_schedule()
-        pending.clear()
-        pending["scheduled"] = {int(r): n for r, n in out.num_scheduled_tokens.items()}
-        pending["group_blocks_sched"] = tuple(
-            sum(_count(b) for b in m.req_to_blocks.values()) for m in managers
-        )
-        pending["req_tokens_sched"] = {
-            int(r): by_id[r].num_computed_tokens for r in out.num_scheduled_tokens
-        }
-        pending["req_blocks_sched"] = {
-            int(r): tuple(_count(m.req_to_blocks.get(r, ())) for m in managers)
-            for r in out.num_scheduled_tokens
-        }
+        now = groups()
+        extra.append({
+            "scheduled": {int(r): n for r, n in out.num_scheduled_tokens.items()},
+            "group_blocks_sched": now,
+            "req_tokens_sched": {
+                int(r): by_id[r].num_computed_tokens for r in out.num_scheduled_tokens
+            },
+            "req_blocks_sched": {
+                int(r): tuple(_count(m.req_to_blocks.get(r, ())) for m in managers)
+                for r in out.num_scheduled_tokens
+            },
+            "group_blocks": now,
+            "held": sum(now),
+        })
+        waiting_update[0] = True
         return out
 
     def update_from_output(out, runner_out):
         result = real_update(out, runner_out)
-        group = tuple(sum(_count(b) for b in m.req_to_blocks.values()) for m in managers)
-        extra.append({**pending, "group_blocks": group, "held": sum(group)})
+        if waiting_update[0]:
+            now = groups()
+            extra[-1].update(group_blocks=now, held=sum(now))
+            waiting_update[0] = False
         return result
 
     scheduler.schedule = schedule
@@ -485,6 +507,7 @@ def run_vllm_hybrid(
         max_model_len=max_model_len,
         record_slots=True,
         make=lambda: (scheduler, block_hasher),
+        async_scheduling=async_scheduling,
     )
     assert len(extra) == len(run.steps)
     steps = [{**s, **e} for s, e in zip(run.steps, extra, strict=True)]

@@ -3,7 +3,8 @@
 The same requests go through vLLM 0.33's real `Scheduler` over a KV cache planned by vLLM's own
 planner (tests/oracle/hybrid_driver.py) and through kvfrag's per-iteration stepper
 (`sim.reference`) with `make_allocator("hybrid", ...)` of the same budget, model layers and
-engine settings (vLLM's CPU scheduler runs one batch at a time: `concurrent_batches` 1).
+engine settings (vLLM's scheduler runs one batch at a time: `concurrent_batches` 1; two under
+async scheduling, test_hybrid_async_match.py).
 Iterations take 1 s in kvfrag, so iteration k is vLLM's step k. Pools are tight enough to
 preempt. Every iteration must agree exactly: tokens scheduled, requests running and waiting,
 preemptions, admissions, blocks in use per KV-cache group and free blocks; and every request
@@ -117,8 +118,10 @@ def shared(case: Case) -> pd.DataFrame:
     return wl
 
 
-def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
-    """(vLLM's run, kvfrag's trace, kvfrag's reference result, kvfrag's fast-engine result)."""
+def run_both(case: Case, asynchronous: bool = False) -> tuple[Any, list[dict], dict, Any]:
+    """(vLLM's run, kvfrag's trace, kvfrag's reference result, kvfrag's fast-engine result);
+    `asynchronous`: vLLM's AsyncScheduler and kvfrag's async scheduling (else both
+    synchronous)."""
     caching = case.system_blocks > 0
     if caching:
         wl = shared(case)
@@ -134,7 +137,7 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
             "hybrid", capacity=capacity, bytes_per_token=case.stack.full_bytes_per_token,
             max_model_len=mml, stack=case.stack, block_size=BS,
             hybrid_kv_cache_manager=case.manager, max_num_batched_tokens=budget,
-            concurrent_batches=1, prefix_caching=caching,
+            concurrent_batches=2 if asynchronous else 1, prefix_caching=caching,
             **({"prefix_cache_retention_interval": case.retention} if caching else {}),
         )
 
@@ -146,7 +149,7 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
             reqs, case.stack, budget_bytes=budget_bytes, max_num_seqs=SEQS,
             max_num_batched_tokens=budget, chunked=case.chunk is not None,
             hybrid_manager=case.manager, max_model_len=mml, prefix_caching=caching,
-            retention=case.retention,
+            retention=case.retention, async_scheduling=asynchronous,
         )
     alloc = hybrid(budget_bytes)
     assert alloc.plan.num_blocks == oracle.plan["num_blocks"]
@@ -166,7 +169,8 @@ def run_both(case: Case) -> tuple[Any, list[dict], dict, Any]:
             "output_tokens": [r.output_tokens for r in reqs],
         })
     cfg = EngineConfig(max_num_seqs=SEQS, max_num_batched_tokens=budget,
-                       chunked_prefill=case.chunk is not None, step_time=StepTime(base_s=1.0))
+                       chunked_prefill=case.chunk is not None, async_scheduling=asynchronous,
+                       step_time=StepTime(base_s=1.0))
     trace = Trace(alloc)
     ref = reference(wl, alloc, cfg, trace)
     return oracle, list(trace), ref, run(wl, hybrid(budget_bytes), cfg)
