@@ -35,6 +35,13 @@ chunked prefill. A hit on a state block cached in the same scheduler step waits 
 vLLM's `cached_blocks_this_step` makes it (the allocator tells steps apart by the engine's
 calls: a decode step, a free, a request's second chunk, a chunk after an admission).
 
+Async scheduling (`set_async`): each allocation frees by the tokens processed, computed less
+those in flight, as `HybridAllocator` does (a Mamba group's previous state block too), and a
+decode step caches the blocks its known tokens fill: vLLM's `allocate_slots` caches up to
+`request.num_tokens`, which lacks the token in flight, so a decoder's block is cached a step
+later (`update_from_output` caches no further), and a finished request's last block as it
+is freed (a preempted one's never).
+
 Modelled: full attention, MLA, sliding-window, chunked-local and Mamba ("align") groups with
 the hybrid manager on, one block size (the hash block size), and
 `prefix_cache_retention_interval` (0, vLLM's default; a multiple of the block size; or None,
@@ -120,6 +127,8 @@ class HybridPrefixCaching(HybridAllocator):
         # last heard that the next step does not fit.
         self._pending: list[tuple[int, list[list[int]], int]] = []
         self._room = -1
+        self._leaving: set[int] = set()  # async: decoders out of the cohort for a grow
+        self._preempting = False  # async: `free_preempted` is freeing
         self.waste_split = True
         self._sums_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
         self.lookups = 0
@@ -448,6 +457,7 @@ class HybridPrefixCaching(HybridAllocator):
         new = self._take(st, rid, tokens)
         self._cache(st, req, tokens)
         self._proc[rid] = hit
+        self._last_n[rid] = tokens - hit
         live.cached = hit
         self._changed()
         return Grant(rid, need * self.page, live.cap, blocks=tuple(new))
@@ -492,37 +502,71 @@ class HybridPrefixCaching(HybridAllocator):
         if self._admitted or rid in self._grown:  # a chunk of the next scheduler step
             self._next_step()
         self._grown.add(rid)
-        # vLLM frees the skipped blocks before it checks, refused or not.
-        st.remove_skipped(rid, self._kinds, self._manager_of, old)
+        # vLLM frees the skipped blocks before it checks, refused or not (async: by the tokens
+        # processed).
+        proc = max(0, old - self.in_flight_now) if self._lag else old
+        st.remove_skipped(rid, self._kinds, self._manager_of, proc)
         self._changed()
         need = self._wanted(st, rid, new)
         if need > st.pool.free_count():
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
         ids = self._take(st, rid, new)
-        self._cache(st, live.req, new)
-        self._proc[rid] = old
+        # (a decoder's new token is in flight: not known, not cached yet)
+        self._cache(st, live.req, new - self._lag if rid in self._leaving else new)
+        self._proc[rid] = proc
+        self._last_n[rid] = new - old
         return Grant(rid, need * self.page, live.cap, blocks=tuple(ids))
+
+    def free_preempted(self, rid: int, processed: int) -> int:
+        self._preempting = True  # (async: its tokens in flight are never cached)
+        try:
+            return self.free(rid)
+        finally:
+            self._preempting = False
 
     def _release(self, live: Live) -> None:
         rid = live.req.rid
+        if self._lag and not self._preempting and live.base >= live.final:
+            # Async: done, its last step's output applied: vLLM's `update_from_output` caches
+            # the blocks of all its tokens before it frees them.
+            self._cache(self._st, live.req, live.base)
         self._next_step()
         if self._room == self._version and live.base < live.final:
             # A preemption that makes room for the next decode step: vLLM frees it within
             # that step, when a decoder first finds too few free blocks.
-            self._pending.append((rid, self._st.detach(rid), live.base))
+            # (the tokens its allocation in that step would free by: async, those processed)
+            processed = live.base
+            if self._lag:
+                processed = self._proc.get(rid, live.base) if rid in self._leaving else max(
+                    0, live.base - self._last_n.get(rid, 0))
+            self._pending.append((rid, self._st.detach(rid), processed))
         else:
             self._flush()
             self._st.release(rid)
         self._proc.pop(rid, None)
         self._joined.pop(rid, None)
         self._boundary.pop(rid, None)
+        self._last_n.pop(rid, None)
+        self._first.pop(rid, None)
+        self._leaving.discard(rid)
         self._changed()
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
+        rid = live.req.rid
         if decoding:
-            self._joined[live.req.rid] = self._clock
+            self._joined[rid] = self._clock
+            if self._lag:  # its first step frees by the tokens before its last allocation
+                self._first[rid] = live.base + self._clock - self._last_n.get(rid, 1)
+                self._leaving.discard(rid)
         else:
-            self._joined.pop(live.req.rid, None)
+            joined = self._joined.pop(rid, None)
+            if self._lag and joined is not None:
+                # what its next allocation frees by (`_release`'s victims; a grow is told)
+                self._proc[rid] = (self._first[rid] if joined == self._clock
+                                   else live.base - 1)
+                if joined != self._clock:
+                    self._last_n[rid] = 1
+                self._leaving.add(rid)
             if self._room == self._version:  # (a free follows: the room is still wanted)
                 self._room += 1
         self._changed()
@@ -545,10 +589,14 @@ class HybridPrefixCaching(HybridAllocator):
             if not live.decoding:
                 continue
             tokens = live.base + clock
-            if quiet is not None and self._quiet_step(st, rid, tokens, quiet):
+            processed = tokens - 1  # (async: less the token in flight; the first step, the
+            if self._lag:  # final chunk)
+                processed = (self._first[rid] if self._joined[rid] == clock - 1
+                             else tokens - 2)
+            if quiet is not None and self._quiet_step(st, rid, tokens, quiet, processed):
                 rank += 1
                 continue
-            st.remove_skipped(rid, self._kinds, self._manager_of, tokens - 1)
+            st.remove_skipped(rid, self._kinds, self._manager_of, processed)
             need = self._wanted(st, rid, tokens)
             while need > st.pool.free_count():
                 if not queue:
@@ -558,26 +606,26 @@ class HybridPrefixCaching(HybridAllocator):
             taken += need
             self._take(st, rid, tokens)
             if st.pool.cache is not None:
-                self._cache(st, live.req, tokens)
+                self._cache(st, live.req, tokens - self._lag)
             rank += 1
         self._victims_turn(st, queue)
         st.freed = st.pool.free_count() + taken - before
         return -1
 
     def _quiet_step(self, st: PrefixState, rid: int, tokens: int,
-                    quiet: list[tuple[int, int, bool]]) -> bool:
+                    quiet: list[tuple[int, int, bool]], processed: int) -> bool:
         """Whether a decode step to `tokens` frees, takes and caches nothing for the request
         (most steps, on a model of full attention and Mamba groups only: `_quiet`), judged
         on each kind's first group (the others' tables are alike)."""
         tables, ncached = st.tables[rid], st.ncached[rid]
         for g, bs, mamba in quiet:
             table = tables[g]
-            if -(-tokens // bs) > len(table) or tokens // bs > ncached[g]:
+            if -(-tokens // bs) > len(table) or (tokens - self._lag) // bs > ncached[g]:
                 return False
             if mamba:
                 retired, last_state = st.mamba[rid][0], st.mamba[rid][1]
-                if (tokens - 2) // bs > retired or (
-                        0 <= last_state < -(-(tokens - 1) // bs) - 1 and table[last_state]):
+                if (processed - 1) // bs > retired or (
+                        0 <= last_state < -(-processed // bs) - 1 and table[last_state]):
                     return False
         return True
 

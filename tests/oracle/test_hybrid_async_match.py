@@ -67,6 +67,20 @@ CASES = {
     "qwen3-next-whole": Case(shapes.qwen3_next(), True, 40, None, 3000, 400),
     "qwen3-next-chunked": Case(shapes.qwen3_next(), True, 40, 512, 3000, 400),
     "jamba-1.5-mini-chunked": Case(shapes.jamba_1_5_mini(), True, 150, 512, 1600, 400),
+    # Prefix caching (vLLM's default for these models; Mamba groups in mode "align"): shared
+    # system prompts and repeated questions, pools tight enough to evict and to preempt.
+    "gpt-oss-120b-prefix-whole": Case(gpt_oss(), True, 300, None, 480, 250, n=70,
+                                      system_blocks=8),
+    "gpt-oss-120b-prefix-chunked": Case(gpt_oss(), True, 300, 256, 480, 250, n=70,
+                                        system_blocks=8),
+    "gemma-3-27b-prefix-chunked": Case(shapes.gemma_3_27b(), True, 2 * GiB, 512, 1200, 200,
+                                       n=50, system_blocks=80),
+    "llama-4-scout-prefix-chunked": Case(shapes.llama_4_scout(), True, 5 * GiB // 2, 2048,
+                                         4000, 300, n=20, system_blocks=600),
+    "qwen3-next-align-chunked": Case(shapes.qwen3_next(), True, 40, 1024, 1200, 300, n=100,
+                                     system_blocks=100),
+    "jamba-1.5-mini-align-whole": Case(shapes.jamba_1_5_mini(), True, 120, 4096, 1200, 300,
+                                       n=60, system_blocks=40),
 }
 
 
@@ -79,7 +93,14 @@ def test_every_iteration_matches_vllms_async_scheduler(name: str) -> None:
     assert where is None, where
     preempted = sum(s["preempted"] for s in oracle.steps)
     assert preempted > 0, "the pool should be tight"
-    print(f"\n{name}: {compared} iterations compared, {preempted} preemptions")
+    hits = sum(s["prefix_hit_tokens"] for s in oracle.steps)
+    evictions = sum(s["evictions"] for s in oracle.steps)
+    print(f"\n{name}: {compared} iterations compared, {preempted} preemptions, "
+          f"{hits} prefix-hit tokens, {evictions} evictions")
+    if caching:
+        assert hits > 0 and evictions > 0
+        for rid, r in ref["requests"].items():  # tokens found cached, resumptions included
+            assert sum(r["hits"]) == oracle.requests[rid]["prefix_hit_tokens"], rid
     rows = fast.requests.set_index("request_id")
     for rid, r in ref["requests"].items():  # the fast engine: the reference's every request
         assert rows.loc[rid, "first_token_s"] == r["first"], rid
