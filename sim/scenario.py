@@ -279,9 +279,6 @@ class Scenario(_Frozen):
             raise FieldError(("engine", "long_prefill_token_threshold"),
                              f"{e.long_prefill_token_threshold:,} must be at most max_model_len "
                              f"({self.max_model_len:,}), as vLLM requires")
-        if e.async_scheduling and self._has_hybrid:
-            raise FieldError(("engine", "async_scheduling"), "async scheduling is not modelled "
-                             "for the hybrid allocator yet: leave the key out or set it false")
         if e.policy == "priority" and e.admission != "fcfs":
             raise FieldError(("engine", "admission"), "must be fcfs with engine.policy "
                              "priority (vLLM's priority queue admits in its own order)")
@@ -468,15 +465,10 @@ class Scenario(_Frozen):
                         kv_dtype_bytes=kv_dtype)
 
     @property
-    def _has_hybrid(self) -> bool:
-        return any(spec.kind == "hybrid" for spec in self.allocators)
-
-    @property
     def async_scheduling(self) -> bool:
-        """`engine.async_scheduling` resolved: vLLM's default (true) unless an allocator is
-        hybrid, whose async scheduling is not modelled yet (then false, for all of them)."""
+        """`engine.async_scheduling` resolved: vLLM's server default (true) when left out."""
         e = self.engine.async_scheduling
-        return (not self._has_hybrid) if e is None else e
+        return True if e is None else e
 
     def engine_config(self) -> EngineConfig:
         e = self.engine
@@ -581,13 +573,15 @@ def allocator_options(point: Scenario, spec: AllocatorSpec) -> dict[str, Any]:
     """`spec`'s options, with what the scenario sets for a kind that takes a stack: the
     model's layers as one GPU of `tp` keeps them (a full-attention model as alike layers), and
     the engine's max_num_batched_tokens (the tokens in flight of the planner and of the
-    admission cap)."""
+    admission cap) and, unless given, its concurrent batches: vLLM's `max_concurrent_batches`,
+    2 with async scheduling, else 1."""
     options = spec.options
     if _takes_stack(spec.kind):
         stack = point.stack
         # (None: a full-attention model, whose sharded geometry the allocator reads as such)
         options["stack"] = None if stack is None else stack.shard(point.tp)
         options["max_num_batched_tokens"] = point._batch_limits()[1]
+        options.setdefault("concurrent_batches", 2 if point.async_scheduling else 1)
     return options
 
 

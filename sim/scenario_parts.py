@@ -284,9 +284,8 @@ class EngineSpec(_Frozen):
     scheduler_reserve_full_isl: bool = True
     # vLLM's scheduling policy: fcfs, or priority (the request table's `priority` column)
     policy: Literal["fcfs", "priority"] = "fcfs"
-    # vLLM's async scheduling (its server's default). None: true, but false in a scenario with
-    # a hybrid allocator (not modelled for it yet: all its allocators then run synchronously,
-    # compared on one scheduler); `Scenario.async_scheduling` resolves it
+    # vLLM's async scheduling (its server's default). None: true; `Scenario.async_scheduling`
+    # resolves it
     async_scheduling: bool | None = None
     # vLLM's speculative decoding (sim/speculative_spec.py): method, num_tokens drafts per
     # decode step, their acceptance, the draws' seed, the draft's KV layers. None: off.

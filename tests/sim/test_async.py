@@ -6,7 +6,6 @@ not modelled yet). vLLM's AsyncScheduler itself: tests/oracle/test_async_match.p
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from runpy import run_path
 
@@ -190,17 +189,24 @@ def test_async_scheduling_is_on_by_default_and_can_be_turned_off(tmp_path):
         load_scenario(path, ["engine.async_scheduling=maybe"])
 
 
-def test_hybrid_resolves_to_synchronous_and_refuses_async():
-    """The hybrid allocator under async scheduling is not modelled yet: a scenario with one
-    that leaves the key out runs (all its allocators) synchronously, and its resolved copy
-    says so; one that asks for async is refused in one line."""
+def test_a_hybrid_scenario_schedules_asynchronously_by_default():
+    """A scenario with the hybrid allocator resolves async scheduling true when the key is left
+    out (vLLM's server default), and its sliding groups' admission cap counts two batches in
+    flight (vLLM's max_concurrent_batches); set false, one."""
+    from kvfrag.sim.scenario import build_allocator
+
     path = ROOT / "scenarios" / "gpt-oss-120b-h100.yaml"
-    loaded = load_scenario(path)
     assert "async_scheduling" not in path.read_text()
-    assert loaded.scenario.engine_config().async_scheduling is False
-    assert loaded.resolved()["engine"]["async_scheduling"] is False
-    with pytest.raises(ScenarioError, match=re.escape(
-            "engine.async_scheduling: async scheduling is not modelled for the hybrid "
-            "allocator yet")) as info:
-        load_scenario(path, ["engine.async_scheduling=true"])
-    assert "\n" not in str(info.value)
+    on = load_scenario(path).scenario
+    off = load_scenario(path, ["engine.async_scheduling=false"]).scenario
+    assert on.engine_config().async_scheduling is True
+    assert load_scenario(path).resolved()["engine"]["async_scheduling"] is True
+    assert off.engine_config().async_scheduling is False
+    for point, batches in ((on, 2), (off, 1)):
+        spec = next(a for a in point.allocators if a.kind == "hybrid")
+        (sliding,) = (m for m in build_allocator(point, spec).managers
+                      if m.kind == "sliding_window")
+        in_flight = batches * point.engine_config().max_num_batched_tokens
+        want = -(-min(sliding.window - 1 + in_flight, point.max_model_len)
+                 // sliding.block_size) + 1
+        assert sliding.cap == want, batches
