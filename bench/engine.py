@@ -14,7 +14,9 @@ under a second, four runs of one build put prefix-16 on the Mooncake sample, a 0
 
 The hybrid rows run vLLM's hybrid KV-cache manager on llama-3-8b (one full-attention group) and
 on gemma-3-27b (52 sliding-window layers of 1,024 tokens in six groups, 10 full), the same
-workload and budget; the issue's target for the second is 2x paged-16 per event.
+workload and budget; the issue's target for the second is 2x paged-16 per event. The EAGLE row
+runs speculative decoding (3 drafts, 70 % acceptance) on paged-16: the engine takes each of its
+iterations on its own, so its events are iterations (ev/req shows how many).
 
 Prefix caching is also run on the shipped Mooncake sample (long shared prefixes: the case where
 its bookkeeping used to cost 100x per event), and `--preempt` adds a memory-bound variant
@@ -42,6 +44,7 @@ from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.geometry import preset
 from kvfrag.sim.hybrid_presets import stack as layer_stack
+from kvfrag.sim.speculative import Speculative
 from kvfrag.sim.units import parse_size
 
 GEO = preset("llama-3-8b")
@@ -51,6 +54,7 @@ CONFIG = EngineConfig(
     max_num_batched_tokens=8192,
     step_time=StepTime(base_s=0.01, per_batched_token_s=2e-6, per_kv_token_s=1e-8),
 )
+SPEC = Speculative("eagle", 3, rate=0.7)
 #: (label, kind, options, workload): "bench" is `workload(N)`, "mooncake" the shipped sample.
 KINDS = (
     ("paged-16", "paged", {"block_size": 16}, "bench"),
@@ -68,6 +72,8 @@ KINDS = (
     # and on gemma-3-27b (six sliding-window groups and one full, freed as windows move).
     ("hybrid-16", "hybrid", {"block_size": 16}, "bench"),
     ("hybrid-16 gemma-3-27b", "hybrid", {"block_size": 16, "model": "gemma-3-27b"}, "bench"),
+    # speculative decoding (EAGLE, 3 drafts, 70 % acceptance): every iteration an event
+    ("paged-16 EAGLE k3", "paged", {"block_size": 16, "speculative": SPEC}, "bench"),
 )
 
 
@@ -116,6 +122,9 @@ def _one(args: tuple) -> dict:
     wl = mooncake() if which == "mooncake" else workload(n, seed, output)
 
     opts = dict(opts)
+    spec = opts.pop("speculative", None)
+    if spec is not None:
+        config = replace(config, speculative=spec)
     geo, stack = GEO, None
     if kind == "hybrid":  # (the model's layers, and the token budget the planner reserves for)
         stack = layer_stack(opts.pop("model", GEO.name))

@@ -88,6 +88,9 @@ from kvfrag.sim.units import check_size
 from kvfrag.sim.waiting import PriorityQueue
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
+#: Allocators speculative decoding is not modelled with: EAGLE's block hashes cover one token
+#: more (prefix caching), and vLLM's hybrid manager places draft layers in groups of their own.
+SPEC_NOT_MODELLED = frozenset({"prefix-caching", "hybrid"})
 #: `run`'s progress callback is called at most once in this many turns of the serving loop
 #: (the wall clock is read no more often), and this many seconds of wall time apart.
 PROGRESS_TURNS = 256
@@ -142,6 +145,9 @@ class Engine:
                               async_modelled(config, allocator))
         if spec is not None and self.inputs.groups:
             raise ValueError("speculative decoding: sample groups and beams (n > 1) are not "
+                             "modelled")
+        if spec is not None and allocator.kind in SPEC_NOT_MODELLED:
+            raise ValueError(f"speculative decoding with the {allocator.kind} allocator is not "
                              "modelled")
         self.made: dict[int, _Req] = {}  # idx -> state of requests arrived and not retired
         self.by_rid: dict[int, _Req] = {}  # rid -> state, for the requests made
@@ -247,6 +253,8 @@ class Engine:
     def _retire(self, r: _Req) -> None:
         """`r` is over (completed and released, or rejected): its figures go to the result."""
         self.out.store(r)
+        if self.acceptance is not None:
+            self.acceptance.forget(r.req.rid)
         self.retired += 1
         del self.made[r.idx]
         del self.by_rid[r.req.rid]

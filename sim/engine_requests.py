@@ -242,7 +242,12 @@ class _Inputs:
         prompt = int(np.median(np.frombuffer(self.prompt, dtype=np.int64)))
         groups = np.maximum(np.frombuffer(self.samples, dtype=np.int64),
                             np.frombuffer(self.beams, dtype=np.int64)) > 1
-        stored = np.frombuffer(self.output, dtype=np.int64) - 1 + groups  # (slot_request)
+        out = np.frombuffer(self.output, dtype=np.int64)
+        stored = out - 1 + groups  # (slot_request)
+        if self.spec is not None:  # (and the slots speculative decoding may take)
+            most = extra_slots(self.spec, 0, 0, 1 << 62, self.asynchronous)
+            room = self.max_model_len - np.frombuffer(self.prompt, dtype=np.int64) - out + 1
+            stored = stored + np.minimum(most, np.maximum(room, 0))
         return Request(-1, max(prompt, 1), max(int(np.median(stored)), 1))
 
 

@@ -528,6 +528,7 @@ def reference(
                 break
         released = bool(held)
         for r in sorted(held, key=lambda r: r["rid"]):  # async: step k-1's output applied
+            r["peak"] = max(r["peak"], alloc.allocated_bytes(r["rid"]))  # (an extra step grew)
             alloc.free(r["rid"])
             running.remove(r)
         held.clear()

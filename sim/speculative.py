@@ -108,6 +108,12 @@ class Acceptance:
     def count(self, rid: int, index: int) -> int:
         return int(self.counts(rid, index, 1)[0])
 
+    def forget(self, rid: int) -> None:
+        """Drop what was drawn for a request that is over (memory follows the requests in
+        flight)."""
+        self._drawn.pop(rid, None)
+        self._gens.pop(rid, None)
+
     def _draw(self, rid: int, n: int) -> np.ndarray:
         gen = self._gens.get(rid)
         if gen is None:
