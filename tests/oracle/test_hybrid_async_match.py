@@ -74,13 +74,13 @@ CASES = {
     "gpt-oss-120b-prefix-chunked": Case(gpt_oss(), True, 300, 256, 480, 250, n=70,
                                         system_blocks=8),
     "gemma-3-27b-prefix-chunked": Case(shapes.gemma_3_27b(), True, 2 * GiB, 512, 1200, 200,
-                                       n=50, system_blocks=80),
+                                       n=30, system_blocks=80),
     "llama-4-scout-prefix-chunked": Case(shapes.llama_4_scout(), True, 5 * GiB // 2, 2048,
                                          4000, 300, n=20, system_blocks=600),
     "qwen3-next-align-chunked": Case(shapes.qwen3_next(), True, 40, 1024, 1200, 300, n=100,
                                      system_blocks=100),
     "jamba-1.5-mini-align-whole": Case(shapes.jamba_1_5_mini(), True, 120, 4096, 1200, 300,
-                                       n=60, system_blocks=40),
+                                       n=40, system_blocks=40),
 }
 
 
