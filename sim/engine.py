@@ -445,7 +445,7 @@ class Engine:
         got = self.chunks_prev.get(r.req.rid)
         if got is not None:
             return got
-        return 1 if self.alloc.is_decoding(r.req.rid) else 0
+        return 1 if self._decodes(r) else 0
 
     def _preempt_walked(self, victim: _Req, stepped: set[_Req],
                         granted: dict[_Req, tuple[int, float]]) -> tuple[int, int]:
@@ -484,15 +484,16 @@ class Engine:
         the tokens known then (async: one more than those processed before)."""
         alloc, rid = self.alloc, r.req.rid
         stored = alloc.tokens(rid) - unstepped
+        decoded = self._decodes(r)
         st = r.spec
         if st is not None:  # (its slots run ahead of its computed tokens; async: less those
             stored = st.computed - st.rollback  # rejected in its step in flight)
             st.computed = st.drafts = st.scheduled = st.rollback = 0
+            st.decoding = False
         r.peak = max(r.peak, alloc.allocated_bytes(rid))
         if r.status == "completed":  # async: done, its last token in flight
             self._drop_held(r)
             return
-        decoded = alloc.is_decoding(rid)
         if decoded and self.asynchronous and r not in self.fresh:
             self._log_free(r, stored - 1 + scheduled)
             alloc.free_preempted(rid, stored - 1 + scheduled)  # (its last step in flight)
@@ -686,7 +687,7 @@ class Engine:
             if r.status != "running" and not (r.spec is not None and r.spec.extra):
                 continue  # preempted by an earlier request's shortage
             rid = r.req.rid
-            if spec and alloc.is_decoding(rid):
+            if spec and r.spec is not None and r.spec.decoding:
                 # its sampled token and drafts, cut to the token and input budgets and to
                 # max_model_len (vLLM leaves room for the token it samples)
                 st = r.spec
@@ -757,6 +758,11 @@ class Engine:
                     self.prefilled.append(r)
         self.spec_decode_tokens = stepped
         return stepped, chunks
+
+    def _decodes(self, r: _Req) -> bool:
+        """Whether `r` is past its prefill (speculative decoding: kept by the engine)."""
+        st = r.spec
+        return st.decoding if st is not None else self.alloc.is_decoding(r.req.rid)
 
     def _spec_slots(self, r: _Req, tokens: int) -> int:
         """Speculative decoding: the slots `r` grows by to hold `tokens` more past its computed
@@ -916,12 +922,11 @@ class Engine:
     def _spec_kv_read_tokens(self) -> int:
         """Speculative decoding: the KV read is the scheduled decoders' contexts (and, when the
         step time counts every token held, the prompts partway too)."""
-        alloc, total = self.alloc, 0
+        total = 0
         for r in self.running:
             st = r.spec
             assert st is not None
-            decoding = alloc.is_decoding(r.req.rid)
-            if (st.scheduled and decoding) or not (self.chunk_cost or decoding):
+            if (st.scheduled and st.decoding) or not (self.chunk_cost or st.decoding):
                 total += st.computed
         return total
 
@@ -965,15 +970,17 @@ class Engine:
             self.fresh = [r for r in self.prefilled if r.status == "running"]
         for r in self.prefilled:
             if r.status == "running":
-                alloc.set_decoding(r.req.rid, True)
+                if r.spec is not None:
+                    r.spec.decoding = True
+                else:
+                    alloc.set_decoding(r.req.rid, True)
                 if math.isnan(r.first_token):
                     r.first_token = now
         if self.spec is not None:
             self._verify()
             self.prefilled.clear()
             done = [r for r in self.running
-                    if alloc.is_decoding(r.req.rid) and r.spec is not None
-                    and r.spec.delivered >= r.output]
+                    if r.spec is not None and r.spec.decoding and r.spec.delivered >= r.output]
             for r in sorted(done, key=_rid_of):  # (together: in rid order, as the reference)
                 self._complete(r)
             return
@@ -1001,7 +1008,7 @@ class Engine:
             if r in prefilled:
                 st.delivered += 1
                 st.inflight = 1
-            elif self.alloc.is_decoding(r.req.rid):
+            elif st.decoding:
                 d = st.scheduled - 1
                 a = 0
                 if d:
@@ -1042,7 +1049,8 @@ class Engine:
                 # vLLM schedules it once more unless the one token its step in flight surely
                 # gives reaches the output's length
                 st.extra = st.delivered - st.inflight + 1 < r.output
-            if st is None or not st.extra:
+                st.decoding = st.extra
+            else:
                 alloc.set_decoding(rid, False)
             self.held.append(r)
             if r.user >= 0:

@@ -85,6 +85,7 @@ class Acceptance:
         self._given = {rid: np.asarray(c, dtype=np.int64) for rid, c in (given or {}).items()}
         self._drawn: dict[int, np.ndarray] = {}
         self._gens: dict[int, np.random.Generator] = {}
+        self._listed: dict[int, list[int]] = {}
         if spec.distribution:
             values = np.array([a for a, _ in spec.distribution], dtype=np.int64)
             weights = np.array([w for _, w in spec.distribution], dtype=np.float64)
@@ -106,13 +107,23 @@ class Acceptance:
         return have[start:start + n]
 
     def count(self, rid: int, index: int) -> int:
-        return int(self.counts(rid, index, 1)[0])
+        """Count `index` of request `rid`: what an engine asks, one verifying step at a time
+        (read from the request's counts kept as Python ints beside the array)."""
+        column = self.spec.from_column
+        have = self._listed.get(rid)
+        if have is None or (index >= len(have) and not column):
+            given = self._given.get(rid)
+            n = len(given) if column and given is not None else max(
+                index + 1, 2 * len(have or ()), self.BLOCK)
+            have = self._listed[rid] = [int(c) for c in self.counts(rid, 0, max(n, 1))]
+        return have[index % len(have)] if column else have[index]
 
     def forget(self, rid: int) -> None:
         """Drop what was drawn for a request that is over (memory follows the requests in
         flight)."""
         self._drawn.pop(rid, None)
         self._gens.pop(rid, None)
+        self._listed.pop(rid, None)
 
     def _draw(self, rid: int, n: int) -> np.ndarray:
         gen = self._gens.get(rid)
@@ -134,11 +145,14 @@ class SpecState:
     """A request's progress under speculative decoding, beside the slots its allocator holds
     (which run ahead of it: drafts, lookahead, rejected tokens' slots)."""
 
-    __slots__ = ("computed", "delivered", "drafts", "extra", "inflight", "rollback", "scheduled",
-                 "verified")
+    __slots__ = ("computed", "decoding", "delivered", "drafts", "extra", "inflight", "rollback",
+                 "scheduled", "verified")
 
     def __init__(self) -> None:
         self.computed = 0  # tokens whose KV is stored (vLLM's num_computed_tokens)
+        # past its prefill (the fast engine keeps it out of the allocator's decode cohort,
+        # which advances every decoder one token a step: each grows on its own here)
+        self.decoding = False
         self.delivered = 0  # output tokens so far
         self.drafts = 0  # drafts it carries into its next step (k once it has sampled)
         self.scheduled = 0  # tokens scheduled for it in this iteration
