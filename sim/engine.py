@@ -54,6 +54,12 @@ key; the victim of a shortage is the running request with the largest (priority,
 first of them in admission order (it may have been scheduled already in this iteration: its
 tokens go back to the budget). A stretch then ends at every arrival, which may jump the head.
 
+Speculative decoding (`speculative`, sim/speculative.py): a decode step carries the token
+sampled last and k drafts and gives 1 + the accepted drafts; every allocation reserves the
+method's lookahead. Each decoder's tokens follow its own draws, so there is no stretch of
+identical steps: every iteration walks the running list (each request grows on its own, out of
+the allocator's decode cohort) and is its own segment; its cost grows with the requests running.
+
 Requests that can never run (prompt over max_model_len, too large for an empty allocator,
 or more sequences than max_num_seqs) are rejected with the reason, and counted per reason
 (`REJECT_REASONS`). A static batch ends when its last running member finishes or is

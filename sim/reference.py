@@ -23,6 +23,13 @@ request that stored its final token is done at the end of its iteration but keep
 and its seat through the next iteration's scheduling, where it may be preempted (it still
 finishes; its blocks go then); it is freed right after that scheduling. A pass that only
 frees such requests takes no time and makes no record.
+
+`cfg.speculative` (sim/speculative.py): every iteration walks the running list; a decoder takes
+its sampled token and its drafts (cut to the token and input budgets), its slots grown to the
+high-water mark of computed + scheduled + lookahead, and at the iteration's end its accepted
+count gives it 1 + a tokens and rolls the rest back. Async, the rollback lands after the next
+scheduling, and a request done by its last step is scheduled once more unless vLLM could tell.
+A request's "c" is its computed tokens (vLLM's num_computed_tokens), "out" its outputs.
 """
 
 from __future__ import annotations
