@@ -419,17 +419,20 @@ class Cohort:
         tokens = c + clock
         lag = self.lag
         formed = tokens - 1 - lag
+        if not self.windowed:  # (no group frees while a request runs: processed moves nothing)
+            processed, first = formed, tokens - lag
         rec, form = self._build(rid, c, final, clock, held if processed == formed else None)
         self._enter(rid, rec)
         if lag and first != tokens - lag and tokens < final:
             exact = self.parts_of(tokens + 1, first, final)
             formed1 = self.parts_of(tokens + 1, tokens - lag, final)  # (its form, exact)
             diff1 = [x - y for x, y in zip(exact, formed1, strict=True)]
-            self.first_next[rid] = (first, diff1)
-            self._changes += 1
-            corr = self.first_next_corr
-            for i in range(self.width):
-                corr[i] += diff1[i]
+            if any(diff1):
+                self.first_next[rid] = (first, diff1)
+                self._changes += 1
+                corr = self.first_next_corr
+                for i in range(self.width):
+                    corr[i] += diff1[i]
         if processed != formed:
             diff = [x - y for x, y in zip(held, form, strict=True)]
             self.fresh[rid] = (processed, diff)
