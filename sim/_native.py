@@ -35,6 +35,7 @@ from pathlib import Path
 HOT = (
     "engine",
     "engine_config",
+    "engine_log",
     "engine_records",
     "engine_requests",
     "allocators/base",

@@ -79,9 +79,9 @@ import pandas as pd
 import simpy
 from kvfrag.sim.allocators.base import Allocator, Grant, Reason, Refusal, Request
 from kvfrag.sim.engine_config import EngineConfig, StepTime, async_modelled
+from kvfrag.sim.engine_log import AllocationLog
 from kvfrag.sim.engine_records import (
     _ROWS_PER_CHUNK,
-    LOG_COLUMNS,
     TOO_MANY_SEQUENCES,
     RunResult,
     _Rows,
@@ -229,10 +229,10 @@ class Engine:
         self.blocked_head: tuple[int, int, int] | None = None
         self.groups = self.inputs.groups
         self.stopped = False
-        self.log: list[tuple] | None = [] if config.log_allocations else None
-        # rid -> (tokens, blocks, bytes, ids) when last logged; ids: the block ids of a request
-        # logged with its whole tables (None: its blocks are only ever appended)
-        self.logged: dict[int, tuple[int, int, int, tuple[int, ...] | None]] = {}
+        # every allocation, for `validate` (sim/engine_log.py); None unless asked
+        self.log: AllocationLog | None = None
+        if config.log_allocations:
+            self.log = AllocationLog(allocator, self.by_rid)
         # progress(requests finished or rejected, requests): see `run`
         self.progress = progress
         self.turns = 0  # turns of the serving loop, and when progress was last reported
@@ -293,11 +293,15 @@ class Engine:
     def _waited(self, _event: object) -> None:
         """A wait for the next arrival ended (or the run starts)."""
         self.now = self.env.now
+        if self.log is not None:
+            self.log.now = self.now
         self._turn()
 
     def _iterated(self, _event: object) -> None:
         """An iteration, or a decode stretch, ended."""
         self.now = self.env.now
+        if self.log is not None:
+            self.log.now = self.now
         self._sync_log()
         self._end_iteration()
         self._turn()
@@ -1079,67 +1083,20 @@ class Engine:
             self._retire(r)
 
     # ---------------------------------------------------------- allocation log
-    def _log_op(
-        self, op: str, rid: int, nbytes: int, offset: int | None, blocks=(), from_offset=-1,
-        processed: int = 0,
-    ) -> None:
-        if self.log is None:
-            return
-        alloc = self.alloc
-        prompt, tables, offsets, keys = -1, [], [], []
-        if op == "free":
-            tokens = processed
-            self.logged.pop(rid, None)
-        elif op == "move":
-            tokens = alloc.tokens(rid)
-        else:
-            tokens = alloc.tokens(rid)
-            req = self.by_rid[rid].req
-            ids = None
-            held: tuple[int, ...] | None
-            if op == "admit":
-                prompt, keys = req.prompt, list(alloc.prefix_keys(rid))
-                whole, held = req.n > 1 or bool(keys), ()
-            else:
-                held = self.logged[rid][3]
-                whole = held is not None
-            table = alloc.block_table(rid)  # names its blocks; block_tables reuses them
-            if whole:
-                tables = [list(t) for t in alloc.block_tables(rid)]
-                ids = table
-                before = set(held or ())
-                blocks = [b for b in ids if b not in before]
-            if req.n > 1:
-                offsets = list(alloc.slab_offsets(rid))
-            self.logged[rid] = (tokens, len(table), alloc.allocated_bytes(rid), ids)
-            self._log_evictions()
-            copies = alloc.take_copies()  # made by this operation: they come first
-            for other in alloc.take_renamed():  # it took back blocks beams had pruned: first
-                if other != rid:
-                    self._log_grow(other)
-            for copy in copies:
-                self._log_row("copy", copy[0], tokens=alloc.tokens(copy[0]), blocks=copy[1:])
-        off = -1 if offset is None else offset
-        self._log_row(op, rid, tokens, nbytes, off, blocks, from_offset=from_offset,
-                      prompt=prompt, tables=tables, offsets=offsets, keys=keys)
+    def _log_op(self, op: str, rid: int, nbytes: int, offset: int | None, blocks=(),
+                from_offset=-1) -> None:
+        if self.log is not None:
+            self.log.op(op, rid, nbytes, offset, blocks, from_offset)
 
-    def _log_row(
-        self, op: str, rid: int, tokens: int = 0, nbytes: int = 0, offset: int = -1, blocks=(),
-        token_states: int = 0, held_unwritten: int = 0, free: int = 0, from_offset: int = -1,
-        prompt: int = -1, tables=(), offsets=(), keys=(),
-    ) -> None:
-        log = self.log
-        assert log is not None  # (only called while logging)
-        log.append(
-            (len(log), self.now, op, rid, tokens, nbytes, offset, list(blocks),
-             token_states, held_unwritten, free, from_offset, prompt, list(tables),
-             list(offsets), list(keys))
-        )
+    def _log_free(self, r: _Req, processed: int = 0) -> None:
+        """Log `r`'s free; `processed`: see `free_preempted` (0: all its tokens)."""
+        if self.log is not None:
+            self.log.free(r, processed)
 
-    def _log_evictions(self) -> None:
-        evicted = self.alloc.take_evictions()
-        if evicted:
-            self._log_row("evict", -1, blocks=evicted)
+    def _sync_log(self) -> None:
+        """Log the growth of every live request since its last entry, then the model's view."""
+        if self.log is not None:
+            self.log.sync(self._probe())
 
     def _apply_moves(self) -> None:
         """Slabs the allocator moved (compaction): update their offsets and log the moves."""
@@ -1150,36 +1107,6 @@ class Engine:
                 if r.moves is not None:
                     r.moves.append((self.now, new))
             self._log_op("move", rid, nbytes, new, from_offset=old)
-
-    def _log_free(self, r: _Req, processed: int = 0) -> None:
-        """Log `r`'s free; `processed`: see `free_preempted` (0: all its tokens)."""
-        if self.log is not None:
-            alloc, rid = self.alloc, r.req.rid
-            if alloc.tokens(rid) != self.logged[rid][0]:
-                self._log_grow(rid)  # it stepped since its last entry (preempted mid-iteration)
-            offset = None if math.isnan(r.offset) else int(r.offset)
-            self._log_op("free", rid, alloc.allocated_bytes(rid), offset, alloc.block_table(rid),
-                         processed=processed)
-
-    def _log_grow(self, rid: int) -> None:
-        alloc = self.alloc
-        _, nblocks, nbytes, ids = self.logged[rid]
-        new = alloc.block_table(rid)[nblocks:] if ids is None else ()
-        self._log_op("grow", rid, alloc.allocated_bytes(rid) - nbytes, None, new)
-
-    def _sync_log(self) -> None:
-        """Log the growth of every live request since its last entry, then the model's view."""
-        if self.log is None:
-            return
-        alloc = self.alloc
-        self._log_evictions()
-        for rid in alloc.rids():
-            if alloc.tokens(rid) != self.logged[rid][0]:
-                self._log_grow(rid)
-        acc = alloc.account(self._probe())
-        self._log_row("check", -1, alloc.total_tokens(), acc.allocated, blocks=(),
-                      token_states=acc.token_states,
-                      held_unwritten=acc.reserved + acc.internal, free=acc.free)
 
     # --------------------------------------------------------------- recording
     def _probe(self) -> Request:
@@ -1276,7 +1203,7 @@ class Engine:
             out.store(r)
         requests = out.frame(at_end, moved=self.track_moves and alloc.compactions > 0)
         timeseries = self.rows.frame(self.group_names)  # (which empties the rows)
-        log = None if self.log is None else pd.DataFrame(self.log, columns=list(LOG_COLUMNS))
+        log = None if self.log is None else self.log.frame()
         return RunResult(summary(self, requests, timeseries), timeseries, requests, log)
 
 
