@@ -157,7 +157,7 @@ class Cohort:
         Before any decoder joins."""
         assert not self.recs
         self.lag = lag
-        self._slopes = {}
+        self._slopes.clear()
         self._events_at()
 
     # ------------------------------------------------------------------ one request
@@ -786,8 +786,8 @@ class Cohort:
         heap, recs = self.nf_heap, self.recs
         while heap:
             key, rid = heap[0]
-            got = recs.get(rid)
-            if got is None or got.nf != key or key <= clock:
+            rec = recs.get(rid)
+            if rec is None or rec.nf != key or key <= clock:
                 heapq.heappop(heap)
                 continue
             best = min(best, key - clock)
@@ -797,8 +797,8 @@ class Cohort:
         heap = self.last_heap
         while heap:
             key, rid = heap[0]
-            got = recs.get(rid)
-            if got is None or got.last != -key or -key <= clock:
+            rec = recs.get(rid)
+            if rec is None or rec.last != -key or -key <= clock:
                 heapq.heappop(heap)
                 continue
             return best if best != NEVER else (done or 0) + 1
