@@ -94,6 +94,22 @@ def test_compiled_records_are_the_pure_ones():
         assert a == b, f"{a[:4]}: compiled and pure differ"
 
 
+@pytest.mark.skipif(bool(os.environ.get("KVFRAG_PURE")), reason="KVFRAG_PURE: nothing compiled")
+def test_an_install_with_a_c_compiler_compiled_the_engine():
+    """Where a C compiler is present, `pip install` compiles the engine; a module that mypyc
+    refuses makes setup.py install pure Python instead, silently but for one line of pip's
+    build output: no extension at all then, which this catches (a stale one, as after an edit,
+    is a developer's tree and passes)."""
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler})")
+    assert _native._compiled_stamp() is not None, (
+        "the install did not compile the engine: `pip install -v -e .` says which module "
+        "mypyc refused")
+
+
 def test_kvfrag_pure_loads_the_sources():
     code = ("import kvfrag.sim as s, kvfrag.sim.engine as e, kvfrag.sim.allocators.paged as p;"
             "print(s.COMPILED, e.__file__, p.__file__)")
