@@ -1,7 +1,8 @@
 """The hybrid allocator under async scheduling: the fast engine held to the per-iteration
-reference (`sim.reference`), with and without prefix caching, and what the tokens in flight
-change (vLLM frees a window's blocks by the tokens processed: computed less those in flight;
-tests/oracle/test_hybrid_async_match.py holds both to vLLM's AsyncScheduler)."""
+reference (`sim.reference`), with and without prefix caching (and synchronously, now that the
+engine's default is async), and what the tokens in flight change (vLLM frees a window's blocks
+by the tokens processed: computed less those in flight; tests/oracle/test_hybrid_async_match.py
+holds both to vLLM's AsyncScheduler)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ AGREE = run_path(str(HERE / "agreement.py"))["assert_fast_equals_reference"]
     chunked=st.booleans(),
     skip=st.booleans(),
     max_seqs=st.sampled_from([8, 2]),
+    asynchronous=st.sampled_from([True, True, False]),
 )
 def test_fast_engine_matches_reference_under_async_scheduling(
-    seed, which, manager, bs, n, extra_blocks, chunked, skip, max_seqs,
+    seed, which, manager, bs, n, extra_blocks, chunked, skip, max_seqs, asynchronous,
 ):
     stack = ENGINE["STACKS"][which]
     tokens = 40 if chunked else 160
@@ -48,7 +50,7 @@ def test_fast_engine_matches_reference_under_async_scheduling(
     wl = ENGINE["workload"](seed, n, 100, 80, rate=2.0)
     cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=tokens,
                        chunked_prefill=chunked, admission="skip" if skip else "fcfs",
-                       lookahead=3, async_scheduling=True,
+                       lookahead=3, async_scheduling=asynchronous,
                        step_time=StepTime(0.05, 1e-3, 1e-4))
     AGREE(run(wl, fresh(), cfg), reference(wl, fresh(), cfg),
           parts=[*PARTS, "internal_overreservation"])
@@ -61,9 +63,10 @@ def test_fast_engine_matches_reference_under_async_scheduling(
     n=st.integers(2, 25),
     extra_blocks=st.sampled_from([0, 2, 5, 10, 20, 60]),  # small pools: evictions, preemptions
     chunked=st.booleans(),
+    asynchronous=st.sampled_from([True, True, False]),
 )
 def test_fast_engine_matches_reference_under_async_scheduling_with_prefix_caching(
-    seed, which, n, extra_blocks, chunked,
+    seed, which, n, extra_blocks, chunked, asynchronous,
 ):
     stack = PREFIX["STACKS"][which]
     tokens = 40 if chunked else PREFIX["MML"]
@@ -71,7 +74,7 @@ def test_fast_engine_matches_reference_under_async_scheduling_with_prefix_cachin
     capacity = (probe.plan.max_request_blocks + 1 + extra_blocks) * probe.page + 37
     wl = PREFIX["shared"](seed, n, 100, 60)
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=tokens, chunked_prefill=chunked,
-                       async_scheduling=True, step_time=StepTime(0.05, 1e-3, 1e-4))
+                       async_scheduling=asynchronous, step_time=StepTime(0.05, 1e-3, 1e-4))
     trace: list[dict] = []
     slow = reference(wl, PREFIX["make"](stack, capacity, tokens=tokens), cfg, trace)
     fast = run(wl, PREFIX["make"](stack, capacity, tokens=tokens), cfg)
