@@ -786,8 +786,8 @@ class Cohort:
         heap, recs = self.nf_heap, self.recs
         while heap:
             key, rid = heap[0]
-            rec = recs.get(rid)
-            if rec is None or rec.nf != key or key <= clock:
+            found = recs.get(rid)
+            if found is None or found.nf != key or key <= clock:
                 heapq.heappop(heap)
                 continue
             best = min(best, key - clock)
@@ -797,8 +797,8 @@ class Cohort:
         heap = self.last_heap
         while heap:
             key, rid = heap[0]
-            rec = recs.get(rid)
-            if rec is None or rec.last != -key or -key <= clock:
+            found = recs.get(rid)
+            if found is None or found.last != -key or -key <= clock:
                 heapq.heappop(heap)
                 continue
             return best if best != NEVER else (done or 0) + 1
