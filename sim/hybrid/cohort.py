@@ -729,7 +729,10 @@ class Cohort:
         # async: the decoders at their first step and those that joined now (`first_*`)
         first_now = self.first_now if lag and self.first_clock == clock else {}
         first_next = self.first_next if lag and self.fresh_clock == clock else {}
-        unformed = set(fresh) | set(first_now) | set(first_next) if lag else fresh
+        unformed: set[int] = set(fresh)
+        if lag:
+            unformed.update(first_now)
+            unformed.update(first_next)
         second = NEVER
         for k, _, _ in self.sliding:
             hit = self._hit(k, clock)
@@ -749,10 +752,12 @@ class Cohort:
             p = got[0] if got is not None else tokens - 1 - lag
             if any(m.skipped_blocks(p) > m.skipped_blocks(processed) for m in windowed):
                 return 1
-        for rid, p in self.prev_first.items() if lag else ():  # (their second step, just taken)
-            tokens = self.recs[rid].c + clock
-            if any(m.skipped_blocks(tokens - 1 - lag) > m.skipped_blocks(p) for m in windowed):
-                return 1
+        if lag:
+            for rid, p in self.prev_first.items():  # (their second step, just taken)
+                tokens = self.recs[rid].c + clock
+                if any(m.skipped_blocks(tokens - 1 - lag) > m.skipped_blocks(p)
+                       for m in windowed):
+                    return 1
         for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
             tokens = self.recs[rid].c + clock
             before = self.prev_fresh.get(rid, tokens - 2 - lag)
