@@ -726,6 +726,8 @@ class Engine:
                 if stepped + chunks + r.req.n > budget:
                     self.tokenless += r.req.n
                     self.tokenless_kv += r.req.n * alloc.tokens(rid)
+                    if self.asynchronous:
+                        self.chunks_now[rid] = 0  # (nothing of it in flight next step)
                     continue
                 grant, back, back_chunk = self._grow_walked(r, 1, took, granted)
                 stepped -= back

@@ -340,6 +340,7 @@ def reference(
                 if stepped + chunks + n > total:
                     tokenless[0] += n
                     tokenless[1] += n * alloc.tokens(r["rid"])
+                    chunks_now[r["rid"]] = 0  # (async: nothing of it in flight next step)
                     continue
                 if grow(r, 1):
                     stepped += n
