@@ -728,6 +728,7 @@ class Engine:
                     self.tokenless_kv += r.req.n * alloc.tokens(rid)
                     if self.asynchronous:
                         self.chunks_now[rid] = 0  # (nothing of it in flight next step)
+                        alloc.unscheduled(rid)
                     continue
                 grant, back, back_chunk = self._grow_walked(r, 1, took, granted)
                 stepped -= back

@@ -341,6 +341,8 @@ def reference(
                     tokenless[0] += n
                     tokenless[1] += n * alloc.tokens(r["rid"])
                     chunks_now[r["rid"]] = 0  # (async: nothing of it in flight next step)
+                    if asynchronous:
+                        alloc.unscheduled(r["rid"])
                     continue
                 if grow(r, 1):
                     stepped += n

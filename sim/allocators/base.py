@@ -681,6 +681,12 @@ class Allocator(ABC):
         on the tokens processed (the hybrid allocator's windows) does it change anything."""
         self.asynchronous = True
 
+    def unscheduled(self, rid: int) -> None:
+        """Async scheduling: decoder `rid` took no token this step (a prompt ahead took the
+        token budget), so nothing of it is in flight at its next step. By default nothing
+        depends on it."""
+        return
+
     def evict_idle(self) -> None:
         """Evict every idle cached block (its id becomes a plain free block): decoders that
         run out of blocks take every free one, idle cached ones included, before vLLM

@@ -40,7 +40,8 @@ num_in_flight_tokens` to `remove_skipped_blocks`): the tokens scheduled for the 
 previous step, whose output is not applied yet. A chunk grows by P = old - the previous chunk
 (`grow`'s `in_flight`, from the engine: 0 when the request was not scheduled then); a decoder's
 first step frees by the tokens before its final chunk, every later one by P = L - 1 (its last
-token in flight): the cohort's `lag`.
+token in flight): the cohort's `lag`; one that took no token in a step (`unscheduled`) frees
+by all its tokens at its next.
 
 The coordinator (vLLM's `kv_cache_coordinator.py` / `kv_cache_manager.py`) sums over groups:
 an allocation is granted when the blocks it takes, less the blocks it frees first, fit in the
@@ -355,6 +356,15 @@ class HybridAllocator(Allocator):
 
     def defer_block_ids(self) -> None:
         self._deferred = True
+
+    def unscheduled(self, rid: int) -> None:
+        """Its next step frees by all its tokens: it joins the cohort again with nothing in
+        flight (its first step's correction)."""
+        live = self._get(rid)
+        if self._lag and live.decoding:
+            self._set_decoding(live, False)
+            self._last_n[rid] = 0
+            self._set_decoding(live, True)
 
     def set_async(self) -> None:
         """Async scheduling: free by the tokens processed (see the module)."""

@@ -81,6 +81,10 @@ CASES = {
                                      system_blocks=100),
     "jamba-1.5-mini-align-whole": Case(shapes.jamba_1_5_mini(), True, 120, 4096, 1200, 300,
                                        n=40, system_blocks=40),
+    # 512-token chunks under a 544-token block: a chunk ahead takes the whole budget and a
+    # decoder behind it goes without a token, so nothing of it is in flight at its next step.
+    "qwen3-next-align-chunked-512": Case(shapes.qwen3_next(), True, 30, 512, 1200, 300, n=40,
+                                         system_blocks=100, seed=1),
 }
 
 
@@ -97,6 +101,8 @@ def test_every_iteration_matches_vllms_async_scheduler(name: str) -> None:
     evictions = sum(s["evictions"] for s in oracle.steps)
     print(f"\n{name}: {compared} iterations compared, {preempted} preemptions, "
           f"{hits} prefix-hit tokens, {evictions} evictions")
+    if name.endswith("-512"):
+        assert sum(it["tokenless"] for it in trace) > 0, "a decoder should go without a token"
     if caching:
         assert hits > 0 and evictions > 0
         for rid, r in ref["requests"].items():  # tokens found cached, resumptions included
