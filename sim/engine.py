@@ -147,6 +147,8 @@ class Engine:
         self.lookahead = spec.lookahead if spec is not None else 0
         self.draft_slots = spec.draft_slots if spec is not None else 0
         self.spec_decode_tokens = 0  # this iteration's decoders' tokens (drafts included)
+        # decode steps that verified drafts, their drafts and those accepted (the summary)
+        self.spec_steps = self.spec_drafts = self.spec_accepted = 0
         self.inputs = _Inputs(workload, spec, allocator.max_model_len,
                               async_modelled(config, allocator))
         if spec is not None and self.inputs.groups:
@@ -1027,6 +1029,9 @@ class Engine:
                 if d:
                     a = min(acceptance.count(r.req.rid, st.verified), d)
                     st.verified += 1
+                    self.spec_steps += 1
+                    self.spec_drafts += d
+                    self.spec_accepted += a
                 if self.asynchronous:  # (vLLM rolls back after the next scheduling)
                     st.rollback = d - a
                 else:

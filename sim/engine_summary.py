@@ -27,6 +27,22 @@ def _stats(values: pd.Series) -> dict[str, float]:
     return {"mean": float(v.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
+def _speculation(engine: Engine) -> dict[str, float | int]:
+    """Speculative decoding's figures (NaN without it): the decode steps that verified
+    drafts, the drafts they carried, those accepted, and the tokens a step gave."""
+    if engine.spec is None:
+        return dict.fromkeys(("spec_verify_steps", "spec_drafts", "spec_drafts_accepted",
+                              "spec_acceptance", "spec_tokens_per_step"), math.nan)
+    steps, drafts, accepted = engine.spec_steps, engine.spec_drafts, engine.spec_accepted
+    return {
+        "spec_verify_steps": steps,
+        "spec_drafts": drafts,
+        "spec_drafts_accepted": accepted,
+        "spec_acceptance": accepted / drafts if drafts else math.nan,
+        "spec_tokens_per_step": (steps + accepted) / steps if steps else math.nan,
+    }
+
+
 def summary(engine: Engine, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
     """The run's summary row (its keys: docs/data-dictionary.md) from `engine`'s integrals and
     counters, the request table and the time series `ts` it made."""
@@ -103,6 +119,7 @@ def summary(engine: Engine, requests: pd.DataFrame, ts: pd.DataFrame) -> dict:
             engine.prefix_hits / engine.prompt_lookups if engine.prompt_lookups else 0.0
         ),
         **engine.alloc.summary_stats(),
+        **_speculation(engine),
         "mean_running": engine.busy_running / total if total else float(len(engine.running)),
         "max_running": engine.max_running,
         "requests": len(requests),

@@ -115,6 +115,28 @@ def test_accepted_drafts_shorten_the_decode():
     assert lone([7])["finished_s"] == 1 + 15  # (clipped to the 3 drafts scheduled)
 
 
+def test_summary_counts_drafts_and_acceptance():
+    """60 tokens after the first: all 3 drafts accepted, 15 steps of 4 tokens; one accepted,
+    30 steps of 2; without speculation the columns are empty."""
+    wl = pd.DataFrame({"request_id": [0], "arrival_s": [0.0], "prompt_tokens": [40],
+                       "output_tokens": [61], "accepted_drafts": [[3]]})
+
+    def summary(spec):
+        cfg = EngineConfig(max_num_batched_tokens=512, async_scheduling=False, speculative=spec)
+        alloc = make_allocator("paged", capacity=1000 * 16, bytes_per_token=1,
+                               max_model_len=512, block_size=4)
+        return run(wl, alloc, cfg).summary
+
+    got = summary(Speculative("eagle", 3))
+    assert (got["spec_verify_steps"], got["spec_drafts"], got["spec_drafts_accepted"]) == (
+        15, 45, 45)
+    assert (got["spec_acceptance"], got["spec_tokens_per_step"]) == (1.0, 4.0)
+    got = summary(Speculative("eagle", 3, distribution=((1, 1.0),)))
+    assert (got["spec_verify_steps"], got["spec_acceptance"], got["spec_tokens_per_step"]) == (
+        30, pytest.approx(1 / 3), 2.0)
+    assert np.isnan(summary(None)["spec_acceptance"])
+
+
 def test_lookahead_slots_hold_blocks_and_rejections_free_none():
     """EAGLE (lookahead k) holds blocks for computed + 1 + k + k slots at the last step:
     prompt 40 + 59 tokens decoded before it = 99, + 7 = 106 slots, 27 blocks of 4; n-gram
