@@ -199,6 +199,7 @@ class HybridAllocator(Allocator):
         self._tables: dict[int, list[list[list[int]]]] = {}
         self._named_start: dict[int, list[int]] = {}
         self._deferred = False
+        self._freeing = -1  # the rid `free` is releasing, while it does
         self._version = 0
         # What each manager's real layers read: promoted groups (the manager off) keep every
         # token, but their sliding and chunked layers read only their window; None where
@@ -484,10 +485,20 @@ class HybridAllocator(Allocator):
         self._changed()
         return Grant(rid, taken * self.page, live.cap, blocks=ids)
 
+    def free(self, rid: int) -> int:
+        """(`Allocator.free`.) A decoder freed leaves the cohort without its parts counted
+        outside it: they would be taken out again at once (`_cohort_changed`)."""
+        self._freeing = rid
+        try:
+            return super().free(rid)
+        finally:
+            self._freeing = -1
+
     def _release(self, live: Live) -> None:
         rid = live.req.rid
-        held = self._held.pop(rid)  # (a decoder has left the cohort first)
-        self._add_fixed(held, -1)
+        held = self._held.pop(rid, None)  # (None: a decoder, freed as it left the cohort)
+        if held is not None:
+            self._add_fixed(held, -1)
         for groups in self._tables.pop(rid, []):
             for ids in groups:
                 self._stack_ids.give(ids)
@@ -518,16 +529,17 @@ class HybridAllocator(Allocator):
                 self._proc[rid] = (self._first[rid] if self._lag and joined == self._clock - 1
                                    else tokens - 1 - self._lag)
                 self._last_n[rid] = 1
-            parts = self._parts_of(live.base, self._proc[rid], live.final)
-            self._held[rid] = parts
-            self._add_fixed(parts, 1)
+            if rid != self._freeing:
+                parts = self._parts_of(live.base, self._proc[rid], live.final)
+                self._held[rid] = parts
+                self._add_fixed(parts, 1)
         self._changed()
 
     def _changed(self) -> None:
         self._version += 1
 
     def _allocated_total(self) -> int:
-        return self._totals()[0] * self.page
+        return self._cohort.blocks_now(self._clock) * self.page  # (blocks alone: `free_bytes`)
 
     def _internal_total(self) -> int:
         return self._totals()[3]
@@ -591,6 +603,6 @@ class HybridAllocator(Allocator):
         sums = (self._cohort.integrals(self._clock, n, w0, w1) if n and self._joined
                 else [0.0] * 6)
         for k in range(6):
-            sums[k] += self._cohort.fixed[k] * weight
+            sums[k] = sums[k] + self._cohort.fixed[k] * weight
         self._integrals_memo = (key, sums)
         return sums

@@ -795,6 +795,9 @@ class HybridPrefixCaching(HybridAllocator):
         internal = blocks * self.page - token_states - reserved
         return blocks, token_states, reserved, internal, padding, out
 
+    def _allocated_total(self) -> int:
+        return self._totals()[0] * self.page  # (as `_totals`: no flush)
+
     def free_blocks(self) -> int:
         self._flush()
         return self._st.pool.free_count()

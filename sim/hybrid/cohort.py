@@ -218,12 +218,19 @@ class Cohort:
         self._memo: list[int] = []
         self._memo_clock = -1  # (two ints, not a tuple: the check runs several times an event)
         self._memo_changes = -1
+        self._blocks_memo = 0  # `blocks_now`'s last answer, at this clock and change
+        self._blocks_clock = -1
+        self._blocks_changes = -1
+        self._terms = 0  # every change of the terms (`_add`): `steps_until_full` keeps its sum
+        self._taken = 0
+        self._taken_clock = self._taken_done = self._taken_terms = -1
         self._slopes: dict[int, list[int]] = {}  # windows passed -> a decoder's slope
         self.recs: dict[int, _Rec] = {}
         self.A = [0] * width  # sum of a
         self.S = [0] * width  # sum of s
         self.sums = [FloorSum(mod) for mod in self.mods]
-        self.counts: list[dict[int, int]] = [{} for _ in self.mods]
+        # per term kind: residue of x -> the decoders with that residue (each decoder has at
+        # most one term of a kind: the set's size is the count a step at that residue moves)
         self.members: list[dict[int, set[int]]] = [{} for _ in self.mods]
         self.events: list[tuple[int, int]] = []  # (clock, rid), lazily pruned
         self.nf_heap: list[tuple[int, int]] = []  # (clock, rid)
@@ -255,7 +262,7 @@ class Cohort:
             if q:
                 v = vecs[kind]
                 for i in range(self.width):
-                    out[i] += v[i] * q
+                    out[i] = out[i] + v[i] * q
         return out
 
     def _build(self, rid: int, c: int, final: int, clock: int,
@@ -346,10 +353,10 @@ class Cohort:
             b = m.block_size
             if m.token_bytes and final % b and final // b * b + 1 == length:
                 d += m.token_bytes * (final - b * (final // b + 1))
-        rec.a[2] += d
-        rec.a[3] -= d
-        self.A[2] += d
-        self.A[3] -= d
+        rec.a[2] = rec.a[2] + d
+        rec.a[3] = rec.a[3] - d
+        self.A[2] = self.A[2] + d
+        self.A[3] = self.A[3] - d
         self._changes += 1
         nxt, rec.light = self._next_event(length, final)
         rec.event = NEVER if nxt == NEVER else nxt - rec.c
@@ -358,33 +365,41 @@ class Cohort:
 
     def _add(self, rid: int, rec: _Rec, sign: int) -> None:
         self._changes += 1
+        self._terms += 1
         A, S, a, s = self.A, self.S, rec.a, rec.s
-        for i in range(self.width):
-            A[i] += sign * a[i]
-            S[i] += sign * s[i]
+        if sign > 0:
+            for i in range(self.width):
+                A[i] = A[i] + a[i]
+                S[i] = S[i] + s[i]
+        else:
+            for i in range(self.width):
+                A[i] = A[i] - a[i]
+                S[i] = S[i] - s[i]
+        sums, mods, members = self.sums, self.mods, self.members
         for kind, x in rec.terms:
-            self.sums[kind].add(x, sign)
-            r = x % self.mods[kind]
-            counts = self.counts[kind]
-            n = counts.get(r, 0) + sign
-            if n:
-                counts[r] = n
-            else:
-                del counts[r]
-            members = self.members[kind]
+            sums[kind].add(x, sign)
+            r = x % mods[kind]
+            group = members[kind].get(r)
             if sign > 0:
-                members.setdefault(r, set()).add(rid)
+                if group is None:
+                    members[kind][r] = {rid}
+                else:
+                    group.add(rid)
             else:
-                group = members[r]
+                assert group is not None
                 group.discard(rid)
                 if not group:
-                    del members[r]
+                    del members[kind][r]
 
     def _enter(self, rid: int, rec: _Rec) -> None:
         self.recs[rid] = rec
         self._add(rid, rec, 1)
         if rec.event != NEVER:
-            heapq.heappush(self.events, (rec.event, rid))
+            if len(self.events) > 2 * len(self.recs) + 64:  # mostly stale: keep the live ones
+                self.events = [(r.event, i) for i, r in self.recs.items() if r.event != NEVER]
+                heapq.heapify(self.events)
+            else:
+                heapq.heappush(self.events, (rec.event, rid))
         if rec.nf != NEVER:
             heapq.heappush(self.nf_heap, (rec.nf, rid))
         if rec.last >= 0:
@@ -426,20 +441,20 @@ class Cohort:
         if lag and first != tokens - lag and tokens < final:
             exact = self.parts_of(tokens + 1, first, final)
             formed1 = self.parts_of(tokens + 1, tokens - lag, final)  # (its form, exact)
-            diff1 = [x - y for x, y in zip(exact, formed1, strict=True)]
+            diff1 = [exact[i] - formed1[i] for i in range(self.width)]
             if any(diff1):
                 self.first_next[rid] = (first, diff1)
                 self._changes += 1
                 corr = self.first_next_corr
                 for i in range(self.width):
-                    corr[i] += diff1[i]
+                    corr[i] = corr[i] + diff1[i]
         if processed != formed:
-            diff = [x - y for x, y in zip(held, form, strict=True)]
+            diff = [held[i] - form[i] for i in range(self.width)]
             self.fresh[rid] = (processed, diff)
             self._changes += 1
             corr = self.fresh_corr
             for i in range(self.width):
-                corr[i] += diff[i]
+                corr[i] = corr[i] + diff[i]
 
     def leave(self, rid: int, clock: int) -> None:
         self._rotate(clock)
@@ -450,7 +465,7 @@ class Cohort:
             self._changes += 1
             corr = self.fresh_corr
             for i in range(self.width):
-                corr[i] -= got[1][i]
+                corr[i] = corr[i] - got[1][i]
         self.prev_fresh.pop(rid, None)
         self.prev_first.pop(rid, None)
         for pending, corr in ((self.first_next, self.first_next_corr),
@@ -459,14 +474,14 @@ class Cohort:
             if got is not None:
                 self._changes += 1
                 for i in range(self.width):
-                    corr[i] -= got[1][i]
+                    corr[i] = corr[i] - got[1][i]
 
     def stepped(self, clock: int) -> None:
         """The clock is `clock`: rebuild the decoders whose event it has reached."""
         self._rotate(clock)
-        heap, recs = self.events, self.recs
-        while heap and heap[0][0] <= clock:
-            key, rid = heapq.heappop(heap)
+        recs = self.recs
+        while self.events and self.events[0][0] <= clock:  # (`_enter` may rebuild the heap)
+            key, rid = heapq.heappop(self.events)
             rec = recs.get(rid)
             if rec is None or rec.event != key:
                 continue
@@ -483,7 +498,7 @@ class Cohort:
                         if self.switched_clock != clock:
                             self.switched_clock = clock
                             self.switched = [0] * len(self.mods)
-                        self.switched[k] += 1
+                        self.switched[k] = self.switched[k] + 1
                 p = tokens - 1 - self.lag
                 if any(m.skipped_blocks(p) > m.skipped_blocks(p - 1) for m in self.chunked):
                     self.freed_clock = clock
@@ -492,12 +507,25 @@ class Cohort:
     def add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
         """A request outside the cohort holds `parts` (sign 1) or no longer (-1)."""
         f = self.fixed
-        for i in range(self.width):
-            f[i] += sign * parts[i]
+        keep = self._memo_changes == self._changes  # (the figures just before: kept valid)
+        memo = self._memo
+        if sign > 0:
+            for i in range(self.width):
+                f[i] = f[i] + parts[i]
+            if keep:
+                for i in range(self.width):
+                    memo[i] = memo[i] + parts[i]
+        else:
+            for i in range(self.width):
+                f[i] = f[i] - parts[i]
+            if keep:
+                for i in range(self.width):
+                    memo[i] = memo[i] - parts[i]
+        if self._blocks_changes == self._changes:
+            self._blocks_memo += sign * parts[0]
+            self._blocks_changes += 1
         self._changes += 1
-        if self._memo_changes == self._changes - 1:  # (the figures just before: kept valid)
-            memo = self._memo
-            self._memo = [memo[i] + sign * parts[i] for i in range(self.width)]
+        if keep:
             self._memo_changes = self._changes
 
     def figures(self, clock: int) -> list[int]:
@@ -507,15 +535,22 @@ class Cohort:
         out = self.totals(clock)
         f = self.fixed
         for i in range(self.width):
-            out[i] += f[i]
+            out[i] = out[i] + f[i]
         self._memo = out
         self._memo_clock = clock
         self._memo_changes = self._changes
         return out
 
     def blocks_now(self, clock: int) -> int:
-        """Block ids every live request holds at `clock`."""
-        return self.figures(clock)[0]
+        """Block ids every live request holds at `clock` (asked several times an event, and
+        between changes that void the figures: counted alone, not with them)."""
+        if self._memo_clock == clock and self._memo_changes == self._changes:
+            return self._memo[0]
+        if self._blocks_clock != clock or self._blocks_changes != self._changes:
+            self._blocks_memo = self.blocks(clock) + self.fixed[0]
+            self._blocks_clock = clock
+            self._blocks_changes = self._changes
+        return self._blocks_memo
 
     def totals(self, clock: int) -> list[int]:
         """The cohort's figures at `clock`."""
@@ -527,15 +562,15 @@ class Cohort:
                 if val:
                     v = vecs[k]
                     for i in range(self.width):
-                        out[i] += v[i] * val
+                        out[i] = out[i] + v[i] * val
         if self.fresh_clock == clock and self.fresh:
             corr = self.fresh_corr
             for i in range(self.width):
-                out[i] += corr[i]
+                out[i] = out[i] + corr[i]
         if self.first_clock == clock and self.first_now:
             corr = self.first_now_corr
             for i in range(self.width):
-                out[i] += corr[i]
+                out[i] = out[i] + corr[i]
         return out
 
     def blocks(self, clock: int) -> int:
@@ -561,6 +596,12 @@ class Cohort:
         """Decoders with an event at or before `clock` (their forms change by then)."""
         out: dict[int, None] = {}
         heap, recs = self.events, self.recs
+        while heap:  # (entries of decoders gone or rebuilt since: dropped from the top)
+            key, rid = heap[0]
+            found = recs.get(rid)
+            if found is not None and found.event == key:
+                break
+            heapq.heappop(heap)
         todo = [0] if heap and heap[0][0] <= clock else []
         while todo:
             i = todo.pop()
@@ -568,9 +609,11 @@ class Cohort:
             rec = recs.get(rid)
             if rec is not None and rec.event == key:
                 out[rid] = None
-            for j in (2 * i + 1, 2 * i + 2):
-                if j < len(heap) and heap[j][0] <= clock:
-                    todo.append(j)
+            j = 2 * i + 1  # (its two children, written out: a loop over a tuple is generic)
+            if j < len(heap) and heap[j][0] <= clock:
+                todo.append(j)
+            if j + 1 < len(heap) and heap[j + 1][0] <= clock:
+                todo.append(j + 1)
         return list(out)
 
     def integrals(self, clock: int, n: int, w0: float, w1: float) -> list[float]:
@@ -584,13 +627,13 @@ class Cohort:
                 val = fs.integrate(clock, n, w0, w1, weight)
                 v = self.vecs[k]
                 for i in range(6):
-                    sums[i] += v[i] * val
+                    sums[i] = sums[i] + v[i] * val
         for rid in self._ending_by(clock + n):
             self._walk_events(rid, clock, n, w0, w1, sums)
         if n and self.fresh_clock == clock and self.first_next:  # (their first step: j = 1)
             corr = self.first_next_corr
             for i in range(6):
-                sums[i] += w0 * corr[i]
+                sums[i] = sums[i] + w0 * corr[i]
         return sums
 
     def _walk_events(self, rid: int, clock: int, n: int, w0: float, w1: float,
@@ -611,15 +654,14 @@ class Cohort:
     # ------------------------------------------------------------------ look-ahead
     def _hit(self, kind: int, clock: int) -> int:
         """Decoders whose term of this kind moves at the step into `clock`."""
-        return self.counts[kind].get(-clock % self.mods[kind], 0)
+        group = self.members[kind].get(-clock % self.mods[kind])
+        return 0 if group is None else len(group)
 
     def steps_until_full(self, clock: int, done: int, free: int,
                          order: Callable[[int], int]) -> int:
         """Steps (at most `done`) the cohort can take before some decoder, in running order
         (`order`: its rank), finds too few of the `free` blocks (free now)."""
         n_ceil, sums, bv = self.n_ceil, self.sums, self.blocks_vec
-        now = self.blocks(clock)
-        limit = now + free
         lag = self.lag
         # blocks the ceil terms take over the whole stretch: frees only lower it (async: and
         # what the first steps' corrections may add, `first_*`)
@@ -631,16 +673,32 @@ class Cohort:
                 taken += max(0, -self.fresh_corr[0]) + max(0, self.first_next_corr[0])
             if first_now:
                 taken += max(0, -self.first_now_corr[0])
-        for k in range(n_ceil):
-            if bv[k]:
-                taken += bv[k] * (sums[k].value(clock + done) - sums[k].value(clock))
-        if now + taken <= limit:
+        # (the ceil terms' part is asked again as the free pool changes with the cohort as it
+        # is: kept while the terms, clock and stretch stay)
+        if (self._taken_clock != clock or self._taken_done != done
+                or self._taken_terms != self._terms):
+            ceil = 0
+            for k in range(n_ceil):
+                if bv[k]:
+                    ceil += bv[k] * (sums[k].value(clock + done) - sums[k].value(clock))
+            self._taken = ceil
+            self._taken_clock, self._taken_done, self._taken_terms = clock, done, self._terms
+        taken += self._taken
+        if taken <= free:
             return done
-        special = self._ending_by(clock + done)
+        now = self.blocks(clock)
+        limit = now + free
+        # Decoders whose forms change by the step walked (their events up to `horizon`,
+        # looked up a stretch at a time: the walk often stops at its first steps)
+        horizon = min(done, 32)
+        special = self._ending_by(clock + horizon)
         recs = self.recs
         cur = now
         for t in range(1, done + 1):
             k1 = clock + t
+            if t > horizon:
+                horizon = done
+                special = self._ending_by(clock + horizon)
             up = 0
             for k in range(n_ceil):
                 if bv[k]:
@@ -784,7 +842,7 @@ class Cohort:
         best = second
         for k, _, _ in self.sliding:
             mod = self.mods[k]
-            for r in self.counts[k]:
+            for r in self.members[k]:
                 t = (-(r + clock) - 1) % mod + 1
                 if t < best:
                     best = t
@@ -832,11 +890,11 @@ def _piece(co: Cohort, rec: _Rec, sign: int, clock: int, start: int, stop: int,
     weight = m * a0 + w1 * m * (m - 1) / 2
     kw = start * weight + (a0 * m * (m - 1) / 2 + w1 * (m - 1) * m * (2 * m - 1) / 6)
     for i in range(6):
-        sums[i] += sign * (rec.a[i] * weight + rec.s[i] * kw)
+        sums[i] = sums[i] + sign * (rec.a[i] * weight + rec.s[i] * kw)
     for kind, x in rec.terms:
         fs = FloorSum(co.mods[kind])
         fs.add(x, 1)
         val = fs.integrate(start - 1, m, a0, w1, weight)
         v = co.vecs[kind]
         for i in range(6):
-            sums[i] += sign * v[i] * val
+            sums[i] = sums[i] + sign * v[i] * val
