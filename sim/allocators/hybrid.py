@@ -570,11 +570,12 @@ class HybridAllocator(Allocator):
     def steps_until_shrink(self) -> int | None:
         """Steps until a decode step frees a block of a sliding or chunked group: a decoder's
         first step after joining (its prefill's out-of-window blocks), or a window crossing a
-        block boundary. 1 too when the step just taken freed one: the engine asks after a step
-        whether memory may have come back since a refusal (a decoder at its final length, whose
-        last step freed, is freed only at the iteration's end, after the admissions that its
-        blocks may let in). Exact up to the first decoder's end; past it a lower bound, None
-        when no decoder frees again (`sim.hybrid.cohort`)."""
+        block boundary. 1 too when the step just taken freed one of a decoder in the cohort
+        since (one that left, or left and joined again, has not stepped since it joined): the
+        engine asks after a step whether memory may have come back since a refusal (a decoder
+        at its final length, whose last step freed, is freed only at the iteration's end,
+        after the admissions that its blocks may let in). Exact up to the first decoder's
+        end; past it a lower bound, None when no decoder frees again (`sim.hybrid.cohort`)."""
         memo = self._shrink_memo
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
             return memo[2]

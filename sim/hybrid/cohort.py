@@ -122,6 +122,12 @@ class Cohort:
                 self.vecs.append(v)
         self.windowed = tuple(m for m in self.managers if m.frees)
         self.chunked = tuple(m for m in self.managers if m.kind == "chunked_local")
+        # Their indices: the look-ahead reads their flat figures (`_skipped`, codes 2 and 3),
+        # it does not call them
+        self.windowed_ix = [i for i, m in enumerate(self.managers) if m.frees]
+        self.chunked_ix = [i for i, m in enumerate(self.managers) if m.kind == "chunked_local"]
+        if any(self.codes[i] not in (2, 3) for i in self.windowed_ix):
+            raise ValueError("the cohort knows how sliding and chunked managers free, no other")
         self.lag = 0  # async scheduling: a decoder's last token in flight (`set_lag`)
         self._events_at()
         #: block sizes whose reserved slots stop at the final length's block
@@ -173,6 +179,34 @@ class Cohort:
             w = self.m_window[i]
             return processed // w * w // self.m_bs[i]
         return self.managers[i].skipped_blocks(processed)
+
+    def _chunk_free(self, i: int, tokens: int, final: int) -> int:
+        """The first length past `tokens` (up to `final`) whose step frees blocks of chunked
+        manager i (`ChunkedLocalManager.next_free`, as a length; 0: none)."""
+        c = self.m_window[i]
+        base = self._skipped(i, tokens - 1)
+        length = tokens + 1 + (1 - tokens - 1) % c  # the next chunk start: L - 1 = k C
+        while length <= final:
+            if self._skipped(i, length - 1) > base:
+                return length
+            length += c
+        return 0
+
+    def _last_chunk_free(self, i: int, tokens: int, final: int) -> int:
+        """The last length up to `final` whose step frees chunked manager i's blocks (0:
+        none)."""
+        c = self.m_window[i]
+        length = (final - 1) // c * c + 1
+        while length > tokens and length > c:
+            if self._skipped(i, length - 1) > self._skipped(i, length - 2):
+                return length
+            length -= c
+        return 0
+
+    def _frees_between(self, managers: list[int], after: int, before: int) -> bool:
+        """Whether one of these managers (indices) skips more blocks with `after` tokens
+        processed than with `before`."""
+        return any(self._skipped(i, after) > self._skipped(i, before) for i in managers)
 
     def blocks_of(self, tokens: int, processed: int) -> int:
         """Block ids a request holds with `tokens` slots, freed by `processed` computed."""
@@ -248,9 +282,15 @@ class Cohort:
         self.first_now_corr = [0] * width
         self.first_clock = -1
         self.prev_first: dict[int, int] = {}  # those at their first step at clock - 1
+        # every decoder that joined at `fresh_clock` (those in `fresh` and those that joined
+        # with their form's tokens processed: a decoder that left since its step and joined
+        # again has not stepped into this clock)
+        self.arrived: set[int] = set()
         self.switched_clock = -1  # clock at which `switched` decoders reached their window
-        self.switched = [0] * len(self.mods)
-        self.freed_clock = -1  # a chunked group freed a block at the step into this clock
+        self.switched: list[set[int]] = [set() for _ in self.mods]  # per sliding term kind
+        # decoders still in the cohort whose step into `freed_clock` freed a chunked block
+        self.freed_clock = -1
+        self.chunk_freed: set[int] = set()
 
     # ------------------------------------------------------------------ one decoder
     def _term_value(self, rec: _Rec, k: int) -> list[int]:
@@ -272,8 +312,11 @@ class Cohort:
         rec = _Rec(c, final)
         tokens = c + clock
         lag = self.lag
-        terms = [(k, c + self.mods[k] - 1) for k in range(self.n_ceil)]
-        terms.extend((k, c - w - lag) for k, w, _ in self.sliding if tokens - lag >= w)
+        mods = self.mods
+        terms = [(k, c + mods[k] - 1) for k in range(self.n_ceil)]
+        for k, w, _ in self.sliding:
+            if tokens - lag >= w:
+                terms.append((k, c - w - lag))
         rec.terms = terms
         nxt, rec.light = self._next_event(tokens, final)
         width = self.width
@@ -282,7 +325,10 @@ class Cohort:
         tv = self._term_value(rec, clock)
         # The slope depends only on the windows passed (out-of-window tokens grow by their
         # layers' bytes per token; every other figure moves by terms or stays): measured once.
-        passed = sum(1 for w in self.windows if w <= tokens)
+        passed = 0
+        for w in self.windows:
+            if w <= tokens:
+                passed += 1
         s = self._slopes.get(passed)
         if s is None:
             if nxt > tokens + 1 and tokens < final:
@@ -301,21 +347,25 @@ class Cohort:
         nf = NEVER
         last = 0
         at, end = max(1, tokens - lag), final - lag
-        for m in self.windowed:
-            if m.kind == "sliding_window":
-                if at < m.window:
-                    t = m.next_free(at, end)
-                    if t is not None and tokens + t < nf:
-                        nf = tokens + t
-                k_last = (end - m.window) // m.block_size
-                if k_last >= 1:
-                    last = max(last, m.window + k_last * m.block_size + lag)
-            else:
-                t = m.next_free(at, end)
-                if t is not None:
-                    nf = min(nf, tokens + t)
-                    got = _last_chunk_free(m, at, end)
-                    last = max(last, got + lag if got else 0)
+        for i in self.windowed_ix:
+            w, bs = self.m_window[i], self.m_bs[i]
+            if self.codes[i] == 2:  # sliding (`SlidingWindowManager.next_free`, as a length)
+                if at < w:
+                    # skipped(L - 1) = (L - W) // bs for L >= W: up by one at L = W + k bs
+                    length = max(w + bs, at + 1 + (w - at - 1) % bs)
+                    if length <= end and tokens + length - at < nf:
+                        nf = tokens + length - at
+                k_last = (end - w) // bs
+                if k_last >= 1 and w + k_last * bs + lag > last:
+                    last = w + k_last * bs + lag
+            else:  # chunked
+                length = self._chunk_free(i, at, end)
+                if length:
+                    if tokens + length - at < nf:
+                        nf = tokens + length - at
+                    got = self._last_chunk_free(i, at, end)
+                    if got and got + lag > last:
+                        last = got + lag
         rec.nf = NEVER if nf == NEVER else nf - c
         rec.last = last - c if last > tokens else -1
         return rec, now
@@ -423,6 +473,8 @@ class Cohort:
                 self.first_clock = clock
                 self.first_next = {}
                 self.first_next_corr = [0] * self.width
+            if self.arrived:
+                self.arrived = set()
             self.fresh_clock = clock
 
     def join(self, rid: int, c: int, final: int, processed: int, clock: int,
@@ -438,6 +490,7 @@ class Cohort:
             processed, first = formed, tokens - lag
         rec, form = self._build(rid, c, final, clock, held if processed == formed else None)
         self._enter(rid, rec)
+        self.arrived.add(rid)
         if lag and first != tokens - lag and tokens < final:
             exact = self.parts_of(tokens + 1, first, final)
             formed1 = self.parts_of(tokens + 1, tokens - lag, final)  # (its form, exact)
@@ -468,6 +521,13 @@ class Cohort:
                 corr[i] = corr[i] - got[1][i]
         self.prev_fresh.pop(rid, None)
         self.prev_first.pop(rid, None)
+        # (what its step into this clock freed no longer counts as just freed: it left)
+        self.arrived.discard(rid)
+        if self.switched_clock == clock:
+            for group in self.switched:
+                group.discard(rid)
+        if self.freed_clock == clock:
+            self.chunk_freed.discard(rid)
         for pending, corr in ((self.first_next, self.first_next_corr),
                               (self.first_now, self.first_now_corr)):
             got = pending.pop(rid, None)
@@ -497,11 +557,14 @@ class Cohort:
                     if tokens - self.lag == w:  # (its skipped blocks' term starts at 0 now)
                         if self.switched_clock != clock:
                             self.switched_clock = clock
-                            self.switched = [0] * len(self.mods)
-                        self.switched[k] = self.switched[k] + 1
+                            self.switched = [set() for _ in self.mods]
+                        self.switched[k].add(rid)
                 p = tokens - 1 - self.lag
-                if any(m.skipped_blocks(p) > m.skipped_blocks(p - 1) for m in self.chunked):
-                    self.freed_clock = clock
+                if self._frees_between(self.chunked_ix, p, p - 1):
+                    if self.freed_clock != clock:
+                        self.freed_clock = clock
+                        self.chunk_freed = set()
+                    self.chunk_freed.add(rid)
 
     # ------------------------------------------------------------------ figures
     def add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
@@ -778,16 +841,18 @@ class Cohort:
         frees again before its end."""
         if not self.windowed or not self.recs:
             return None
-        windowed = self.windowed
+        wix = self.windowed_ix
         # The step just taken freed a block (the engine asks whether memory came back).
-        if self.freed_clock == clock:
+        if self.freed_clock == clock and self.chunk_freed:
             return 1
         fresh = self.fresh if self.fresh_clock == clock else {}
         lag = self.lag
         # async: the decoders at their first step and those that joined now (`first_*`)
         first_now = self.first_now if lag and self.first_clock == clock else {}
         first_next = self.first_next if lag and self.fresh_clock == clock else {}
-        unformed: set[int] = set(fresh)
+        # (every decoder that joined now: one that left since its step and joined again has
+        # not stepped into this clock)
+        unformed: set[int] = set(self.arrived) if self.fresh_clock == clock else set()
         if lag:
             unformed.update(first_now)
             unformed.update(first_next)
@@ -795,7 +860,7 @@ class Cohort:
         for k, _, _ in self.sliding:
             hit = self._hit(k, clock)
             if hit and self.switched_clock == clock:
-                hit -= self.switched[k]
+                hit -= len(self.switched[k])
             if hit:  # (less the decoders that joined now: their step is still to come)
                 mod = self.mods[k]
                 for rid in unformed:
@@ -808,21 +873,19 @@ class Cohort:
             tokens = rec.c + clock
             got = first_now.get(rid)
             p = got[0] if got is not None else tokens - 1 - lag
-            if any(m.skipped_blocks(p) > m.skipped_blocks(processed) for m in windowed):
+            if self._frees_between(wix, p, processed):
                 return 1
         if lag:
             for rid, p in self.prev_first.items():  # (their second step, just taken)
                 tokens = self.recs[rid].c + clock
-                if any(m.skipped_blocks(tokens - 1 - lag) > m.skipped_blocks(p)
-                       for m in windowed):
+                if self._frees_between(wix, tokens - 1 - lag, p):
                     return 1
         for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
             tokens = self.recs[rid].c + clock
             before = self.prev_fresh.get(rid, tokens - 2 - lag)
-            if any(m.skipped_blocks(p) > m.skipped_blocks(before) for m in windowed):
+            if self._frees_between(wix, p, before):
                 return 1
-            if tokens < self.recs[rid].final and any(
-                    m.skipped_blocks(tokens - lag) > m.skipped_blocks(p) for m in windowed):
+            if tokens < self.recs[rid].final and self._frees_between(wix, tokens - lag, p):
                 return 1
         if fresh or first_next:
             for rid in set(fresh) | set(first_next):
@@ -832,12 +895,10 @@ class Cohort:
                 processed = got[0] if got is not None else tokens - 1 - lag
                 ahead = first_next.get(rid)
                 p = ahead[0] if ahead is not None else tokens - lag
-                if tokens < rec.final and any(
-                        m.skipped_blocks(p) > m.skipped_blocks(processed) for m in windowed):
+                if tokens < rec.final and self._frees_between(wix, p, processed):
                     return 1
-                if ahead is not None and tokens + 1 < rec.final and any(
-                        m.skipped_blocks(tokens + 1 - lag) > m.skipped_blocks(p)
-                        for m in windowed):
+                if (ahead is not None and tokens + 1 < rec.final
+                        and self._frees_between(wix, tokens + 1 - lag, p)):
                     second = 2  # (its second step frees by the form: no term counts it)
         best = second
         for k, _, _ in self.sliding:
@@ -866,17 +927,6 @@ class Cohort:
                 continue
             return best if best != NEVER else (done or 0) + 1
         return None
-
-
-def _last_chunk_free(m: Manager, tokens: int, final: int) -> int:
-    """The last length up to `final` whose step frees a chunked group's blocks (0: none)."""
-    c = m.window
-    length = (final - 1) // c * c + 1
-    while length > tokens and length > c:
-        if m.skipped_blocks(length - 1) > m.skipped_blocks(length - 2):
-            return length
-        length -= c
-    return 0
 
 
 def _piece(co: Cohort, rec: _Rec, sign: int, clock: int, start: int, stop: int,

@@ -325,6 +325,21 @@ def test_random_operations_match_vllm_managers(name, manager, mml, extra, ops, d
     assert len(a.block_table(10**6)) == model_blocks(a, 1, 0)
 
 
+def test_shrink_after_a_decoder_joined_again_is_its_next_free():
+    """A decoder whose step freed a block and that then left the cohort and joined again at
+    the same clock has not stepped since it joined: `steps_until_shrink` is its next window
+    crossing, not 1 (the early answer hypothesis found in the random operations)."""
+    a = build("gemma-like", 10**6, 90)  # window 32, blocks of 16
+    assert a.admit(Request(0, 40, 40), tokens=40, decoding=True)
+    assert a.step(8)  # the step to 48 tokens frees by 47 processed: one block
+    assert a.steps_until_shrink() == 1
+    a.set_decoding(0, False)
+    a.set_decoding(0, True)
+    assert a.steps_until_shrink() == 16  # (the step to 64 frees the next)
+    a.set_decoding(0, False)
+    assert a.steps_until_shrink() is None
+
+
 def test_prefill_blocks_held_until_the_first_step_then_the_window():
     a = build("sliding-odd", 10**6, 256)  # window 21, blocks of 16
     assert a.admit(Request(0, 100, 50))
