@@ -208,6 +208,26 @@ class Cohort:
         processed than with `before`."""
         return any(self._skipped(i, after) > self._skipped(i, before) for i in managers)
 
+    def _shift(self, processed: int, other: int) -> list[int]:
+        """`parts_of(L, processed, F)` less `parts_of(L, other, F)`, for any L and F: only
+        the skipped blocks differ (held blocks, their padding, the out-of-window tokens in
+        them, and internal with the blocks), so no model view is read."""
+        out = [0] * self.width
+        blocks = padding = unread = 0
+        bss, tbs, groups, pads = self.m_bs, self.m_tb, self.m_groups, self.m_pad
+        for i in range(len(bss)):
+            d = self._skipped(i, processed) - self._skipped(i, other)  # blocks skipped more
+            if d:
+                out[6 + i] = -d
+                blocks -= groups[i] * d
+                padding -= d * pads[i]
+                unread -= d * bss[i] * tbs[i]
+        out[0] = blocks
+        out[3] = blocks * self.page
+        out[4] = padding
+        out[5] = unread
+        return out
+
     def blocks_of(self, tokens: int, processed: int) -> int:
         """Block ids a request holds with `tokens` slots, freed by `processed` computed."""
         total = 0
@@ -488,13 +508,19 @@ class Cohort:
         formed = tokens - 1 - lag
         if not self.windowed:  # (no group frees while a request runs: processed moves nothing)
             processed, first = formed, tokens - lag
-        rec, form = self._build(rid, c, final, clock, held if processed == formed else None)
+        # Its parts by its form: what it holds less the blocks that its form's processed
+        # tokens skip beyond its own (`_shift`: no parts counted afresh)
+        diff: list[int] = []
+        if processed == formed:
+            now = held
+        else:
+            diff = self._shift(processed, max(0, formed))
+            now = tuple([held[i] - diff[i] for i in range(self.width)])
+        rec = self._build(rid, c, final, clock, now)[0]
         self._enter(rid, rec)
         self.arrived.add(rid)
         if lag and first != tokens - lag and tokens < final:
-            exact = self.parts_of(tokens + 1, first, final)
-            formed1 = self.parts_of(tokens + 1, tokens - lag, final)  # (its form, exact)
-            diff1 = [exact[i] - formed1[i] for i in range(self.width)]
+            diff1 = self._shift(first, tokens - lag)  # (its first step's parts less its form's)
             if any(diff1):
                 self.first_next[rid] = (first, diff1)
                 self._changes += 1
@@ -502,7 +528,6 @@ class Cohort:
                 for i in range(self.width):
                     corr[i] = corr[i] + diff1[i]
         if processed != formed:
-            diff = [held[i] - form[i] for i in range(self.width)]
             self.fresh[rid] = (processed, diff)
             self._changes += 1
             corr = self.fresh_corr
