@@ -28,11 +28,11 @@ def _stats(values: pd.Series) -> dict[str, float]:
 
 
 def _speculation(engine: Engine) -> dict[str, float | int]:
-    """Speculative decoding's figures (NaN without it): the decode steps that verified
-    drafts, the drafts they carried, those accepted, and the tokens a step gave."""
+    """Speculative decoding's figures (none without it, as the prefix-caching figures): the
+    decode steps that verified drafts, the drafts they carried, those accepted, and the
+    tokens a step gave."""
     if engine.spec is None:
-        return dict.fromkeys(("spec_verify_steps", "spec_drafts", "spec_drafts_accepted",
-                              "spec_acceptance", "spec_tokens_per_step"), math.nan)
+        return {}
     steps, drafts, accepted = engine.spec_steps, engine.spec_drafts, engine.spec_accepted
     return {
         "spec_verify_steps": steps,
