@@ -39,7 +39,7 @@ from kvfrag.figure_kit import (
     byte_unit,
     format_bytes,
 )
-from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
+from kvfrag.sim.allocators.torch_blocks import ADDRESS_BASE
 from kvfrag.sweep_plots import _pick_points, point_names
 
 

@@ -250,7 +250,7 @@ def _map(
         slab_polygons,
     )
     from kvfrag.figure_kit import PALETTE, _with_keys, byte_unit
-    from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
+    from kvfrag.sim.allocators.torch_blocks import ADDRESS_BASE
 
     bpt = _row_value(row, "bytes_per_token", summary, "bytes_per_token") or 0.0
     kind = str(row["kind"]) if row is not None and "kind" in row.index else ""

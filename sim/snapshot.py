@@ -25,12 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfrag.sim.allocators.torch_caching import (
-    MiB,
-    TorchCachingAllocator,
-    get_allocation_size,
-    round_size,
-)
+from kvfrag.sim.allocators.torch_blocks import MiB, get_allocation_size, round_size
+from kvfrag.sim.allocators.torch_caching import TorchCachingAllocator
 
 #: Size buckets of torch's roundup_power2_divisions setting (keys "1", "2", ... "32768").
 _ROUNDUP_BUCKETS = 16

@@ -894,7 +894,7 @@ def test_panels_with_nothing_to_draw_say_why(results):
 def test_torch_addresses_are_drawn_from_its_first_segment(results):
     """torch's caching allocator hands out virtual addresses from 0x7F0000000000 and never
     reuses a segment's: drawn from its first segment, on an axis as tall as they reach."""
-    from kvfrag.sim.allocators.torch_caching import ADDRESS_BASE
+    from kvfrag.sim.allocators.torch_blocks import ADDRESS_BASE
 
     requests = pd.read_parquet(results / "requests.parquet")
     summary = pd.read_csv(results / "summary.csv")

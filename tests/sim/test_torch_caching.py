@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import Reason, Refusal, Request, TorchCachingAllocator, make_allocator
-from kvfrag.sim.allocators.torch_caching import (
+from kvfrag.sim.allocators.torch_blocks import (
     get_allocation_size,
     is_small,
     round_size,
