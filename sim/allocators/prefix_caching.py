@@ -73,14 +73,14 @@ Speed: on long contexts nearly every block is filled, cached, freed and evicted,
 engine event, so no pass makes or looks up a key per block, and next to nothing is written per
 block. A block's key follows from its position in its request's chain: the blocks of one chunk
 of the hash chain (or a request's own blocks) are one segment, with consecutive keys, and
-sequences of keys are described by runs within segments (`_Keys`). The cache keeps, per
-segment, the oldest id under each of its keys in a list indexed by block (`_Seg`; younger
+sequences of keys are described by runs within segments (`Keys`). The cache keeps, per
+segment, the oldest id under each of its keys in a list indexed by block (`Seg`; younger
 duplicates apart, in `_dups`), so that caching, looking up and evicting a chunk's blocks are
 slice operations on lists. A chunk's blocks are as a rule in one state, all in use by the same
 requests or all idle in the run one free gave back, so a segment keeps that state once
-(`_Seg.idle`, `_Seg.extra`); only a segment whose blocks disagree (a lookup that took part of
+(`Seg.idle`, `Seg.extra`); only a segment whose blocks disagree (a lookup that took part of
 it, a duplicate) keeps it by id (`_idle_of`, `_shared`). Idle blocks are kept as the runs that
-frees gave back, each in its request's table order (`_Run`), which evictions consume from the
+frees gave back, each in its request's table order (`Run`), which evictions consume from the
 oldest run's end (a request's blocks are freed last first); a run's keys are its request's key
 runs, or a slice of their list, and evicted runs go back to the free stack as they are
 (`FreeIds.give`). `_refs`, `_idle`, `_cached` and `_key` assemble the per-block maps, for checks.
@@ -105,202 +105,8 @@ from typing import cast
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
+from kvfrag.sim.allocators.prefix_keys import Base, Key, Keys, Run, Seg, own_base, pack
 from mypy_extensions import mypyc_attr
-
-#: A block's key: (segment base, block index j), the base being the hash chain up to the
-#: block's last chunk h for the blocks a trace's hash chain names, and `_own_base(rid)` for a
-#: request's blocks of its own (generated tokens). Where a key is needed whole (younger
-#: duplicates, checks) the pair is packed into one int, base*_J + j: equal exactly when the
-#: pairs are (0 <= j < _J). Ints, not tuples: every tuple is an object the garbage collector
-#: tracks. Segments are keyed by the base alone, an int of the hash's size: the dictionary
-#: hashes it at every lookup, and a product of two large ints cost a multiplication besides
-#: (9 % of a run on the Mooncake sample at 16-token blocks). `prefix_keys` gives the digest
-#: of the pair.
-Key = int
-#: A segment base, typed as an object so that compiled code keeps the int boxed: half the
-#: hashes fit a native int, and one unboxed would be boxed again (a new int object) at every
-#: dictionary lookup, which then compares values instead of finding the very object it holds.
-Base = object
-#: Over 2**64, and odd, so that keys hash apart: an int hashes to itself mod 2**61 - 1, and a
-#: power of two would give (base, j + 8) the hash of (base + 1, j).
-_J = 2**64 + 0x9E3779B97F4A7C15
-#: Own bases lie above every hash (a hash is in [-2**63, 2**63)): 2**64 + rid, for |rid| < 2**63.
-_OWN = 2**64
-
-
-def _own_base(rid: int) -> Base:
-    """The segment base of request `rid`'s own blocks."""
-    return _OWN + rid
-
-
-def _pack(base: Base, j: int) -> Key:
-    """The key of block j of segment `base`, as one int."""
-    return cast(int, base) * _J + j
-
-
-@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
-class _Keys:
-    """A sequence of keys described by runs, not listed: (base, j, n) stands for the keys
-    (base, j + i), i < n, of blocks j + i of one segment (`base`: a hash chain's h, or
-    a request's own `_own_base(rid)`). A long context's keys come in runs of a chunk's
-    blocks, so a key is never made for a block: the cache is kept by segment (`_Seg`) and
-    every pass over a request's blocks is a few slice operations per run."""
-
-    __slots__ = ("_ends", "offset", "runs", "size")
-
-    def __init__(self, runs: list[tuple[Base, int, int]], size: int = -1, offset: int = -1) -> None:
-        self.runs = runs
-        if size < 0:  # (not known to the caller)
-            size = 0
-            for run in runs:
-                size += run[2]
-        self.size = size
-        # `offset` >= 0: each run's block index is its position + offset (a request's keys
-        # from some position on, the usual), so runs are found by position without a table.
-        self.offset = offset
-        self._ends: list[int] | None = None  # position after each run, once asked
-
-    def __len__(self) -> int:
-        return self.size
-
-    def first_run(self, start: int) -> tuple[int, int]:
-        """(index, position) of the run holding position `start` (or of none, at the end)."""
-        if not start:  # (the usual case: no table of run ends made for it)
-            return 0, 0
-        runs, off = self.runs, self.offset
-        if off >= 0:  # (bisect on the runs' block indices)
-            if start >= self.size:
-                return len(runs), self.size
-            lo, hi = 0, len(runs)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if runs[mid][1] - off > start:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            _, j, _ = runs[lo - 1]
-            return lo - 1, j - off
-        ends = self._ends
-        if ends is None:
-            ends, at = [], 0
-            for run in self.runs:
-                at += run[2]
-                ends.append(at)
-            self._ends = ends
-        lo, hi = 0, len(ends)  # (bisect_right, inline: compiled, no call)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ends[mid] > start:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo, ends[lo - 1] if lo else 0
-
-    def slice(self, start: int, end: int) -> _Keys:
-        """Keys at positions start..end-1 (those of them there are)."""
-        if end >= self.size:  # (a tail from a run's start is a slice of the runs: usual)
-            if not start:
-                return self  # (runs are never changed in place)
-            r, at = self.first_run(start)
-            if at == start:
-                return _Keys(self.runs[r:], self.size - start, self._moved(start))
-        count = min(end, self.size) - start
-        return _Keys(self.spans(start, count) if count > 0 else [], -1, self._moved(start))
-
-    def _moved(self, start: int) -> int:
-        """The offset of the keys from position `start` on."""
-        return self.offset + start if self.offset >= 0 else -1
-
-    def __getitem__(self, pos: int) -> Key:
-        base, j, _ = self.at(pos)
-        return _pack(base, j)
-
-    def at(self, pos: int) -> tuple[Base, int, int]:
-        """The run of the one key at position `pos`."""
-        r, start = self.first_run(pos)
-        if r >= len(self.runs):
-            raise IndexError("key position out of range")
-        base, j, _ = self.runs[r]
-        return base, j + pos - start, 1
-
-    def span(self, r: int, skip: int, most: int) -> tuple[Base, int, int]:
-        """Run r less its first `skip` keys, `most` keys at the most."""
-        base, j, n = self.runs[r]
-        return base, j + skip, min(n - skip, most)
-
-    def spans(self, start: int, count: int) -> list[tuple[Base, int, int]]:
-        """The keys at positions start..start+count-1, as runs (a pass that has no use for the
-        list steps through the runs itself: making it is 7 % of a run on Mooncake at 16-token
-        blocks, and a call per run to `span` 1 %)."""
-        out: list[tuple[Base, int, int]] = []
-        r, skip = self.first_run(start)
-        skip = start - skip  # (keys of the first run before `start`)
-        at = 0
-        while at < count:
-            run = self.span(r, skip, count - at)
-            r, skip = r + 1, 0
-            out.append(run)
-            at += run[2]
-        return out
-
-    def pairs(self) -> list[tuple[Base, int]]:
-        """(segment base, block index) of each key, in order (for the rare per-block paths)."""
-        return [(b, j + i) for b, j, n in self.runs for i in range(n)]
-
-    def listed(self) -> list[Key]:
-        return [_pack(b, j) for b, j in self.pairs()]
-
-
-@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
-class _Seg:
-    """The cached blocks of one segment: ids[j - lo] is the oldest id cached under the key of
-    block j (-1: none); `count` of them are ids, and `dups` younger ids wait under its keys.
-    Their state is kept for them all while they agree, as a chunk's blocks do: all in use by
-    1 + `extra` requests (`idle` None), or all idle in one run (`idle`). Once they disagree,
-    or a duplicate joins, the segment is `mixed`: the run of each of its idle blocks, and the
-    users beyond one of each block in use, are found by id (`PrefixCachingAllocator._idle_of`
-    and `_shared`)."""
-
-    __slots__ = ("count", "dups", "extra", "idle", "ids", "lo", "mixed")
-
-    def __init__(self, lo: int, ids: list[int], count: int) -> None:
-        self.lo = lo
-        self.ids = ids
-        self.count = count
-        self.dups = 0
-        self.idle: _Run | None = None
-        self.extra = 0
-        self.mixed = False
-
-    def span(self, j: int, n: int) -> int:
-        """Make room for blocks j..j+n-1; returns the index of block j."""
-        if j < self.lo:
-            self.ids[0:0] = [-1] * (self.lo - j)
-            self.lo = j
-        end = j + n - self.lo
-        if end > len(self.ids):
-            self.ids.extend([-1] * (end - len(self.ids)))
-        return j - self.lo
-
-
-@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
-class _Run:
-    """Idle blocks that one free gave back, with their keys, in the order of the request's
-    table: the LRU order is from the last (a request's blocks are freed last first).
-    Evictions take them from the end, `pos` of them taken; a block found again by a lookup
-    leaves the run (`gone` counts those not taken yet, which the idle map no longer sends to
-    this run)."""
-
-    __slots__ = ("gone", "ids", "keys", "pos")
-
-    def __init__(self, ids: list[int], keys: _Keys) -> None:
-        self.ids = ids
-        self.keys = keys
-        self.pos = 0
-        self.gone = 0
-
-    def live(self) -> int:
-        return len(self.ids) - self.pos - self.gone
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see _native.py)
@@ -323,18 +129,18 @@ class PrefixCachingAllocator(PagedAllocator):
         self.cache_generated = cache_generated
         # tokens a request being freed has processed (`free_preempted`; -1: all it holds)
         self._processed = -1
-        self._segs: dict[Base, _Seg] = {}  # segment base -> its cached blocks' oldest ids
+        self._segs: dict[Base, Seg] = {}  # segment base -> its cached blocks' oldest ids
         self._dups: dict[Key, list[int]] = {}  # key -> younger ids cached under it, oldest first
         self._in_use = 0  # cached blocks in use (held by a live request)
         self._shared: dict[int, int] = {}  # id -> users beyond one, in use in a mixed segment
-        self._idle_of: dict[int, _Run] = {}  # id -> run of an idle block of a mixed segment
+        self._idle_of: dict[int, Run] = {}  # id -> run of an idle block of a mixed segment
         self._idle_blocks = 0  # cached blocks nobody uses
-        self._runs: deque[_Run] = deque()  # the runs holding idle blocks, LRU first
+        self._runs: deque[Run] = deque()  # the runs holding idle blocks, LRU first
         self._dead = 0  # runs in there left with none (all found again): dropped in bulk
         self._held: dict[int, list[int]] = {}  # rid -> cached blocks its table starts with
-        self._keys_of: dict[int, _Keys] = {}  # rid -> keys of its named prompt blocks
+        self._keys_of: dict[int, Keys] = {}  # rid -> keys of its named prompt blocks
         self._evicted: dict[int, None] = {}  # ids of idle blocks evicted since last asked
-        self._last_keys: tuple[Request | None, _Keys] = (None, _Keys([]))  # block_keys' last
+        self._last_keys: tuple[Request | None, Keys] = (None, Keys([]))  # block_keys' last
         self._version = 0  # counts blocks joining or leaving the cache, for `_found`
         self._last_walk: tuple[Request | None, int, int, list[int]] = (None, 0, 0, [])
         self._uses = 0  # users summed over the cached blocks in use
@@ -345,10 +151,10 @@ class PrefixCachingAllocator(PagedAllocator):
         self._stepped_at = 0  # the decode clock when steps last evicted
 
     # ------------------------------------------------------------------ keys
-    def block_keys(self, req: Request) -> _Keys:
+    def block_keys(self, req: Request) -> Keys:
         """Keys of the request's full prompt blocks that its hash chain identifies."""
         if not req.prefix or req.prefix_tokens < 1:
-            return _Keys([])
+            return Keys([])
         if self._last_keys[0] is req:  # the waiting head is looked up, gated, then admitted
             return self._last_keys[1]
         bs, chunk = self.block_size, req.prefix_tokens
@@ -368,7 +174,7 @@ class PrefixCachingAllocator(PagedAllocator):
             if n > 0:
                 runs.append((h, start, n))
                 start += n
-        keys = _Keys(runs, start, 0)  # (start: min(len(prefix)*chunk // bs, blocks) now)
+        keys = Keys(runs, start, 0)  # (start: min(len(prefix)*chunk // bs, blocks) now)
         self._last_keys = (req, keys)
         return keys
 
@@ -377,23 +183,23 @@ class PrefixCachingAllocator(PagedAllocator):
         return self.cache_generated and req.n == 1
 
     @staticmethod
-    def _keys_between(rid: int, named: _Keys, start: int, end: int) -> _Keys:
+    def _keys_between(rid: int, named: Keys, start: int, end: int) -> Keys:
         """Keys of the request's blocks start..end-1: its named ones, then its own."""
         keys = named.slice(start, end)
         first = max(start, len(named))
         if end > first:
             offset = start if named.offset == 0 else -1
-            return _Keys([*keys.runs, (_own_base(rid), first, end - first)], end - start, offset)
+            return Keys([*keys.runs, (own_base(rid), first, end - first)], end - start, offset)
         return keys
 
-    def _walk(self, req: Request, named: _Keys, cap: int) -> list[int]:
+    def _walk(self, req: Request, named: Keys, cap: int) -> list[int]:
         """Ids of the leading run of the request's first `cap` blocks found cached (for each,
         the oldest block cached under its key, as vLLM's lookup finds)."""
         found: list[int] = []
         segs = self._segs
         runs = named.runs
         if cap > len(named):
-            runs = [*runs, (_own_base(req.rid), len(named), cap - len(named))]  # (no slice)
+            runs = [*runs, (own_base(req.rid), len(named), cap - len(named))]  # (no slice)
         for base, j, n in runs:
             n = min(n, cap - len(found))
             seg = segs.get(base)
@@ -409,7 +215,7 @@ class PrefixCachingAllocator(PagedAllocator):
                 break
         return found
 
-    def _found(self, req: Request, named: _Keys, cap: int) -> list[int]:
+    def _found(self, req: Request, named: Keys, cap: int) -> list[int]:
         """`_walk`, remembered while no block joins or leaves the cache: the engine asks the
         same of the waiting head three times (its hits, the bytes it needs, its admission).
         The list is shared: not to be changed."""
@@ -423,7 +229,7 @@ class PrefixCachingAllocator(PagedAllocator):
         self._last_walk = (req, cap, self._version, found)
         return found
 
-    def _cap(self, req: Request, named: _Keys, tokens: int) -> int:
+    def _cap(self, req: Request, named: Keys, tokens: int) -> int:
         """Blocks a lookup may find for a request with `tokens` tokens to prefill: whole
         blocks of at most tokens - 1 (the last token is always computed); a group's capped
         at its prompt, whose named blocks alone it caches."""
@@ -535,7 +341,7 @@ class PrefixCachingAllocator(PagedAllocator):
         return max(0, min(len(named), tokens // self.block_size) - held)
 
     # ------------------------------------------------------------ the cache
-    def _cache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
+    def _cache(self, blocks: list[int], keys: Keys, start: int = 0) -> None:
         """Blocks join the cache under their keys (distinct), each after any cached already.
         The blocks' keys are those at positions start.. of `keys`."""
         segs = self._segs
@@ -550,7 +356,7 @@ class PrefixCachingAllocator(PagedAllocator):
             # One dictionary probe: as a rule the segment is new (a chunk found cached is
             # not cached again), and the one made for nothing otherwise costs less.
             part = blocks[at : at + n] if n > 1 else [blocks[at]]
-            new = _Seg(j, part, n)
+            new = Seg(j, part, n)
             seg = segs.setdefault(base, new)
             if seg is new:
                 at += n
@@ -571,7 +377,7 @@ class PrefixCachingAllocator(PagedAllocator):
             for i in range(n):
                 self._cache_one(seg, a + i, base, j + i, part[i])
 
-    def _cache_one(self, seg: _Seg, a: int, base: Base, j: int, block: int) -> None:
+    def _cache_one(self, seg: Seg, a: int, base: Base, j: int, block: int) -> None:
         """Block j of segment `base` (at ids[a]) joins the cache: the one found under its key
         if none is cached there yet, else a younger duplicate."""
         ids = seg.ids
@@ -583,10 +389,10 @@ class PrefixCachingAllocator(PagedAllocator):
             ids[a] = block
             seg.count += 1
         else:
-            self._dups.setdefault(_pack(base, j), []).append(block)
+            self._dups.setdefault(pack(base, j), []).append(block)
             seg.dups += 1
 
-    def _mix(self, seg: _Seg) -> None:
+    def _mix(self, seg: Seg) -> None:
         """The segment's blocks no longer agree: the state of each is kept by id (once)."""
         if seg.mixed:
             return
@@ -604,7 +410,7 @@ class PrefixCachingAllocator(PagedAllocator):
             seg.extra = 0
         seg.mixed = True
 
-    def _uncache(self, blocks: list[int], keys: _Keys, start: int = 0) -> None:
+    def _uncache(self, blocks: list[int], keys: Keys, start: int = 0) -> None:
         """Blocks leave the cache (evicted); a younger duplicate becomes the one found. The
         blocks' keys are those at positions start.. of `keys`."""
         segs, dups, idle_of = self._segs, self._dups, self._idle_of
@@ -635,7 +441,7 @@ class PrefixCachingAllocator(PagedAllocator):
             else:
                 part = blocks[at : at + n]
                 for i in range(n):
-                    key, block = _pack(base, j + i), part[i]
+                    key, block = pack(base, j + i), part[i]
                     younger = dups.get(key)
                     if ids[a + i] == block:
                         if younger:
@@ -654,14 +460,14 @@ class PrefixCachingAllocator(PagedAllocator):
             if not seg.count:
                 del segs[base]
 
-    def _go_idle(self, blocks: list[int], keys: _Keys, walked: list[_Seg]) -> None:
+    def _go_idle(self, blocks: list[int], keys: Keys, walked: list[Seg]) -> None:
         """Cached blocks nobody uses any more join the LRU order, in this order. A chunk's
         blocks go together as a rule: their segment says it once. `walked`: the segments of
         the first runs of `keys`, as far as the caller has them (not kept: a run that held
         its segments would make a reference cycle with each, which names its run)."""
         if not blocks:
             return
-        run = _Run(blocks, keys)
+        run = Run(blocks, keys)
         self._runs.append(run)
         segs, idle_of, at, count = self._segs, self._idle_of, 0, len(blocks)
         for r, (base, _j, n) in enumerate(keys.runs):
@@ -678,7 +484,7 @@ class PrefixCachingAllocator(PagedAllocator):
             at += n
         self._idle_blocks += count
 
-    def _idle_at(self, block: int, base: Base, j: int) -> _Run | None:
+    def _idle_at(self, block: int, base: Base, j: int) -> Run | None:
         """The run of a cached block, block j of segment `base`, that is idle; None for one in
         use (or not cached)."""
         seg = self._segs.get(base)
@@ -689,7 +495,7 @@ class PrefixCachingAllocator(PagedAllocator):
         a = j - seg.lo
         return seg.idle if 0 <= a < len(seg.ids) and seg.ids[a] == block else None
 
-    def _idle_found(self, req: Request, named: _Keys, found: list[int]) -> int:
+    def _idle_found(self, req: Request, named: Keys, found: list[int]) -> int:
         """How many of the blocks a lookup found (the oldest under their keys) are idle."""
         segs, idle_of, idle, at = self._segs, self._idle_of, 0, 0
         for base, _j, n in self._keys_between(req.rid, named, 0, len(found)).runs:
@@ -703,7 +509,7 @@ class PrefixCachingAllocator(PagedAllocator):
             at += n
         return idle
 
-    def _revived(self, run: _Run, n: int) -> None:
+    def _revived(self, run: Run, n: int) -> None:
         """n idle blocks of `run` found by a lookup are in use again (the run no longer holds
         them)."""
         self._idle_blocks -= n
@@ -742,7 +548,7 @@ class PrefixCachingAllocator(PagedAllocator):
         for base, seg in self._segs.items():
             for i, b in enumerate(seg.ids):
                 if b != -1:
-                    key = _pack(base, seg.lo + i)
+                    key = pack(base, seg.lo + i)
                     cached[key] = [b, *self._dups.get(key, ())]
         return cached
 
@@ -758,7 +564,7 @@ class PrefixCachingAllocator(PagedAllocator):
             left = len(run.ids) - run.pos
             for block, (base, j) in zip(run.ids[:left], run.keys.pairs()[:left], strict=True):
                 if self._idle_at(block, base, j) is run:
-                    keys[block] = _pack(base, j)
+                    keys[block] = pack(base, j)
         return keys
 
     def _name(self, live: Live, k: int, private: int, tokens: int) -> tuple[int, ...]:
@@ -865,7 +671,7 @@ class PrefixCachingAllocator(PagedAllocator):
     def _release(self, live: Live) -> None:
         rid, bs, tokens = live.req.rid, self.block_size, live.base
         held = self._held.pop(rid, [])
-        named = self._keys_of.pop(rid, _Keys([]))
+        named = self._keys_of.pop(rid, Keys([]))
         # Its own full blocks join the cache now, idle (nobody else could have found them).
         own: list[int] = []
         if live.req.n == 1:
@@ -891,7 +697,7 @@ class PrefixCachingAllocator(PagedAllocator):
         lead = -1  # position of the first block that goes, while those that go are a tail
         blocks: list[int] | None = None  # once they are not: those that go so far,
         runs: list[tuple[Base, int, int]] = []  # and their keys
-        walked: list[_Seg] = []  # the segment of each run walked
+        walked: list[Seg] = []  # the segment of each run walked
         at, r0 = 0, 0  # (r0: the run of `lead`)
         for base, j, n in self._keys_between(rid, named, 0, end).runs:
             seg = segs[base]
@@ -939,10 +745,10 @@ class PrefixCachingAllocator(PagedAllocator):
         else:
             self._in_use -= len(blocks)
             blocks += own
-            self._go_idle(blocks, _Keys(runs + own_keys.runs, len(blocks)), [])
+            self._go_idle(blocks, Keys(runs + own_keys.runs, len(blocks)), [])
 
     def _gone(
-        self, rid: int, named: _Keys, held: list[int], lead: int, at: int
+        self, rid: int, named: Keys, held: list[int], lead: int, at: int
     ) -> tuple[list[int], list[tuple[Base, int, int]]]:
         """The blocks at positions lead..at-1 of a request's table, and their keys (a free's
         blocks that go, once a block that stays follows them)."""
@@ -1006,7 +812,7 @@ class PrefixCachingAllocator(PagedAllocator):
                         picked.append(at)
                     else:
                         run.gone -= 1
-                self._uncache(lru, _Keys(picked, len(picked)))
+                self._uncache(lru, Keys(picked, len(picked)))
                 blocks = lru[::-1]
             run.pos = len(ids) - end
             if not run.live():
