@@ -452,7 +452,7 @@ def _where(
     loc: list, data: Any, path: Path, root: yaml.Node | None, origins: dict[str, str]
 ) -> str:
     """Where the value at `loc` came from: the `--set` item that wrote it, or its line."""
-    parts = _dotted(loc, data)
+    parts = ".".join(_dotted(loc, data)).split(".")  # (a sweep key is one dotted part)
     for key, item in reversed(origins.items()):
         if _overlaps(key.split("."), parts):
             return f"--set {excerpt(item)}"

@@ -517,8 +517,12 @@ class Scenario(_Frozen):
 
 
 def set_path(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set a dotted key in a scenario's raw data; list elements are named by their label."""
+    """Set a dotted key in a scenario's raw data; list elements are named by their label.
+    Under `sweep` the rest of the key is one key, as a sweep names what it varies by its
+    dotted path (`sweep.engine.chunked_prefill` sets sweep's "engine.chunked_prefill")."""
     parts = key.split(".")
+    if parts[0] == "sweep" and len(parts) > 2:
+        parts = ["sweep", ".".join(parts[1:])]
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1

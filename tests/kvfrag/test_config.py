@@ -142,6 +142,20 @@ def test_sweep_points_are_the_cartesian_product(tmp_path):
     assert combos == {(b, kv) for b in (8, 16, 32) for kv in (20 * 10**9, 40 * 10**9)}
 
 
+
+def test_a_sweep_key_given_with_set_keeps_its_dotted_path(tmp_path):
+    """`--set sweep.a.b.c=[...]` sweeps "a.b.c", as the same line under `sweep:` would, and a
+    bad point is still blamed on the --set item."""
+    sets = ["sweep.allocators.paged-16.block_size=[8, 32]", "sweep.engine.max_num_seqs=[4, 8]"]
+    s = load_scenario(write(tmp_path, GOOD), sets).scenario
+    combos = {(v["allocators.paged-16.block_size"], v["engine.max_num_seqs"])
+              for v, _ in s.points()}
+    assert combos == {(b, n) for b in (8, 32) for n in (4, 8)}
+    item = "sweep.engine.max_num_seqs=[4, -1]"
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(write(tmp_path, GOOD), [item])
+    assert str(info.value).startswith(f"--set {item!r}: sweep.engine.max_num_seqs: point 2 ")
+
 def test_resolved_copy_reloads_to_the_same_scenario(tmp_path):
     import yaml
 
