@@ -215,6 +215,10 @@ def refusal(spec: SpeculativeSpec, scenario: Any) -> tuple[tuple[str | int, ...]
         if a.kind in NOT_MODELLED:
             return (("allocators", i), f"allocator {a.label!r}: {NOT_MODELLED[a.kind]}")
     w = scenario.workload
+    if spec.from_column and w.synthetic is not None:
+        return (("engine", "speculative", "acceptance"), "column reads the request table's "
+                "accepted_drafts, which a synthetic workload has none of: give a rate or a "
+                "distribution")
     for key in ("n", "beam_width"):
         if (getattr(w, key) or 1) > 1:
             return (("workload", key), "speculative decoding with sample groups or beams "

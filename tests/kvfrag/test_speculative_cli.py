@@ -56,7 +56,11 @@ def run(capsys, tmp_path: Path, text: str, sets: list[str] | None = None,
     (SCENARIO, ["allocators.paged-16.kind=prefix-caching"], None,
      r"allocators\[0\]: allocator 'paged-16': prefix caching with engine\.speculative"),
     (SCENARIO, ["engine.speculative.acceptance=column"], None,
-     r"engine\.speculative\.acceptance is column, but the request table has no "
+     r"--set 'engine\.speculative\.acceptance=column': engine\.speculative\.acceptance: column "
+     r"reads the request table's accepted_drafts, which a synthetic workload has none of"),
+    (TRACE_SCENARIO, ["engine.speculative.acceptance=column"],
+     "arrival_s,prompt_tokens,output_tokens\n0,10,5\n",
+     r"t\.csv: engine\.speculative\.acceptance is column, but the request table has no "
      r"accepted_drafts column"),
     (TRACE_SCENARIO, ["engine.speculative.acceptance=column"],
      TRACE + '0,10,5,1,"[1, 2]"\n1,10,5,2,"[0]"\n',

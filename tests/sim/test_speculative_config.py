@@ -42,6 +42,9 @@ engine:
 #: One layer of llama-3-8b's KV (8 KV heads of 128, bf16) for one token: K and V.
 LAYER_BYTES = 8 * 128 * 2 * 2
 
+#: Acceptance from the request table's column, on a trace (a synthetic workload has none).
+COLUMN = ["workload={trace: {path: 'sample:azure-conv'}}", "engine.speculative.acceptance=column"]
+
 
 def load(tmp_path: Path, sets: list[str] | None = None, text: str = SCENARIO):
     path = tmp_path / "s.yaml"
@@ -58,7 +61,7 @@ def test_keys_reach_the_engine(tmp_path):
                            "[3, 0.5]]}", "engine.speculative.seed=3",
                            "engine.speculative.method=ngram"]).engine_config().speculative
     assert dist == Speculative("ngram", 3, distribution=((0, 0.2), (1, 0.3), (3, 0.5)), seed=3)
-    column = load(tmp_path, ["engine.speculative.acceptance=column"]).engine_config().speculative
+    column = load(tmp_path, COLUMN).engine_config().speculative
     assert column is not None and column.from_column
     assert load(tmp_path, ["engine.async_scheduling=false"]).engine_config().speculative
 
@@ -114,6 +117,9 @@ def test_without_speculative_nothing_changes(tmp_path):
      r"modelled yet"),
     (["allocators.paged-16.kind=hybrid"],
      r"allocators\[0\]: allocator 'paged-16': the hybrid allocator with engine\.speculative"),
+    (["engine.speculative.acceptance=column"],
+     r"engine\.speculative\.acceptance: column reads the request table's accepted_drafts, "
+     r"which a synthetic workload has none of"),
     (["workload.n=2"], r"workload\.n: speculative decoding with sample groups or beams"),
     (["workload.beam_width=2"], r"workload\.beam_width: speculative decoding with sample"),
 ])
@@ -224,7 +230,7 @@ def test_the_column_is_read_from_traces_and_column_maps(tmp_path):
 
 
 def test_check_workload_needs_the_column_and_single_sequences(tmp_path):
-    spec = load(tmp_path, ["engine.speculative.acceptance=column"]).engine.speculative
+    spec = load(tmp_path, COLUMN).engine.speculative
     with pytest.raises(WorkloadError, match=r"^w: engine\.speculative\.acceptance is column, but "
                        r"the request table has no accepted_drafts column"):
         check_workload(spec, table(n=np.ones(2, dtype=np.int64)), "w")
