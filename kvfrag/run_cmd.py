@@ -324,8 +324,9 @@ def _derived(scenario: Any) -> str:
     if scenario.kv_budget is not None:
         return ""
     b = scenario.budget_breakdown()
+    draft = f" - draft weights {format_size(b['draft_weights'])}" if b["draft_weights"] else ""
     return (f" (derived: {format_size(b['usable'])} usable - weights "
-            f"{format_size(b['weights'])} - activations {format_size(b['activations'])} - "
+            f"{format_size(b['weights'])}{draft} - activations {format_size(b['activations'])} - "
             f"non-torch {format_size(b['non_torch'])})")
 
 

@@ -121,10 +121,11 @@ class Architecture:
 
 
 def _llama(name: str, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-           vocab: int) -> Architecture:
-    """Llama-shaped: RMSNorm, SwiGLU, no biases, untied head, head_dim = hidden / heads."""
+           vocab: int, tied: bool = False) -> Architecture:
+    """Llama-shaped: RMSNorm, SwiGLU, no biases, head_dim = hidden / heads, the head untied
+    unless `tied` (Llama 3.2's small models)."""
     return Architecture(name, hidden, intermediate, layers, heads, kv_heads, hidden // heads,
-                        vocab, gated_mlp=True)
+                        vocab, gated_mlp=True, tied_embeddings=tied)
 
 
 def _opt(name: str, hidden: int, layers: int, heads: int) -> Architecture:
@@ -138,6 +139,7 @@ def _opt(name: str, hidden: int, layers: int, heads: int) -> Architecture:
 # From each model's config.json on the Hugging Face hub (hidden_size, intermediate_size or
 # ffn_dim, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size,
 # tie_word_embeddings): meta-llama/Llama-2-{7b,13b,70b}-hf, meta-llama/Meta-Llama-3-{8B,70B},
+# meta-llama/Llama-3.2-1B (head_dim 64, tied embeddings),
 # mistralai/Mistral-7B-v0.1, facebook/opt-{13b,66b}, Qwen/Qwen2.5-{7B,72B},
 # codellama/CodeLlama-34b-Instruct-hf, Qwen/Qwen-72B. OPT-175B's weights are not on the hub:
 # its shape is Table 1 of Zhang et al., "OPT: Open Pre-trained Transformer Language Models"
@@ -150,6 +152,7 @@ PRESETS: dict[str, Architecture] = {
         _llama("llama-2-70b", 8192, 28672, 80, 64, 8, 32000),
         _llama("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
         _llama("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),
+        _llama("llama-3.2-1b", 2048, 8192, 16, 32, 8, 128256, tied=True),
         _llama("mistral-7b", 4096, 14336, 32, 32, 8, 32000),
         _opt("opt-13b", 5120, 40, 40),
         _opt("opt-66b", 9216, 64, 72),

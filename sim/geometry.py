@@ -66,6 +66,8 @@ PRESETS: dict[str, KVGeometry] = {
         KVGeometry("llama-2-70b", layers=80, kv_heads=8, head_dim=128),
         KVGeometry("llama-3-8b", layers=32, kv_heads=8, head_dim=128),
         KVGeometry("llama-3-70b", layers=80, kv_heads=8, head_dim=128),
+        # (a draft model for the Llama 3 family: engine.speculative.draft_model)
+        KVGeometry("llama-3.2-1b", layers=16, kv_heads=8, head_dim=64),
         KVGeometry("mistral-7b", layers=32, kv_heads=8, head_dim=128),
         KVGeometry("opt-13b", layers=40, kv_heads=40, head_dim=128),
         KVGeometry("opt-66b", layers=64, kv_heads=72, head_dim=128),
@@ -87,6 +89,7 @@ CONTEXT_LENGTHS: dict[str, int] = {
     "llama-2-70b": 4096,  # meta-llama/Llama-2-70b-hf: max_position_embeddings 4096
     "llama-3-8b": 8192,  # meta-llama/Meta-Llama-3-8B: max_position_embeddings 8192
     "llama-3-70b": 8192,  # meta-llama/Meta-Llama-3-70B: max_position_embeddings 8192
+    "llama-3.2-1b": 131072,  # meta-llama/Llama-3.2-1B: max_position_embeddings 131072
     # mistralai/Mistral-7B-v0.1: max_position_embeddings 32768 (its 4096-token sliding window
     # does not cap it: vLLM 0.33 only does so with --disable-sliding-window)
     "mistral-7b": 32768,

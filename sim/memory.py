@@ -45,22 +45,27 @@ def activation_peak_bytes(arch: Architecture, tp: int, max_tokens: int, max_seqs
 
 
 def kv_budget(gpu: GPU, arch: Architecture, tp: int, utilization: float, max_tokens: int,
-              max_seqs: int, dtype_bytes: int = 2) -> dict[str, int]:
+              max_seqs: int, dtype_bytes: int = 2,
+              draft: Architecture | None = None) -> dict[str, int]:
     """The derived KV budget of one GPU and its terms, in bytes (weights and activations of
     `dtype_bytes`: 16-bit unless the weights are quantized; the KV cache's own dtype does not
-    enter)."""
+    enter). `draft`: a speculative draft model, whose weights are loaded too (split `tp`
+    ways, as vLLM runs the draft with the target's tensor parallelism by default)."""
     parts = {
         "usable": int(gpu.memory_bytes * utilization),
         "weights": -(-arch.weight_bytes(dtype_bytes) // tp),
+        "draft_weights": 0 if draft is None else -(-draft.weight_bytes(dtype_bytes) // tp),
         "activations": activation_peak_bytes(arch, tp, max_tokens, max_seqs, dtype_bytes),
         "non_torch": NON_TORCH_BYTES,
     }
-    budget = parts["usable"] - parts["weights"] - parts["activations"] - parts["non_torch"]
+    budget = (parts["usable"] - parts["weights"] - parts["draft_weights"]
+              - parts["activations"] - parts["non_torch"])
     if budget <= 0:
         raise ValueError(
             f"kv_budget: {arch.name} on {tp} x {gpu.name} leaves {format_size(budget)} for the "
             f"KV cache ({format_size(parts['usable'])} usable, weights "
-            f"{format_size(parts['weights'])}, activations {format_size(parts['activations'])},"
+            f"{format_size(parts['weights'] + parts['draft_weights'])}, activations "
+            f"{format_size(parts['activations'])},"
             f" non-torch {format_size(parts['non_torch'])}): raise tp or gpu_memory_utilization"
         )
     return {**parts, "kv_budget": budget}

@@ -380,7 +380,7 @@ class Scenario(_Frozen):
         geo = self.full_geometry
         if self.tp > 1:
             geo = replace(geo, kv_heads=max(geo.kv_heads // self.tp, 1))
-        return draft_geometry(geo, self.draft_layers)
+        return draft_geometry(geo, self.draft_layers, self._draft_layer(geo.dtype_bytes))
 
     @property
     def kv_stack(self) -> LayerStack | None:
@@ -390,7 +390,13 @@ class Scenario(_Frozen):
         stack = self.stack
         if stack is None:
             return None
-        return draft_stack(stack.shard(self.tp), self.draft_layers)
+        dtype = self.full_geometry.dtype_bytes
+        return draft_stack(stack.shard(self.tp), self.draft_layers, self._draft_layer(dtype))
+
+    def _draft_layer(self, dtype_bytes: int) -> FullAttention | None:
+        """A named draft model's KV layer on one GPU (None: the draft copies the target's)."""
+        spec = self.engine.speculative
+        return None if spec is None else spec.draft_layer(self.tp, dtype_bytes)
 
     @property
     def speculative(self) -> Speculative | None:
@@ -437,8 +443,10 @@ class Scenario(_Frozen):
     def budget_breakdown(self) -> dict[str, int]:
         """A derived budget and its terms, per GPU (sim.memory.kv_budget)."""
         seqs, tokens = self._batch_limits()
+        spec = self.engine.speculative
+        draft = None if spec is None else spec.draft_architecture()
         return kv_budget(self.gpu, self.architecture, self.tp, self.gpu_memory_utilization,
-                         tokens, seqs)
+                         tokens, seqs, draft=draft)
 
     def _batch_limits(self) -> tuple[int, int]:
         e = self.engine

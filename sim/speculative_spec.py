@@ -11,7 +11,13 @@ page bytes) blocks (tests/oracle/test_spec_driver.py,
 test_draft_kv_layers_share_the_targets_blocks). kvfrag counts `draft_layers` layers of the
 target's layer shape in the bytes per token its allocators see (`draft_geometry`,
 `draft_stack`). Defaults: EAGLE one layer, MTP the model's MTP layers (config.json's
-`num_nextn_predict_layers`, 1 where it names none), n-gram none; a draft model's must be given.
+`num_nextn_predict_layers`, 1 where it names none), n-gram none; a draft model's must be given,
+as `draft_layers` (in the target's shape) or as `draft_model`, a model preset whose layers are
+counted in their own shape (vLLM's planner adds each layer's page bytes, whatever its shape:
+test_draft_kv_layers_share_the_targets_blocks has a draft of 4 KV heads) and whose weights a
+budget derived from the GPU's memory leaves out too (vLLM loads both models before it measures
+what is left; the draft's own activations are not counted: the target's dummy pass is the
+larger).
 
 What the engine does not model with speculative decoding is refused here (`refusal`) or, for
 what only the built request table shows, by `check_workload`.
@@ -24,8 +30,12 @@ from dataclasses import replace
 from typing import Any
 
 import pandas as pd
+from kvfrag.sim.architecture import PRESETS as ARCHITECTURES
+from kvfrag.sim.architecture import Architecture
+from kvfrag.sim.geometry import PRESETS as GEOMETRIES
 from kvfrag.sim.geometry import KVGeometry
-from kvfrag.sim.layers import MLA, LayerStack, MambaState
+from kvfrag.sim.layers import MLA, FullAttention, LayerStack, MambaState
+from kvfrag.sim.presets import nearest
 from kvfrag.sim.speculative import METHODS, Speculative
 from kvfrag.sim.units import excerpt
 from kvfrag.workloads.spec import (
@@ -111,6 +121,18 @@ class SpeculativeSpec(BaseModel):
     acceptance: Any
     seed: whole(0, MAX_SEED) | None = None
     draft_layers: whole(0, MAX_LAYERS) | None = None
+    draft_model: str | None = None
+
+    @field_validator("draft_model")
+    @classmethod
+    def _draft_model(cls, value: str | None) -> str | None:
+        if value is not None and (value not in ARCHITECTURES or value not in GEOMETRIES):
+            names = sorted(set(ARCHITECTURES) & set(GEOMETRIES))
+            hint = nearest(value, names)
+            raise ValueError(f"{excerpt(value)} is not a model preset"
+                             + (f"; did you mean {hint!r}?" if hint else "")
+                             + f" (presets: {', '.join(names)})")
+        return value
 
     @field_validator("method")
     @classmethod
@@ -136,10 +158,17 @@ class SpeculativeSpec(BaseModel):
         if self.method == "ngram" and self.draft_layers:
             raise FieldError(("draft_layers",), "ngram proposes drafts from the prompt, with no "
                              "draft model: it keeps no KV layers (leave the key out or give 0)")
-        if self.method == "draft_model" and self.draft_layers is None:
+        if self.draft_model is not None:
+            if self.method != "draft_model":
+                raise FieldError(("draft_model",), f"method {self.method} has no draft model "
+                                 "(give method: draft_model, or leave draft_model out)")
+            if self.draft_layers is not None:
+                raise FieldError(("draft_layers",), f"draft_model {self.draft_model!r} gives "
+                                 "the draft's layers: leave draft_layers out")
+        if self.method == "draft_model" and self.draft_layers is None and not self.draft_model:
             raise FieldError(("draft_layers",), "required with method draft_model: the KV "
                              "layers the draft model keeps, each counted in the target's layer "
-                             "shape (e.g. draft_layers: 4)")
+                             "shape (e.g. draft_layers: 4), or give draft_model: a preset")
         return self
 
     @property
@@ -161,7 +190,21 @@ class SpeculativeSpec(BaseModel):
         n-gram 0 (a draft model's is required)."""
         if self.draft_layers is not None:
             return self.draft_layers
+        if self.draft_model is not None:
+            return GEOMETRIES[self.draft_model].layers
         return {"eagle": 1, "mtp": mtp_layers}.get(self.method, 0)
+
+    def draft_architecture(self) -> Architecture | None:
+        """The draft model's shape, for its weights (None: no draft model named)."""
+        return None if self.draft_model is None else ARCHITECTURES[self.draft_model]
+
+    def draft_layer(self, tp: int, dtype_bytes: int) -> FullAttention | None:
+        """One of the named draft model's KV layers on one GPU of `tp` (KV heads split, at
+        least one each), in the KV cache's dtype; None: the target's shape."""
+        if self.draft_model is None:
+            return None
+        geo = GEOMETRIES[self.draft_model]
+        return FullAttention(max(geo.kv_heads // tp, 1), geo.head_dim, dtype_bytes)
 
 
 def mtp_layers(model: Any) -> int:
@@ -180,22 +223,29 @@ def mtp_layers(model: Any) -> int:
     return 1
 
 
-def draft_geometry(geo: KVGeometry, layers: int) -> KVGeometry:
-    """A full-attention model's geometry with `layers` draft layers of its own layer shape."""
+def draft_geometry(geo: KVGeometry, layers: int, layer: FullAttention | None = None) -> KVGeometry:
+    """A full-attention model's geometry with `layers` draft layers of its own layer shape, or
+    of `layer`'s (a named draft model's: the layers are then not alike, unless it is the same
+    shape)."""
     if not layers:
         return geo
+    if layer is not None and layer.bytes_per_token != 2 * geo.bytes_per_buffer_token:
+        return replace(geo, layers=geo.layers + layers,
+                       token_bytes=geo.bytes_per_token + layers * layer.bytes_per_token)
     if not geo.uniform:  # (only a stack gives such a geometry: `draft_stack` then)
         raise ValueError(f"model {geo.name!r}: its layers are not alike; add the draft's "
                          "layers to its stack")
     return replace(geo, layers=geo.layers + layers)
 
 
-def draft_stack(stack: LayerStack, layers: int) -> LayerStack:
-    """`stack` with `layers` draft layers after its own, each the shape of its last attention
-    layer keeping every token (EAGLE's is a decoder layer of the target's attention shape;
-    DeepSeek's MTP layer is an MLA layer like the target's)."""
+def draft_stack(stack: LayerStack, layers: int, layer: FullAttention | None = None) -> LayerStack:
+    """`stack` with `layers` draft layers after its own: `layer` (a named draft model's), else
+    the shape of its last attention layer keeping every token (EAGLE's is a decoder layer of
+    the target's attention shape; DeepSeek's MTP layer is an MLA layer like the target's)."""
     if not layers:
         return stack
+    if layer is not None:
+        return LayerStack(stack.name, (*stack.layers, *(layer,) * layers))
     last = next((layer for layer in reversed(stack.layers)
                  if not isinstance(layer, MambaState)), None)
     if last is None:

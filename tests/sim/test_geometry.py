@@ -15,6 +15,7 @@ from kvfrag.sim.geometry import PRESETS, KVGeometry, preset
         ("llama-2-13b", 819200),
         ("llama-2-70b", 327680),
         ("llama-3-70b", 327680),
+        ("llama-3.2-1b", 32768),  # 16 layers of 8 KV heads of 64
         ("mistral-7b", 131072),
         ("qwen2.5-7b", 57344),
         ("qwen2.5-72b", 327680),
@@ -30,7 +31,7 @@ def test_preset_bytes_per_token(name, bytes_per_token):
 
 
 def test_every_preset_is_tested_and_consistent():
-    assert len(PRESETS) == 11
+    assert len(PRESETS) == 12
     for name, g in PRESETS.items():
         assert g.name == name
         assert g.dtype_bytes == 2  # fp16/bf16

@@ -26,7 +26,9 @@ def test_budget_terms_add_up(model, gpu_name, tp):
     g, a = gpu(gpu_name), architecture(model)
     seqs, tokens = batch_defaults(g)
     parts = kv_budget(g, a, tp, 0.9, tokens, seqs)
-    assert set(parts) == {"usable", "weights", "activations", "non_torch", "kv_budget"}
+    assert set(parts) == {"usable", "weights", "draft_weights", "activations", "non_torch",
+                          "kv_budget"}
+    assert parts["draft_weights"] == 0
     assert all(isinstance(v, int) for v in parts.values())
     assert parts["usable"] == int(g.memory_bytes * 0.9)
     assert parts["non_torch"] == NON_TORCH_BYTES

@@ -111,6 +111,14 @@ def test_without_speculative_nothing_changes(tmp_path):
     (["engine.speculative.method=ngram", "engine.speculative.draft_layers=1"],
      r"engine\.speculative\.draft_layers: ngram proposes drafts from the prompt"),
     (["engine.speculative.window=4"], r"engine\.speculative\.window: unknown key 'window'"),
+    (["engine.speculative.method=draft_model", "engine.speculative.draft_model=llama-3.2-2b"],
+     r"engine\.speculative\.draft_model: 'llama-3\.2-2b' is not a model preset; did you mean "
+     r"'llama-3\.2-1b'\?"),
+    (["engine.speculative.draft_model=llama-3.2-1b"],
+     r"engine\.speculative\.draft_model: method eagle has no draft model"),
+    (["engine.speculative.method=draft_model", "engine.speculative.draft_model=llama-3.2-1b",
+      "engine.speculative.draft_layers=2"],
+     r"engine\.speculative\.draft_layers: draft_model 'llama-3\.2-1b' gives the draft's layers"),
     (["engine.batching=static"], r"engine\.batching: speculative decoding needs continuous"),
     (["allocators.paged-16.kind=prefix-caching"],
      r"allocators\[0\]: allocator 'paged-16': prefix caching with engine\.speculative is not "
@@ -189,6 +197,32 @@ def test_draft_layers_shard_with_tp_and_copy_a_layered_models_last_layer(tmp_pat
     assert stack.layers[-1] == FullAttention(last.kv_heads, last.head_dim, last.dtype_bytes)
     paged = build_allocator(gemma, gemma.allocators[0])  # (its model view agrees on the bytes)
     assert paged.bytes_per_token == stack.full_bytes_per_token == gemma.geometry.bytes_per_token
+
+
+DRAFT = ["engine.speculative.method=draft_model", "engine.speculative.draft_model=llama-3.2-1b"]
+
+
+def test_a_named_draft_model_keeps_its_own_layers_and_its_weights_leave_the_budget(tmp_path):
+    """llama-3.2-1b drafting for llama-3-8b: 16 layers of 8 KV heads of 64 (half the target's
+    page a layer) join the bytes per token, as vLLM's planner adds every layer's page bytes;
+    with tp 2 its KV heads split too. A budget derived from an H100's memory also leaves out
+    the draft's 1.24 B parameters."""
+    s = load(tmp_path, DRAFT)
+    draft_layer = 2 * 8 * 64 * 2
+    assert s.draft_layers == 16
+    assert s.geometry.bytes_per_token == 32 * LAYER_BYTES + 16 * draft_layer
+    paged = build_allocator(s, s.allocators[0])
+    assert paged.num_blocks == (1 << 30) // (16 * (32 * LAYER_BYTES + 16 * draft_layer))
+    tp = load(tmp_path, [*DRAFT, "model=llama-3-70b", "tp=2", "max_model_len=8192"])
+    assert tp.geometry.bytes_per_token == 80 * 4 * 128 * 2 * 2 + 16 * 2 * 4 * 64 * 2
+    gemma = load(tmp_path, [*DRAFT, "model=gemma-3-27b", "max_model_len=8192"])
+    assert gemma.kv_stack.layers[-16:] == (FullAttention(8, 64, 2),) * 16
+    gpu = ["kv_budget=null", "hardware=h100-80gb"]
+    plain = load(tmp_path, gpu).budget_breakdown()
+    with_draft = load(tmp_path, [*gpu, *DRAFT]).budget_breakdown()
+    assert plain["draft_weights"] == 0
+    assert with_draft["draft_weights"] == 2 * 1_235_814_400  # bf16
+    assert with_draft["kv_budget"] == plain["kv_budget"] - with_draft["draft_weights"]
 
 
 def table(**columns) -> pd.DataFrame:

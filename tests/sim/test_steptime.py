@@ -47,6 +47,7 @@ needs_profiles = pytest.mark.skipif(
         ("llama-2-70b", 68.98e9),
         ("llama-3-8b", 8.03e9),
         ("llama-3-70b", 70.55e9),
+        ("llama-3.2-1b", 1.24e9),  # model card: 1.24B (1,235,814,400 in safetensors)
         ("mistral-7b", 7.24e9),
         ("opt-13b", 12.85e9),
         ("opt-66b", 66e9),  # the OPT paper's nominal size (65.7e9 counted)

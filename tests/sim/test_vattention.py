@@ -155,8 +155,9 @@ def test_waste_matches_closed_form(model, lengths, page):
 
 
 def test_qwen_wastes_most_with_2mib_pages():
-    """With 2 MiB pages, the share of mapped memory never written is largest for qwen2.5-7b:
-    its 1 KiB rows put 2,048 tokens in a page, twice llama-3's 1,024."""
+    """With 2 MiB pages, the share of mapped memory never written is largest for qwen2.5-7b
+    (and llama-3.2-1b, of the same row size): its 1 KiB rows put 2,048 tokens in a page,
+    twice llama-3's 1,024."""
     lengths = [120, 400, 700, 1500, 2600]  # short chat requests
     waste = {}
     for name in PRESETS:
@@ -166,7 +167,8 @@ def test_qwen_wastes_most_with_2mib_pages():
         acc = a.account()
         acc.check()
         waste[name] = acc.internal / acc.allocated
-    assert max(waste, key=waste.get) == "qwen2.5-7b"
+    most = max(waste.values())
+    assert sorted(n for n, w in waste.items() if w == most) == ["llama-3.2-1b", "qwen2.5-7b"]
     assert waste["qwen2.5-7b"] > waste["llama-3-8b"] > waste["llama-2-7b"]
 
 
