@@ -38,6 +38,7 @@ HOT = (
     "engine_log",
     "engine_records",
     "engine_requests",
+    "spec_steps",
     "allocators/base",
     "allocators/slab",
     "allocators/contiguous",

@@ -78,6 +78,7 @@ import numpy as np
 import pandas as pd
 import simpy
 from kvfrag.sim.allocators.base import Allocator, Grant, Reason, Refusal, Request
+from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.engine_config import EngineConfig, StepTime, async_modelled
 from kvfrag.sim.engine_log import AllocationLog
 from kvfrag.sim.engine_records import (
@@ -89,6 +90,7 @@ from kvfrag.sim.engine_records import (
 from kvfrag.sim.engine_requests import _Arrivals, _Inputs, _Outcomes, _Req
 from kvfrag.sim.engine_summary import summary
 from kvfrag.sim.interrupts import poll
+from kvfrag.sim.spec_steps import SpecSteps, kv_read_objects, slots_wanted, verify_objects
 from kvfrag.sim.speculative import acceptance_for
 from kvfrag.sim.units import check_size
 from kvfrag.sim.waiting import PriorityQueue
@@ -147,8 +149,21 @@ class Engine:
         self.lookahead = spec.lookahead if spec is not None else 0
         self.draft_slots = spec.draft_slots if spec is not None else 0
         self.spec_decode_tokens = 0  # this iteration's decoders' tokens (drafts included)
-        # decode steps that verified drafts, their drafts and those accepted (the summary)
-        self.spec_steps = self.spec_drafts = self.spec_accepted = 0
+        # The running requests' speculative state as arrays (sim/spec_steps.py), and whether
+        # an iteration whose decoders go first may take them vectorised: a paged allocator
+        # (told a request's slots at its block crossings only), FCFS, continuous batching,
+        # nothing logged. Block crossings are then counted in `block_bytes`.
+        self.block_bytes = allocator.block_size * allocator.bytes_per_token if isinstance(
+            allocator, PagedAllocator) else 0
+        self.specs: SpecSteps | None = None
+        if spec is not None and self.acceptance is not None:
+            self.specs = SpecSteps(spec, self.acceptance, allocator.max_model_len,
+                                   async_modelled(config, allocator),
+                                   self.block_bytes // allocator.bytes_per_token)
+        self.spec_fast = (self.specs is not None and allocator.kind == "paged"
+                          and self.block_bytes > 0 and not config.log_allocations
+                          and config.policy != "priority" and config.batching != "static"
+                          and not allocator.waste_split)
         self.inputs = _Inputs(workload, spec, allocator.max_model_len,
                               async_modelled(config, allocator))
         if spec is not None and self.inputs.groups:
@@ -338,7 +353,9 @@ class Engine:
                 self.chunks_prev, self.chunks_now = self.chunks_now, {}
             self.prefill_attn_s = 0.0
             self.tokenless = self.tokenless_kv = 0
-            if self.spec is not None or self._prefill_ahead():
+            if self.spec is not None:
+                prefill_tokens, decoders = self._spec_schedule()
+            elif self._prefill_ahead():
                 decoders, chunks = self._walk_running()
                 prefill_tokens = self._schedule(decoders, chunks)
             else:
@@ -351,12 +368,16 @@ class Engine:
             self.released_now = bool(self.held)
             if self.held:
                 self._release_held()  # (async: the previous iteration's output applied)
-            if self.spec is not None and self.asynchronous:
-                for r in self.running:  # (the previous step's rejected drafts, known now)
-                    st = r.spec
-                    assert st is not None
-                    st.computed -= st.rollback
-                    st.rollback = 0
+            if self.specs is not None and self.asynchronous:
+                # (the previous step's rejected drafts, known now)
+                if self.specs.arrayed:
+                    self.specs.roll_back()
+                else:
+                    for r in self.running:
+                        st = r.spec
+                        assert st is not None
+                        st.computed -= st.rollback
+                        st.rollback = 0
             if not prefill_tokens and not decoders:
                 if (self.running or self.queue) and not (self.preempted_now or self.released_now):
                     raise RuntimeError("engine stalled: requests wait but none can run")
@@ -561,11 +582,17 @@ class Engine:
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
             r.released = self.now
             self._log_free(r)
+            self._spec_leave(r)
             alloc.free(rid)
             del self.running[r]
             self.seqs -= r.req.n
             self._retire(r)
         self.held.clear()
+
+    def _spec_leave(self, r: _Req) -> None:
+        """`r` is freed: its slot in the arrays (if it has one) goes back."""
+        if r.spec is not None and r.spec.slot >= 0 and self.specs is not None:
+            self.specs.leave(r)
 
     def _set_long_cap(self) -> int:
         """This iteration's long-prefill cap: vLLM waives it when one request runs or waits
@@ -600,7 +627,9 @@ class Engine:
         # one input slot more for each request scheduled (`draft_slots`)
         ds = self.draft_slots
         scheduled = 0
-        if ds:
+        if ds and self.specs is not None and self.specs.arrayed:
+            scheduled = self.specs.n_scheduled
+        elif ds:
             scheduled = sum(1 for r in self.running if r.spec is not None and r.spec.scheduled)
         while (i < len(self.queue) and self.seqs < cfg.max_num_seqs
                and (room := budget - used - ds * (scheduled + 1)) > 0):
@@ -780,12 +809,49 @@ class Engine:
         return st.decoding if st is not None else self.alloc.is_decoding(r.req.rid)
 
     def _spec_slots(self, r: _Req, tokens: int) -> int:
-        """Speculative decoding: the slots `r` grows by to hold `tokens` more past its computed
-        ones and the lookahead (a high-water mark: rejected drafts free nothing)."""
-        st = r.spec
-        assert st is not None
-        want = min(st.computed + tokens + self.lookahead, self.alloc.max_model_len)
+        """Speculative decoding: the slots `r` grows by to hold `tokens` more
+        (`slots_wanted`)."""
+        assert r.spec is not None
+        want = slots_wanted(r.spec, tokens, self.lookahead, self.alloc.max_model_len)
         return max(want - self.alloc.tokens(r.req.rid), 0)
+
+    def _spec_schedule(self) -> tuple[int, int]:
+        """Speculative decoding: schedule this iteration; returns (prefill tokens, decoders'
+        tokens). The decoders go first, vectorised (`SpecSteps.plan`), when no prompt is
+        partway and none of them is cut or short of a block; otherwise vLLM's walk of the
+        running list takes the iteration, on the SpecState objects."""
+        specs, alloc = self.specs, self.alloc
+        assert specs is not None
+        if self.spec_fast and not self.prefilling:
+            if not specs.arrayed:
+                running = list(self.running)
+                specs.load(running, [alloc.tokens(r.req.rid) for r in running])
+            if specs.plan(self.cfg.max_num_batched_tokens,
+                          alloc.free_bytes() // self.block_bytes):
+                for r, more in specs.crossings():  # (the plan checked the free blocks)
+                    grant = alloc.grow(r.req.rid, more, self._decoder_in_flight(r))
+                    assert not isinstance(grant, Refusal)
+                decoders = self.spec_decode_tokens = specs.commit()
+                return self._schedule(decoders), decoders
+        self._spec_unload()
+        decoders, chunks = self._walk_running()
+        return self._schedule(decoders, chunks), decoders
+
+    def _spec_unload(self) -> None:
+        """Back to the SpecState objects, the allocator told every slot held (within the
+        blocks it holds: never refused)."""
+        specs = self.specs
+        if specs is None or not specs.arrayed:
+            return
+        for rid, more in specs.store():
+            grant = self.alloc.grow(rid, more, self._decoder_in_flight(self.by_rid[rid]))
+            assert not isinstance(grant, Refusal)
+
+    def _decoder_in_flight(self, r: _Req) -> int:
+        """Async: a decoder's tokens in flight (`_in_flight`, its state in the arrays)."""
+        if not self.asynchronous:
+            return 0
+        return self.chunks_prev.get(r.req.rid, 1)
 
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
@@ -878,6 +944,8 @@ class Engine:
         r.prefill_left = r.prefill - hit - chunk
         if r.spec is not None:
             r.spec.computed, r.spec.scheduled, r.spec.drafts = hit + chunk, chunk, 0
+            if self.specs is not None and self.specs.arrayed:
+                self.specs.enter(r, tokens)
         self.prompt_lookups += r.prefill  # tokens looked up (vLLM's prefix cache queries)
         self.prefix_hits += hit
         if not r.preemptions:  # a first admission: what reuse across requests gave
@@ -909,8 +977,10 @@ class Engine:
 
     # ----------------------------------------------------------------- timing
     def _kv_read_tokens(self) -> int:
-        if self.spec is not None:  # (slots run ahead of tokens: the contexts read)
-            return self._spec_kv_read_tokens()
+        if self.specs is not None:  # (slots run ahead of tokens: the contexts read)
+            if self.specs.arrayed:
+                return self.specs.kv_read(bool(self.chunk_cost))
+            return kv_read_objects(self.running, bool(self.chunk_cost))
         if self.chunk_cost:
             return self.alloc.decoding_sequence_tokens()
         return self.alloc.sequence_tokens() - self.held_done_tokens
@@ -933,17 +1003,6 @@ class Engine:
         if self.spec is None:
             kv -= self.tokenless_kv  # (decoders that took no token read nothing)
         return base + per_kv * kv + self.prefill_attn_s, per_kv
-
-    def _spec_kv_read_tokens(self) -> int:
-        """Speculative decoding: the KV read is the scheduled decoders' contexts (and, when the
-        step time counts every token held, the prompts partway too)."""
-        total = 0
-        for r in self.running:
-            st = r.spec
-            assert st is not None
-            if (st.scheduled and st.decoding) or not (self.chunk_cost or st.decoding):
-                total += st.computed
-        return total
 
     def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
         """How many decode-only iterations run before the next event, and their timing."""
@@ -991,12 +1050,16 @@ class Engine:
                     alloc.set_decoding(r.req.rid, True)
                 if math.isnan(r.first_token):
                     r.first_token = now
-        if self.spec is not None:
-            self._verify()
+        if self.specs is not None:
+            if self.specs.arrayed:
+                done = self.specs.verify(self.prefilled)
+            else:
+                verify_objects(self.running, self.prefilled, self.specs)
+                done = sorted([r for r in self.running if r.spec is not None
+                               and r.spec.decoding and r.spec.delivered >= r.output],
+                              key=_rid_of)
             self.prefilled.clear()
-            done = [r for r in self.running
-                    if r.spec is not None and r.spec.decoding and r.spec.delivered >= r.output]
-            for r in sorted(done, key=_rid_of):  # (together: in rid order, as the reference)
+            for r in done:  # (together: in rid order, as the reference)
                 self._complete(r)
             return
         self.prefilled.clear()
@@ -1006,41 +1069,6 @@ class Engine:
             self._complete(self.by_rid[first])
         if self.cfg.batching == "static" and not self.running:
             self._release_batch()
-
-    def _verify(self) -> None:
-        """Speculative decoding, the iteration's output: a decode step of d drafts with a
-        accepted gives 1 + a tokens and rolls its computed tokens back by d - a; a final prefill
-        chunk gives the first token. Each that sampled carries k drafts into its next step."""
-        acceptance, spec = self.acceptance, self.spec
-        assert acceptance is not None and spec is not None
-        prefilled = set(self.prefilled)
-        for r in self.running:
-            st = r.spec
-            assert st is not None
-            st.inflight = 0
-            if not st.scheduled:
-                continue
-            if r in prefilled:
-                st.delivered += 1
-                st.inflight = 1
-            elif st.decoding:
-                d = st.scheduled - 1
-                a = 0
-                if d:
-                    a = min(acceptance.count(r.req.rid, st.verified), d)
-                    st.verified += 1
-                    self.spec_steps += 1
-                    self.spec_drafts += d
-                    self.spec_accepted += a
-                if self.asynchronous:  # (vLLM rolls back after the next scheduling)
-                    st.rollback = d - a
-                else:
-                    st.computed -= d - a
-                st.delivered += 1 + a
-                st.inflight = 1 + a
-            else:
-                continue  # a chunk partway through its prompt samples nothing
-            st.drafts = spec.num_tokens
 
     def _release_batch(self) -> None:
         """Static batching: the finished members of a batch free their memory together."""
@@ -1062,12 +1090,8 @@ class Engine:
         if r.spec is not None:  # (its slots ran ahead of its tokens)
             r.generated = r.output
         if self.asynchronous:  # it keeps memory and seat through the next scheduling
-            st = r.spec
-            if st is not None:
-                # vLLM schedules it once more unless the one token its step in flight surely
-                # gives reaches the output's length
-                st.extra = st.delivered - st.inflight + 1 < r.output
-                st.decoding = st.extra
+            if self.specs is not None:
+                self.specs.done_async(r)
             else:
                 alloc.set_decoding(rid, False)
             self.held.append(r)
@@ -1084,6 +1108,7 @@ class Engine:
             r.peak = max(r.peak, alloc.allocated_bytes(rid))
             r.released = now
             self._log_free(r)
+            self._spec_leave(r)
             alloc.free(rid)
         if r.user >= 0:
             self._next_of(r, now)
@@ -1123,6 +1148,10 @@ class Engine:
     def _record(self, dt: float, iterations: int) -> None:
         alloc = self.alloc
         p0, p1, p2, p3, p4 = alloc.parts(self._probe())
+        if self.specs is not None and self.specs.lag:
+            # slots held past those the allocator was told (SpecSteps): stored, not reserved
+            moved = self.specs.lag * alloc.bytes_per_token
+            p0, p1 = p0 + moved, p1 - moved
         self._integrate(p0 * dt, p1 * dt, p2 * dt, p3 * dt, p4 * dt)
         self.saved += alloc.saved_by_sharing() * dt
         self.overreserved += alloc.overreserved_bytes() * dt
@@ -1202,6 +1231,7 @@ class Engine:
     # ------------------------------------------------------------------ result
     def _result(self) -> RunResult:
         alloc, out = self.alloc, self.out
+        self._spec_unload()
         at_end = np.zeros(len(self.inputs), dtype=np.int64)
         for rid in alloc.rids():  # still holding memory when the run stopped
             r = self.by_rid[rid]

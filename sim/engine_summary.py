@@ -33,7 +33,9 @@ def _speculation(engine: Engine) -> dict[str, float | int]:
     tokens a step gave."""
     if engine.spec is None:
         return {}
-    steps, drafts, accepted = engine.spec_steps, engine.spec_drafts, engine.spec_accepted
+    specs = engine.specs
+    assert specs is not None
+    steps, drafts, accepted = specs.steps, specs.drafts_total, specs.accepted_total
     return {
         "spec_verify_steps": steps,
         "spec_drafts": drafts,

@@ -75,7 +75,8 @@ class Acceptance:
 
     `given`: request id -> counts from the request table (used as they are, then read again
     from the start); otherwise draws from `spec` (rate or distribution), made in blocks and
-    kept, so that a request's j-th count is the same however it is asked for.
+    kept (one array per request), so that a request's j-th count is the same however it is
+    asked for.
     """
 
     BLOCK = 64
@@ -85,7 +86,6 @@ class Acceptance:
         self._given = {rid: np.asarray(c, dtype=np.int64) for rid, c in (given or {}).items()}
         self._drawn: dict[int, np.ndarray] = {}
         self._gens: dict[int, np.random.Generator] = {}
-        self._listed: dict[int, list[int]] = {}
         if spec.distribution:
             values = np.array([a for a, _ in spec.distribution], dtype=np.int64)
             weights = np.array([w for _, w in spec.distribution], dtype=np.float64)
@@ -107,23 +107,15 @@ class Acceptance:
         return have[start:start + n]
 
     def count(self, rid: int, index: int) -> int:
-        """Count `index` of request `rid`: what an engine asks, one verifying step at a time
-        (read from the request's counts kept as Python ints beside the array)."""
-        column = self.spec.from_column
-        have = self._listed.get(rid)
-        if have is None or (index >= len(have) and not column):
-            given = self._given.get(rid)
-            n = len(given) if column and given is not None else max(
-                index + 1, 2 * len(have or ()), self.BLOCK)
-            have = self._listed[rid] = [int(c) for c in self.counts(rid, 0, max(n, 1))]
-        return have[index % len(have)] if column else have[index]
+        """Count `index` of request `rid`: what the reference engine asks, one verifying step
+        at a time."""
+        return int(self.counts(rid, index, 1)[0])
 
     def forget(self, rid: int) -> None:
         """Drop what was drawn for a request that is over (memory follows the requests in
         flight)."""
         self._drawn.pop(rid, None)
         self._gens.pop(rid, None)
-        self._listed.pop(rid, None)
 
     def _draw(self, rid: int, n: int) -> np.ndarray:
         gen = self._gens.get(rid)
@@ -146,7 +138,7 @@ class SpecState:
     (which run ahead of it: drafts, lookahead, rejected tokens' slots)."""
 
     __slots__ = ("computed", "decoding", "delivered", "drafts", "extra", "inflight", "rollback",
-                 "scheduled", "verified")
+                 "scheduled", "slot", "verified")
 
     def __init__(self) -> None:
         self.computed = 0  # tokens whose KV is stored (vLLM's num_computed_tokens)
@@ -163,6 +155,9 @@ class SpecState:
         self.inflight = 0
         self.rollback = 0
         self.extra = False
+        # Its slot in the fast engine's arrays while they hold its state (sim/spec_steps.py:
+        # these fields are then stale), else -1
+        self.slot = -1
 
 
 def extra_slots(spec: Speculative | None, prompt: int, output: int, max_model_len: int,

@@ -1,0 +1,380 @@
+"""Speculative decoding in the fast engine: the running requests' progress as arrays.
+
+Under speculative decoding every decoder takes its own tokens at each step (1 + its drafts,
+then 1 + the accepted ones), so the allocator's decode cohort, which advances every decoder one
+token a step, does not apply. Walking the running list in Python at every iteration costs
+about a microsecond per decoder (compiled); at a heavy load (hundreds decoding) that is the
+whole cost of an event. `SpecSteps` keeps each running request's speculative state in numpy
+arrays indexed by a slot, so that an iteration in which the decoders go first (no prompt
+partway ahead of one, no token budget cut, no block shortage: `plan`) is a handful of
+vectorised operations: tokens, slots wanted, block crossings, accepted counts (a gather from
+the draws made when the request entered), delivered tokens, completions, KV tokens read.
+
+Block crossings are the only allocations: a paged allocator is told a request's slots when it
+needs a new block, and not between. Its blocks are then the same as if it had been told every
+step (ceil(told / bs) == ceil(held / bs)), and so are its internal bytes (past the request's
+final length, a function of the blocks); only token_states is short of the slots held by
+`lag` tokens, which `reserved` holds instead. The engine moves those bytes back when it
+records the parts (`Engine._record`). Any other iteration (a prompt partway, a binding budget,
+a shortage, policy priority, static batching, the allocation log) runs the per-request walk
+on the `SpecState` objects: `store` writes the arrays back to them and tells the allocator
+every slot held first, and `load` takes them up again when the fast path applies once more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from kvfrag.sim.engine_requests import _Req
+from kvfrag.sim.speculative import Acceptance, SpecState, Speculative
+
+_I64 = np.int64
+
+
+class SpecSteps:
+    """The running requests' speculative state, one slot each (see the module's docstring),
+    and the run's verification counts (the summary's spec_* figures)."""
+
+    def __init__(self, spec: Speculative, acceptance: Acceptance, max_model_len: int,
+                 asynchronous: bool, block_size: int) -> None:
+        self.k = spec.num_tokens
+        self.look = spec.lookahead
+        self.ds = spec.draft_slots
+        self.acceptance = acceptance
+        self.mml = max_model_len
+        self.asynchronous = asynchronous
+        self.bs = block_size  # (0: the allocator is not paged; the arrays are not used)
+        # decode steps that verified drafts, their drafts and those accepted (the summary)
+        self.steps = self.drafts_total = self.accepted_total = 0
+        self.arrayed = False  # whether the arrays hold the running requests' state now
+        self.lag = 0  # slots held that the allocator is not told of yet, over every slot
+        self.top = 0  # slots in use are below it
+        self.free: list[int] = []
+        self.reqs: list[_Req | None] = []
+        self._alloc_arrays(64)
+        self.acc = np.zeros(1024, dtype=_I64)  # accepted counts, a segment per slot
+        self.acc_used = 0
+        self.acc_live = 0
+        # this iteration's plan (`plan`): decoders, their tokens and slots, block crossings
+        self.p_idx = np.zeros(0, dtype=_I64)
+        self.p_tokens = np.zeros(0, dtype=_I64)
+        self.p_new = np.zeros(0, dtype=_I64)
+        self.p_cross = np.zeros(0, dtype=_I64)
+        self.n_scheduled = 0
+        self.planned = 0  # iterations whose decoders were scheduled here (not walked)
+
+    def _alloc_arrays(self, cap: int) -> None:
+        self.cap = cap
+        z = np.zeros
+        self.computed = z(cap, dtype=_I64)
+        self.delivered = z(cap, dtype=_I64)
+        self.drafts = z(cap, dtype=_I64)
+        self.verified = z(cap, dtype=_I64)
+        self.rollback = z(cap, dtype=_I64)
+        self.inflight = z(cap, dtype=_I64)
+        self.scheduled = z(cap, dtype=_I64)
+        self.output = z(cap, dtype=_I64)
+        self.held = z(cap, dtype=_I64)  # slots held (a high-water mark)
+        self.told = z(cap, dtype=_I64)  # of them, what the allocator stores (`lag`)
+        self.rid = z(cap, dtype=_I64)
+        self.accoff = z(cap, dtype=_I64)  # acc[accoff + verified]: its next accepted count
+        self.acclen = z(cap, dtype=_I64)
+        self.decoding = z(cap, dtype=bool)
+        self.extra = z(cap, dtype=bool)
+        self.live = z(cap, dtype=bool)
+
+    def _grow_arrays(self) -> None:
+        old = self.cap
+        keep = {name: getattr(self, name) for name in _FIELDS}
+        self._alloc_arrays(2 * old)
+        for name, values in keep.items():
+            getattr(self, name)[:old] = values
+
+    # ---------------------------------------------------------- slots in and out
+    def enter(self, r: _Req, told: int) -> None:
+        """`r` runs with its state in the arrays (from its SpecState); the allocator stores
+        `told` tokens of it, all the slots it holds."""
+        st = r.spec
+        assert st is not None
+        if self.free:
+            i = self.free.pop()
+        else:
+            if self.top == self.cap:
+                self._grow_arrays()
+            i = self.top
+            self.top += 1
+            self.reqs.append(None)
+        self.reqs[i] = r
+        st.slot = i
+        self.computed[i] = st.computed
+        self.delivered[i] = st.delivered
+        self.drafts[i] = st.drafts
+        self.verified[i] = st.verified
+        self.rollback[i] = st.rollback
+        self.inflight[i] = st.inflight
+        self.scheduled[i] = st.scheduled
+        self.decoding[i] = st.decoding
+        self.extra[i] = st.extra
+        self.output[i] = r.output
+        self.held[i] = self.told[i] = told
+        self.rid[i] = r.req.rid
+        self.live[i] = True
+        # Accepted counts for every step it may still verify (each delivers a token; async:
+        # one more step after its last), from its next one on.
+        n = max(r.output + 2 - st.verified, 1)
+        counts = self.acceptance.counts(r.req.rid, st.verified, n)
+        if self.acc_used + n > len(self.acc):
+            self._compact(n)
+        self.acc[self.acc_used:self.acc_used + n] = counts
+        self.accoff[i] = self.acc_used - st.verified
+        self.acclen[i] = n
+        self.acc_used += n
+        self.acc_live += n
+
+    def _compact(self, need: int) -> None:
+        """Make room for `need` more counts: keep only the live slots' segments."""
+        size = max(2 * (self.acc_live + need), 1024)
+        acc = np.zeros(size, dtype=_I64)
+        used = 0
+        for i in np.flatnonzero(self.live[:self.top]).tolist():
+            n = int(self.acclen[i])
+            start = int(self.accoff[i] + self.verified[i])
+            acc[used:used + n] = self.acc[start:start + n]
+            self.accoff[i] = used - int(self.verified[i])
+            used += n
+        self.acc, self.acc_used = acc, used
+
+    def leave(self, r: _Req) -> None:
+        """`r` no longer runs (freed): its slot goes back, its slots not told with it."""
+        st = r.spec
+        assert st is not None
+        i = st.slot
+        self.lag -= int(self.held[i] - self.told[i])
+        self.live[i] = False
+        self.decoding[i] = False
+        self.scheduled[i] = 0
+        self.acc_live -= int(self.acclen[i])
+        self.reqs[i] = None
+        self.free.append(i)
+        st.slot = -1
+
+    def load(self, running: Iterable[_Req], tokens_of: list[int]) -> None:
+        """Take up the running requests' state (`tokens_of`: what the allocator stores of
+        each, every slot it holds)."""
+        for r, told in zip(running, tokens_of, strict=True):
+            self.enter(r, told)
+        self.arrayed = True
+
+    def store(self) -> list[tuple[int, int]]:
+        """Write the arrays back to the SpecState objects and empty them; returns (rid, slots)
+        the allocator must be told of (grown by) first."""
+        tell: list[tuple[int, int]] = []
+        for i in np.flatnonzero(self.live[:self.top]).tolist():
+            r = self.reqs[i]
+            assert r is not None
+            st = r.spec
+            assert st is not None
+            st.computed = int(self.computed[i])
+            st.delivered = int(self.delivered[i])
+            st.drafts = int(self.drafts[i])
+            st.verified = int(self.verified[i])
+            st.rollback = int(self.rollback[i])
+            st.inflight = int(self.inflight[i])
+            st.scheduled = int(self.scheduled[i])
+            st.decoding = bool(self.decoding[i])
+            st.extra = bool(self.extra[i])
+            st.slot = -1
+            more = int(self.held[i] - self.told[i])
+            if more:
+                tell.append((r.req.rid, more))
+        self.live[:self.top] = False
+        self.decoding[:self.top] = False
+        self.scheduled[:self.top] = 0
+        self.top = self.lag = self.acc_used = self.acc_live = 0
+        self.free.clear()
+        self.reqs.clear()
+        self.arrayed = False
+        return tell
+
+    # ------------------------------------------------------------------ a step
+    def plan(self, budget: int, free_blocks: int) -> bool:
+        """The decoders' tokens and slots for this iteration, when they go first and none is
+        cut (by the token budget, its input slots or max_model_len) nor short of a block;
+        False (nothing changed) when the walk must take the iteration."""
+        n = self.top
+        idx = np.flatnonzero(self.decoding[:n])
+        comp = self.computed[idx]
+        tokens = np.minimum(self.drafts[idx] + 1, self.mml - 1 - comp)
+        if len(idx):
+            if int(tokens.min()) <= 0:
+                return False
+            if int(tokens.sum()) + self.ds * len(idx) > budget:
+                return False
+        told, bs = self.told[idx], self.bs
+        new = np.maximum(self.held[idx], np.minimum(comp + tokens + self.look, self.mml))
+        blocks = (new + (bs - 1)) // bs - (told + (bs - 1)) // bs
+        if int(blocks.sum()) > free_blocks:
+            return False
+        self.p_idx, self.p_tokens, self.p_new = idx, tokens, new
+        self.p_cross = np.flatnonzero(blocks)
+        return True
+
+    def crossings(self) -> list[tuple[_Req, int]]:
+        """(request, slots to grow by) of the plan's block crossings: the allocations."""
+        out: list[tuple[_Req, int]] = []
+        idx, new = self.p_idx, self.p_new
+        for j in self.p_cross.tolist():
+            i = int(idx[j])
+            r = self.reqs[i]
+            assert r is not None
+            out.append((r, int(new[j] - self.told[i])))
+        return out
+
+    def commit(self) -> int:
+        """Apply the plan (its crossings granted); returns the decoders' tokens."""
+        idx, tokens, new = self.p_idx, self.p_tokens, self.p_new
+        self.scheduled[:self.top] = 0
+        self.computed[idx] += tokens
+        self.scheduled[idx] = tokens
+        cross = idx[self.p_cross]
+        self.lag += int((new - self.held[idx]).sum())
+        self.lag -= int((new[self.p_cross] - self.told[cross]).sum())
+        self.held[idx] = new
+        self.told[cross] = new[self.p_cross]
+        self.n_scheduled = len(idx)
+        self.planned += 1
+        return int(tokens.sum())
+
+    def roll_back(self) -> None:
+        """Async: the previous step's rejected drafts, known after this scheduling."""
+        n = self.top
+        self.computed[:n] -= self.rollback[:n]
+        self.rollback[:n] = 0
+
+    def kv_read(self, chunk_cost: bool) -> int:
+        """The KV read: the scheduled decoders' contexts (and, when the step time counts
+        every token held, the prompts partway too)."""
+        n = self.top
+        dec = self.decoding[:n]
+        read = (self.scheduled[:n] > 0) & dec
+        if not chunk_cost:
+            read |= ~dec
+        return int(self.computed[:n][read & self.live[:n]].sum())
+
+    def verify(self, prefilled: list[_Req]) -> list[_Req]:
+        """The iteration's output (`verify`'s, vectorised); returns those done, in rid order."""
+        n = self.top
+        self.inflight[:n] = 0
+        for r in prefilled:  # a final prefill chunk samples the first token
+            st = r.spec
+            if st is not None and st.slot >= 0 and r.status == "running":
+                i = st.slot
+                self.decoding[i] = True
+                if self.scheduled[i]:
+                    self.delivered[i] += 1
+                    self.inflight[i] = 1
+                    self.drafts[i] = self.k
+                    self.scheduled[i] = -self.scheduled[i]  # (not verified below)
+        idx = np.flatnonzero((self.scheduled[:n] > 0) & self.decoding[:n])
+        d = self.scheduled[idx] - 1
+        a = np.zeros(len(idx), dtype=_I64)
+        has = np.flatnonzero(d > 0)
+        if len(has):
+            at = idx[has]
+            a[has] = np.minimum(self.acc[self.accoff[at] + self.verified[at]], d[has])
+            self.verified[at] += 1
+            self.steps += len(has)
+            self.drafts_total += int(d.sum())
+            self.accepted_total += int(a.sum())
+        if self.asynchronous:  # (vLLM rolls back after the next scheduling)
+            self.rollback[idx] = d - a
+        else:
+            self.computed[idx] -= d - a
+        self.delivered[idx] += 1 + a
+        self.inflight[idx] = 1 + a
+        self.drafts[idx] = self.k
+        neg = self.scheduled[:n] < 0
+        self.scheduled[:n][neg] = -self.scheduled[:n][neg]
+        done = np.flatnonzero(self.decoding[:n] & self.live[:n]
+                              & (self.delivered[:n] >= self.output[:n]))
+        if not len(done):
+            return []
+        order = done[np.argsort(self.rid[done], kind="stable")]
+        out: list[_Req] = []
+        for i in order.tolist():
+            r = self.reqs[i]
+            assert r is not None
+            out.append(r)
+        return out
+
+    def done_async(self, r: _Req) -> None:
+        """Async: `r` is done; vLLM schedules it once more unless the one token its step in
+        flight surely gives reaches the output's length."""
+        st = r.spec
+        assert st is not None
+        if st.slot >= 0:
+            i = st.slot
+            extra = bool(self.delivered[i] - self.inflight[i] + 1 < r.output)
+            self.extra[i] = self.decoding[i] = extra
+        else:
+            extra = st.delivered - st.inflight + 1 < r.output
+        st.extra = st.decoding = extra
+
+
+_FIELDS = ("computed", "delivered", "drafts", "verified", "rollback", "inflight", "scheduled",
+           "output", "held", "told", "rid", "accoff", "acclen", "decoding", "extra", "live")
+
+
+# ------------------------------------------------------------------ the walk's helpers
+def verify_objects(running: Iterable[_Req], prefilled: list[_Req], steps: SpecSteps) -> None:
+    """The iteration's output after a walk, on the SpecState objects: a decode step of d
+    drafts with a accepted gives 1 + a tokens and rolls its computed tokens back by d - a
+    (async: after the next scheduling); a final prefill chunk gives the first token. Each
+    that sampled carries k drafts into its next step."""
+    acceptance = steps.acceptance
+    done = set(prefilled)
+    for r in running:
+        st = r.spec
+        assert st is not None
+        st.inflight = 0
+        if not st.scheduled:
+            continue
+        if r in done:
+            st.delivered += 1
+            st.inflight = 1
+        elif st.decoding:
+            d = st.scheduled - 1
+            a = 0
+            if d:
+                a = min(int(acceptance.counts(r.req.rid, st.verified, 1)[0]), d)
+                st.verified += 1
+                steps.steps += 1
+                steps.drafts_total += d
+                steps.accepted_total += a
+            if steps.asynchronous:
+                st.rollback = d - a
+            else:
+                st.computed -= d - a
+            st.delivered += 1 + a
+            st.inflight = 1 + a
+        else:
+            continue  # a chunk partway through its prompt samples nothing
+        st.drafts = steps.k
+
+
+def kv_read_objects(running: Iterable[_Req], chunk_cost: bool) -> int:
+    """`SpecSteps.kv_read` on the SpecState objects."""
+    total = 0
+    for r in running:
+        st = r.spec
+        assert st is not None
+        if (st.scheduled and st.decoding) or not (chunk_cost or st.decoding):
+            total += st.computed
+    return total
+
+
+def slots_wanted(st: SpecState, tokens: int, lookahead: int, max_model_len: int) -> int:
+    """The slots a request holds to store `tokens` more past its computed ones and the
+    lookahead (a high-water mark: rejected drafts free nothing)."""
+    return min(st.computed + tokens + lookahead, max_model_len)
