@@ -153,8 +153,10 @@ class Engine:
         # an iteration whose decoders go first may take them vectorised: a paged allocator
         # (told a request's slots at its block crossings only), FCFS, continuous batching,
         # nothing logged. Block crossings are then counted in `block_bytes`.
-        self.block_bytes = allocator.block_size * allocator.bytes_per_token if isinstance(
-            allocator, PagedAllocator) else 0
+        self.paged = allocator if isinstance(allocator, PagedAllocator) else None
+        self.block_bytes = 0
+        if self.paged is not None:
+            self.block_bytes = self.paged.block_size * allocator.bytes_per_token
         self.specs: SpecSteps | None = None
         if spec is not None and self.acceptance is not None:
             self.specs = SpecSteps(spec, self.acceptance, allocator.max_model_len,
@@ -828,9 +830,8 @@ class Engine:
                 specs.load(running, [alloc.tokens(r.req.rid) for r in running])
             if specs.plan(self.cfg.max_num_batched_tokens,
                           alloc.free_bytes() // self.block_bytes):
-                for r, more in specs.crossings():  # (the plan checked the free blocks)
-                    grant = alloc.grow(r.req.rid, more, self._decoder_in_flight(r))
-                    assert not isinstance(grant, Refusal)
+                assert self.paged is not None
+                self.paged.grow_within(*specs.crossings())  # (the plan checked the blocks)
                 decoders = self.spec_decode_tokens = specs.commit()
                 return self._schedule(decoders), decoders
         self._spec_unload()

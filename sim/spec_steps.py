@@ -57,9 +57,9 @@ class SpecSteps:
         self.acc_used = 0
         self.acc_live = 0
         # this iteration's plan (`plan`): decoders, their tokens and slots, block crossings
-        self.p_idx = np.zeros(0, dtype=_I64)
         self.p_tokens = np.zeros(0, dtype=_I64)
         self.p_new = np.zeros(0, dtype=_I64)
+        self.p_blocks = np.zeros(0, dtype=_I64)
         self.p_cross = np.zeros(0, dtype=_I64)
         self.n_scheduled = 0
         self.planned = 0  # iterations whose decoders were scheduled here (not walked)
@@ -77,6 +77,7 @@ class SpecSteps:
         self.output = z(cap, dtype=_I64)
         self.held = z(cap, dtype=_I64)  # slots held (a high-water mark)
         self.told = z(cap, dtype=_I64)  # of them, what the allocator stores (`lag`)
+        self.blocks = z(cap, dtype=_I64)  # blocks held: ceil(told / bs), ceil(held / bs)
         self.rid = z(cap, dtype=_I64)
         self.accoff = z(cap, dtype=_I64)  # acc[accoff + verified]: its next accepted count
         self.acclen = z(cap, dtype=_I64)
@@ -118,19 +119,21 @@ class SpecSteps:
         self.extra[i] = st.extra
         self.output[i] = r.output
         self.held[i] = self.told[i] = told
+        if self.bs:
+            self.blocks[i] = -(-told // self.bs)
         self.rid[i] = r.req.rid
-        self.live[i] = True
         # Accepted counts for every step it may still verify (each delivers a token; async:
         # one more step after its last), from its next one on.
         n = max(r.output + 2 - st.verified, 1)
         counts = self.acceptance.counts(r.req.rid, st.verified, n)
         if self.acc_used + n > len(self.acc):
-            self._compact(n)
+            self._compact(n)  # (over the live slots: not this one yet)
         self.acc[self.acc_used:self.acc_used + n] = counts
         self.accoff[i] = self.acc_used - st.verified
         self.acclen[i] = n
         self.acc_used += n
         self.acc_live += n
+        self.live[i] = True
 
     def _compact(self, need: int) -> None:
         """Make room for `need` more counts: keep only the live slots' segments."""
@@ -153,7 +156,8 @@ class SpecSteps:
         self.lag -= int(self.held[i] - self.told[i])
         self.live[i] = False
         self.decoding[i] = False
-        self.scheduled[i] = 0
+        self.scheduled[i] = self.rollback[i] = self.computed[i] = 0
+        self.held[i] = self.told[i] = self.blocks[i] = 0
         self.acc_live -= int(self.acclen[i])
         self.reqs[i] = None
         self.free.append(i)
@@ -188,9 +192,8 @@ class SpecSteps:
             more = int(self.held[i] - self.told[i])
             if more:
                 tell.append((r.req.rid, more))
-        self.live[:self.top] = False
-        self.decoding[:self.top] = False
-        self.scheduled[:self.top] = 0
+        for name in _FIELDS:
+            getattr(self, name)[:self.top] = 0
         self.top = self.lag = self.acc_used = self.acc_live = 0
         self.free.clear()
         self.reqs.clear()
@@ -201,48 +204,46 @@ class SpecSteps:
     def plan(self, budget: int, free_blocks: int) -> bool:
         """The decoders' tokens and slots for this iteration, when they go first and none is
         cut (by the token budget, its input slots or max_model_len) nor short of a block;
-        False (nothing changed) when the walk must take the iteration."""
-        n = self.top
-        idx = np.flatnonzero(self.decoding[:n])
-        comp = self.computed[idx]
-        tokens = np.minimum(self.drafts[idx] + 1, self.mml - 1 - comp)
-        if len(idx):
-            if int(tokens.min()) <= 0:
+        False (nothing changed) when the walk must take the iteration. (Over every slot in
+        use, masked: fewer numpy calls than gathers by index, and the slots are few.)"""
+        n, bs, mml = self.top, self.bs, self.mml
+        dec = self.decoding[:n]  # (False in a free slot)
+        comp = self.computed[:n]
+        tokens = np.minimum(self.drafts[:n] + 1, (mml - 1) - comp)
+        tokens *= dec
+        decoders = int(np.count_nonzero(dec))
+        if decoders:
+            if int(tokens.min()) <= 0 and bool((tokens[dec] <= 0).any()):
                 return False
-            if int(tokens.sum()) + self.ds * len(idx) > budget:
+            if int(tokens.sum()) + self.ds * decoders > budget:
                 return False
-        told, bs = self.told[idx], self.bs
-        new = np.maximum(self.held[idx], np.minimum(comp + tokens + self.look, self.mml))
-        blocks = (new + (bs - 1)) // bs - (told + (bs - 1)) // bs
+        want = np.minimum(comp + tokens + self.look, mml)
+        want *= dec
+        new = np.maximum(self.held[:n], want)
+        blocks = (new + (bs - 1)) // bs
+        blocks -= self.blocks[:n]
         if int(blocks.sum()) > free_blocks:
             return False
-        self.p_idx, self.p_tokens, self.p_new = idx, tokens, new
+        self.p_tokens, self.p_new, self.p_blocks = tokens, new, blocks
         self.p_cross = np.flatnonzero(blocks)
+        self.n_scheduled = decoders
         return True
 
-    def crossings(self) -> list[tuple[_Req, int]]:
-        """(request, slots to grow by) of the plan's block crossings: the allocations."""
-        out: list[tuple[_Req, int]] = []
-        idx, new = self.p_idx, self.p_new
-        for j in self.p_cross.tolist():
-            i = int(idx[j])
-            r = self.reqs[i]
-            assert r is not None
-            out.append((r, int(new[j] - self.told[i])))
-        return out
+    def crossings(self) -> tuple[list[int], list[int]]:
+        """(rids, slots to grow each by) of the plan's block crossings: the allocations."""
+        cross = self.p_cross
+        return self.rid[cross].tolist(), (self.p_new[cross] - self.told[cross]).tolist()
 
     def commit(self) -> int:
         """Apply the plan (its crossings granted); returns the decoders' tokens."""
-        idx, tokens, new = self.p_idx, self.p_tokens, self.p_new
-        self.scheduled[:self.top] = 0
-        self.computed[idx] += tokens
-        self.scheduled[idx] = tokens
-        cross = idx[self.p_cross]
-        self.lag += int((new - self.held[idx]).sum())
-        self.lag -= int((new[self.p_cross] - self.told[cross]).sum())
-        self.held[idx] = new
-        self.told[cross] = new[self.p_cross]
-        self.n_scheduled = len(idx)
+        n, tokens, new, cross = self.top, self.p_tokens, self.p_new, self.p_cross
+        self.computed[:n] += tokens
+        self.scheduled[:n] = tokens
+        self.held[:n] = new
+        if len(cross):
+            self.told[cross] = new[cross]
+            self.blocks[:n] += self.p_blocks
+        self.lag = int(self.held[:n].sum()) - int(self.told[:n].sum())
         self.planned += 1
         return int(tokens.sum())
 
@@ -259,45 +260,45 @@ class SpecSteps:
         dec = self.decoding[:n]
         read = (self.scheduled[:n] > 0) & dec
         if not chunk_cost:
-            read |= ~dec
-        return int(self.computed[:n][read & self.live[:n]].sum())
+            read |= ~dec & self.live[:n]
+        return int(self.computed[:n][read].sum())
 
     def verify(self, prefilled: list[_Req]) -> list[_Req]:
-        """The iteration's output (`verify`'s, vectorised); returns those done, in rid order."""
+        """The iteration's output (`verify_objects`', vectorised); returns those done, in rid
+        order."""
         n = self.top
-        self.inflight[:n] = 0
+        first: list[int] = []
         for r in prefilled:  # a final prefill chunk samples the first token
             st = r.spec
             if st is not None and st.slot >= 0 and r.status == "running":
-                i = st.slot
-                self.decoding[i] = True
-                if self.scheduled[i]:
-                    self.delivered[i] += 1
-                    self.inflight[i] = 1
-                    self.drafts[i] = self.k
-                    self.scheduled[i] = -self.scheduled[i]  # (not verified below)
-        idx = np.flatnonzero((self.scheduled[:n] > 0) & self.decoding[:n])
-        d = self.scheduled[idx] - 1
-        a = np.zeros(len(idx), dtype=_I64)
-        has = np.flatnonzero(d > 0)
-        if len(has):
-            at = idx[has]
-            a[has] = np.minimum(self.acc[self.accoff[at] + self.verified[at]], d[has])
-            self.verified[at] += 1
-            self.steps += len(has)
-            self.drafts_total += int(d.sum())
-            self.accepted_total += int(a.sum())
+                first.append(st.slot)
+        # verifying: scheduled decoders (d drafts, a accepted; none when d is 0)
+        sched = self.scheduled[:n]
+        verifying = (sched > 0) & self.decoding[:n]
+        d = sched - 1
+        d *= verifying
+        has = d > 0
+        at = self.accoff[:n] + self.verified[:n]
+        a = np.minimum(np.take(self.acc, at, mode="clip"), d)
+        self.verified[:n] += has
+        self.steps += int(np.count_nonzero(has))
+        self.drafts_total += int(d.sum())
+        self.accepted_total += int(a.sum())
         if self.asynchronous:  # (vLLM rolls back after the next scheduling)
-            self.rollback[idx] = d - a
+            self.rollback[:n] = d - a
         else:
-            self.computed[idx] -= d - a
-        self.delivered[idx] += 1 + a
-        self.inflight[idx] = 1 + a
-        self.drafts[idx] = self.k
-        neg = self.scheduled[:n] < 0
-        self.scheduled[:n][neg] = -self.scheduled[:n][neg]
-        done = np.flatnonzero(self.decoding[:n] & self.live[:n]
-                              & (self.delivered[:n] >= self.output[:n]))
+            self.computed[:n] -= d - a
+        a += 1
+        a *= verifying
+        self.delivered[:n] += a
+        self.inflight[:n] = a
+        np.putmask(self.drafts[:n], verifying, self.k)
+        for i in first:
+            self.decoding[i] = True
+            self.delivered[i] += 1
+            self.inflight[i] = 1
+            self.drafts[i] = self.k
+        done = np.flatnonzero(self.decoding[:n] & (self.delivered[:n] >= self.output[:n]))
         if not len(done):
             return []
         order = done[np.argsort(self.rid[done], kind="stable")]
@@ -323,7 +324,8 @@ class SpecSteps:
 
 
 _FIELDS = ("computed", "delivered", "drafts", "verified", "rollback", "inflight", "scheduled",
-           "output", "held", "told", "rid", "accoff", "acclen", "decoding", "extra", "live")
+           "output", "held", "told", "blocks", "rid", "accoff", "acclen", "decoding", "extra",
+           "live")
 
 
 # ------------------------------------------------------------------ the walk's helpers

@@ -479,6 +479,32 @@ class PagedAllocator(Allocator):
         self._renamed.clear()
         return renamed
 
+    def grow_within(self, rids: list[int], more: list[int]) -> None:
+        """`grow(rids[j], more[j])` for each j, where the caller knows the blocks they take
+        are free: speculative decoding's block crossings, many a step (sim/spec_steps.py),
+        without a Grant each. Single sequences outside the decode cohort, no model view."""
+        bs, deferred = self.block_size, self._deferred
+        blocks = internal = tokens = 0
+        for j, rid in enumerate(rids):
+            live = self._live[rid]
+            old = live.base
+            new = old + more[j]
+            if live.decoding or live.req.n != 1 or self._view is not None or new > live.final:
+                raise ValueError(f"request {rid}: not grown within (see `grow`)")
+            have, want = -(-old // bs), -(-new // bs)
+            if not deferred:
+                self._materialize(live, want, new)
+            blocks += want - have
+            internal += self._tail_waste(live, new) - self._tail_waste(live, old)
+            live.base = new
+            tokens += new - old
+        if blocks > self.free_blocks():
+            raise AssertionError("grow_within: more blocks than are free")
+        self._fixed_blocks += blocks
+        self._fixed_internal += internal
+        self._fixed_tokens += tokens
+        self._fixed_seq += tokens
+
     def steps_until_full(self) -> int | None:
         return self._blocks.steps_within(self._clock, self.free_blocks())
 
