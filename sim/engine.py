@@ -831,8 +831,9 @@ class Engine:
             if specs.plan(self.cfg.max_num_batched_tokens,
                           alloc.free_bytes() // self.block_bytes):
                 assert self.paged is not None
-                self.paged.grow_within(*specs.crossings())  # (the plan checked the blocks)
-                decoders = self.spec_decode_tokens = specs.commit()
+                rids, more = specs.crossings()
+                self.paged.grow_within(rids, more)  # (the plan checked the free blocks)
+                decoders = self.spec_decode_tokens = specs.commit(sum(more))
                 return self._schedule(decoders), decoders
         self._spec_unload()
         decoders, chunks = self._walk_running()

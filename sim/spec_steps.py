@@ -34,7 +34,12 @@ _I64 = np.int64
 
 class SpecSteps:
     """The running requests' speculative state, one slot each (see the module's docstring),
-    and the run's verification counts (the summary's spec_* figures)."""
+    and the run's verification counts (the summary's spec_* figures).
+
+    Every array spans the whole capacity and a free slot holds zeros, so a step works on
+    whole arrays (no slicing, no gathers by index: at a few hundred slots the cost of a numpy
+    call is its overhead, not its length); `decoding` and `live` are 0/1 integers, so that a
+    masked sum is a dot product."""
 
     def __init__(self, spec: Speculative, acceptance: Acceptance, max_model_len: int,
                  asynchronous: bool, block_size: int) -> None:
@@ -43,26 +48,34 @@ class SpecSteps:
         self.ds = spec.draft_slots
         self.acceptance = acceptance
         self.mml = max_model_len
+        # A plan needs every decoder's 1 + k tokens and their lookahead within max_model_len
+        # (vLLM keeps room for the token it samples): its computed tokens at most this.
+        self.limit = max_model_len - 1 - self.k - max(1, self.look)
         self.asynchronous = asynchronous
         self.bs = block_size  # (0: the allocator is not paged; the arrays are not used)
         # decode steps that verified drafts, their drafts and those accepted (the summary)
         self.steps = self.drafts_total = self.accepted_total = 0
         self.arrayed = False  # whether the arrays hold the running requests' state now
-        self.lag = 0  # slots held that the allocator is not told of yet, over every slot
-        self.top = 0  # slots in use are below it
+        # slots held, and of them what the allocator stores: `lag` is the difference
+        self.held_sum = self.told_sum = 0
         self.free: list[int] = []
         self.reqs: list[_Req | None] = []
         self._alloc_arrays(64)
         self.acc = np.zeros(1024, dtype=_I64)  # accepted counts, a segment per slot
         self.acc_used = 0
         self.acc_live = 0
-        # this iteration's plan (`plan`): decoders, their tokens and slots, block crossings
-        self.p_tokens = np.zeros(0, dtype=_I64)
+        # this iteration's plan (`plan`): slots held after it, blocks it adds, block crossings
         self.p_new = np.zeros(0, dtype=_I64)
         self.p_blocks = np.zeros(0, dtype=_I64)
         self.p_cross = np.zeros(0, dtype=_I64)
+        self.p_tokens = np.zeros(0, dtype=_I64)
         self.n_scheduled = 0
         self.planned = 0  # iterations whose decoders were scheduled here (not walked)
+
+    @property
+    def lag(self) -> int:
+        """Slots held that the allocator is not told of yet, over every slot."""
+        return self.held_sum - self.told_sum
 
     def _alloc_arrays(self, cap: int) -> None:
         self.cap = cap
@@ -81,9 +94,9 @@ class SpecSteps:
         self.rid = z(cap, dtype=_I64)
         self.accoff = z(cap, dtype=_I64)  # acc[accoff + verified]: its next accepted count
         self.acclen = z(cap, dtype=_I64)
-        self.decoding = z(cap, dtype=bool)
-        self.extra = z(cap, dtype=bool)
-        self.live = z(cap, dtype=bool)
+        self.decoding = z(cap, dtype=_I64)  # (0/1)
+        self.extra = z(cap, dtype=_I64)  # (0/1)
+        self.live = z(cap, dtype=_I64)  # (0/1)
 
     def _grow_arrays(self) -> None:
         old = self.cap
@@ -91,6 +104,8 @@ class SpecSteps:
         self._alloc_arrays(2 * old)
         for name, values in keep.items():
             getattr(self, name)[:old] = values
+        self.free.extend(range(2 * old - 1, old - 1, -1))
+        self.reqs.extend([None] * old)
 
     # ---------------------------------------------------------- slots in and out
     def enter(self, r: _Req, told: int) -> None:
@@ -98,14 +113,13 @@ class SpecSteps:
         `told` tokens of it, all the slots it holds."""
         st = r.spec
         assert st is not None
-        if self.free:
-            i = self.free.pop()
-        else:
-            if self.top == self.cap:
+        if not self.free:
+            if not self.reqs:
+                self.free.extend(range(self.cap - 1, -1, -1))
+                self.reqs.extend([None] * self.cap)
+            else:
                 self._grow_arrays()
-            i = self.top
-            self.top += 1
-            self.reqs.append(None)
+        i = self.free.pop()
         self.reqs[i] = r
         st.slot = i
         self.computed[i] = st.computed
@@ -119,6 +133,8 @@ class SpecSteps:
         self.extra[i] = st.extra
         self.output[i] = r.output
         self.held[i] = self.told[i] = told
+        self.held_sum += told
+        self.told_sum += told
         if self.bs:
             self.blocks[i] = -(-told // self.bs)
         self.rid[i] = r.req.rid
@@ -133,14 +149,14 @@ class SpecSteps:
         self.acclen[i] = n
         self.acc_used += n
         self.acc_live += n
-        self.live[i] = True
+        self.live[i] = 1
 
     def _compact(self, need: int) -> None:
         """Make room for `need` more counts: keep only the live slots' segments."""
         size = max(2 * (self.acc_live + need), 1024)
         acc = np.zeros(size, dtype=_I64)
         used = 0
-        for i in np.flatnonzero(self.live[:self.top]).tolist():
+        for i in np.flatnonzero(self.live).tolist():
             n = int(self.acclen[i])
             start = int(self.accoff[i] + self.verified[i])
             acc[used:used + n] = self.acc[start:start + n]
@@ -149,16 +165,15 @@ class SpecSteps:
         self.acc, self.acc_used = acc, used
 
     def leave(self, r: _Req) -> None:
-        """`r` no longer runs (freed): its slot goes back, its slots not told with it."""
+        """`r` no longer runs (freed): its slot goes back, zeroed."""
         st = r.spec
         assert st is not None
         i = st.slot
-        self.lag -= int(self.held[i] - self.told[i])
-        self.live[i] = False
-        self.decoding[i] = False
-        self.scheduled[i] = self.rollback[i] = self.computed[i] = 0
-        self.held[i] = self.told[i] = self.blocks[i] = 0
+        self.held_sum -= int(self.held[i])
+        self.told_sum -= int(self.told[i])
         self.acc_live -= int(self.acclen[i])
+        for name in _FIELDS:
+            getattr(self, name)[i] = 0
         self.reqs[i] = None
         self.free.append(i)
         st.slot = -1
@@ -174,7 +189,7 @@ class SpecSteps:
         """Write the arrays back to the SpecState objects and empty them; returns (rid, slots)
         the allocator must be told of (grown by) first."""
         tell: list[tuple[int, int]] = []
-        for i in np.flatnonzero(self.live[:self.top]).tolist():
+        for i in np.flatnonzero(self.live).tolist():
             r = self.reqs[i]
             assert r is not None
             st = r.spec
@@ -193,8 +208,8 @@ class SpecSteps:
             if more:
                 tell.append((r.req.rid, more))
         for name in _FIELDS:
-            getattr(self, name)[:self.top] = 0
-        self.top = self.lag = self.acc_used = self.acc_live = 0
+            getattr(self, name)[:] = 0
+        self.held_sum = self.told_sum = self.acc_used = self.acc_live = 0
         self.free.clear()
         self.reqs.clear()
         self.arrayed = False
@@ -203,25 +218,25 @@ class SpecSteps:
     # ------------------------------------------------------------------ a step
     def plan(self, budget: int, free_blocks: int) -> bool:
         """The decoders' tokens and slots for this iteration, when they go first and none is
-        cut (by the token budget, its input slots or max_model_len) nor short of a block;
-        False (nothing changed) when the walk must take the iteration. (Over every slot in
-        use, masked: fewer numpy calls than gathers by index, and the slots are few.)"""
-        n, bs, mml = self.top, self.bs, self.mml
-        dec = self.decoding[:n]  # (False in a free slot)
-        comp = self.computed[:n]
-        tokens = np.minimum(self.drafts[:n] + 1, (mml - 1) - comp)
-        tokens *= dec
-        decoders = int(np.count_nonzero(dec))
+        cut nor short of a block: each takes 1 + k tokens (it has sampled, so it carries k
+        drafts), within the token budget and its input slots and max_model_len (`limit`).
+        False (nothing changed) when the walk must take the iteration."""
+        dec, bs = self.decoding, self.bs
+        decoders = int(dec.sum())
+        step = 1 + self.k
         if decoders:
-            if int(tokens.min()) <= 0 and bool((tokens[dec] <= 0).any()):
+            if (step + self.ds) * decoders > budget:
                 return False
-            if int(tokens.sum()) + self.ds * decoders > budget:
+            comp = self.computed * dec
+            if int(comp.max()) > self.limit:
                 return False
-        want = np.minimum(comp + tokens + self.look, mml)
-        want *= dec
-        new = np.maximum(self.held[:n], want)
-        blocks = (new + (bs - 1)) // bs
-        blocks -= self.blocks[:n]
+        tokens = dec * step
+        new = self.computed + (step + self.look)
+        new *= dec
+        np.maximum(new, self.held, out=new)
+        blocks = new + (bs - 1)
+        blocks //= bs
+        blocks -= self.blocks
         if int(blocks.sum()) > free_blocks:
             return False
         self.p_tokens, self.p_new, self.p_blocks = tokens, new, blocks
@@ -234,71 +249,65 @@ class SpecSteps:
         cross = self.p_cross
         return self.rid[cross].tolist(), (self.p_new[cross] - self.told[cross]).tolist()
 
-    def commit(self) -> int:
-        """Apply the plan (its crossings granted); returns the decoders' tokens."""
-        n, tokens, new, cross = self.top, self.p_tokens, self.p_new, self.p_cross
-        self.computed[:n] += tokens
-        self.scheduled[:n] = tokens
-        self.held[:n] = new
+    def commit(self, told: int) -> int:
+        """Apply the plan, its crossings granted (`told`: the slots they added); returns the
+        decoders' tokens."""
+        tokens, new, cross = self.p_tokens, self.p_new, self.p_cross
+        self.computed += tokens
+        self.scheduled[:] = tokens
+        self.held[:] = new
+        self.held_sum = int(new.sum())
         if len(cross):
             self.told[cross] = new[cross]
-            self.blocks[:n] += self.p_blocks
-        self.lag = int(self.held[:n].sum()) - int(self.told[:n].sum())
+            self.blocks += self.p_blocks
+            self.told_sum += told
         self.planned += 1
-        return int(tokens.sum())
+        return self.n_scheduled * (1 + self.k)
 
     def roll_back(self) -> None:
         """Async: the previous step's rejected drafts, known after this scheduling."""
-        n = self.top
-        self.computed[:n] -= self.rollback[:n]
-        self.rollback[:n] = 0
+        self.computed -= self.rollback
+        self.rollback[:] = 0
 
     def kv_read(self, chunk_cost: bool) -> int:
-        """The KV read: the scheduled decoders' contexts (and, when the step time counts
-        every token held, the prompts partway too)."""
-        n = self.top
-        dec = self.decoding[:n]
-        read = (self.scheduled[:n] > 0) & dec
+        """The KV read after a plan: the decoders' contexts (all scheduled), and, when the
+        step time counts every token held, the prompts' too."""
+        dec = self.decoding
+        read = int(self.computed.dot(dec))
         if not chunk_cost:
-            read |= ~dec & self.live[:n]
-        return int(self.computed[:n][read].sum())
+            read += int(self.computed.dot(self.live)) - int(self.computed.dot(dec))
+        return read
 
     def verify(self, prefilled: list[_Req]) -> list[_Req]:
-        """The iteration's output (`verify_objects`', vectorised); returns those done, in rid
-        order."""
-        n = self.top
+        """The iteration's output after a plan (`verify_objects`', vectorised): every decoder
+        verified k drafts; returns those done, in rid order."""
         first: list[int] = []
         for r in prefilled:  # a final prefill chunk samples the first token
             st = r.spec
             if st is not None and st.slot >= 0 and r.status == "running":
                 first.append(st.slot)
-        # verifying: scheduled decoders (d drafts, a accepted; none when d is 0)
-        sched = self.scheduled[:n]
-        verifying = (sched > 0) & self.decoding[:n]
-        d = sched - 1
-        d *= verifying
-        has = d > 0
-        at = self.accoff[:n] + self.verified[:n]
-        a = np.minimum(np.take(self.acc, at, mode="clip"), d)
-        self.verified[:n] += has
-        self.steps += int(np.count_nonzero(has))
-        self.drafts_total += int(d.sum())
+        dec, k = self.decoding, self.k
+        decoders = int(dec.sum())  # (async: less those done and freed since the plan)
+        a = np.take(self.acc, self.accoff + self.verified, mode="clip")
+        np.minimum(a, k, out=a)
+        a *= dec
+        self.verified += dec
+        self.steps += decoders
+        self.drafts_total += k * decoders
         self.accepted_total += int(a.sum())
         if self.asynchronous:  # (vLLM rolls back after the next scheduling)
-            self.rollback[:n] = d - a
+            np.subtract(dec * k, a, out=self.rollback)
         else:
-            self.computed[:n] -= d - a
-        a += 1
-        a *= verifying
-        self.delivered[:n] += a
-        self.inflight[:n] = a
-        np.putmask(self.drafts[:n], verifying, self.k)
+            self.computed -= dec * k - a
+        a += dec
+        self.delivered += a
+        self.inflight[:] = a
         for i in first:
-            self.decoding[i] = True
+            self.decoding[i] = 1
             self.delivered[i] += 1
             self.inflight[i] = 1
-            self.drafts[i] = self.k
-        done = np.flatnonzero(self.decoding[:n] & (self.delivered[:n] >= self.output[:n]))
+            self.drafts[i] = k
+        done = np.flatnonzero((self.delivered >= self.output) & (self.decoding > 0))
         if not len(done):
             return []
         order = done[np.argsort(self.rid[done], kind="stable")]
@@ -317,7 +326,7 @@ class SpecSteps:
         if st.slot >= 0:
             i = st.slot
             extra = bool(self.delivered[i] - self.inflight[i] + 1 < r.output)
-            self.extra[i] = self.decoding[i] = extra
+            self.extra[i] = self.decoding[i] = int(extra)
         else:
             extra = st.delivered - st.inflight + 1 < r.output
         st.extra = st.decoding = extra
