@@ -93,6 +93,7 @@ class SpecSteps:
         self.blocks = z(cap, dtype=_I64)  # blocks held: ceil(told / bs), ceil(held / bs)
         self.rid = z(cap, dtype=_I64)
         self.accoff = z(cap, dtype=_I64)  # acc[accoff + verified]: its next accepted count
+        self.accstart = z(cap, dtype=_I64)  # its segment: acclen counts from accstart
         self.acclen = z(cap, dtype=_I64)
         self.decoding = z(cap, dtype=_I64)  # (0/1)
         self.extra = z(cap, dtype=_I64)  # (0/1)
@@ -146,6 +147,7 @@ class SpecSteps:
             self._compact(n)  # (over the live slots: not this one yet)
         self.acc[self.acc_used:self.acc_used + n] = counts
         self.accoff[i] = self.acc_used - st.verified
+        self.accstart[i] = self.acc_used
         self.acclen[i] = n
         self.acc_used += n
         self.acc_live += n
@@ -157,10 +159,10 @@ class SpecSteps:
         acc = np.zeros(size, dtype=_I64)
         used = 0
         for i in np.flatnonzero(self.live).tolist():
-            n = int(self.acclen[i])
-            start = int(self.accoff[i] + self.verified[i])
+            n, start = int(self.acclen[i]), int(self.accstart[i])
             acc[used:used + n] = self.acc[start:start + n]
-            self.accoff[i] = used - int(self.verified[i])
+            self.accoff[i] += used - start
+            self.accstart[i] = used
             used += n
         self.acc, self.acc_used = acc, used
 
@@ -333,8 +335,8 @@ class SpecSteps:
 
 
 _FIELDS = ("computed", "delivered", "drafts", "verified", "rollback", "inflight", "scheduled",
-           "output", "held", "told", "blocks", "rid", "accoff", "acclen", "decoding", "extra",
-           "live")
+           "output", "held", "told", "blocks", "rid", "accoff", "accstart", "acclen", "decoding",
+           "extra", "live")
 
 
 # ------------------------------------------------------------------ the walk's helpers
