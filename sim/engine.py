@@ -386,8 +386,11 @@ class Engine:
                 continue  # every waiting request was rejected, or the step only preempted
             if prefill_tokens or self.spec is not None:
                 # A compaction during admission stalls every running request. (Speculative
-                # decoding: each iteration on its own, its tokens following the draws.)
-                dt = self._iteration_time(decoders + prefill_tokens)[0] + self.alloc.take_stall()
+                # decoding: decode-only iterations joined where nothing happens between them.)
+                dt, per_kv = self._iteration_time(decoders + prefill_tokens)
+                dt += self.alloc.take_stall()
+                if not prefill_tokens and self.specs is not None and self._spec_stretch(dt, per_kv):
+                    return
                 self._record(dt, 1)
                 env.timeout(dt).callbacks.append(self._iterated)
                 return
@@ -839,6 +842,43 @@ class Engine:
         decoders, chunks = self._walk_running()
         return self._schedule(decoders, chunks), decoders
 
+    def _spec_stretch(self, w0: float, per_kv: float) -> bool:
+        """Speculative decoding, this decode-only iteration (its decoders planned) and as many
+        more as nothing happens (`SpecSteps.stretch`): one event, one row with the parts
+        integrated step by step. False when it stays a single iteration."""
+        specs, alloc = self.specs, self.alloc
+        assert specs is not None
+        if (not specs.arrayed or self.queue or self.held or self.preempted_now
+                or self.released_now or not specs.all_decoding()):
+            return False
+        horizon = self.arrivals.next_s
+        if self.cfg.max_time_s is not None:
+            horizon = min(horizon, self.cfg.max_time_s)
+        probe = self._probe()
+        p0, p1, p2, p3, p4 = alloc.parts(probe)
+        moved = specs.lag * alloc.bytes_per_token
+        hole = alloc.largest_hole()
+        got = specs.stretch(horizon - self.now, w0, per_kv,
+                            alloc.free_bytes() // self.block_bytes, alloc.bytes_per_token)
+        if got is None:
+            return False
+        n, duration, tokens, blocks, tail, rids, more = got
+        assert self.paged is not None
+        self.paged.grow_within(rids, more)  # (every decoder told its slots held)
+        blocks *= self.block_bytes
+        self._integrate((p0 + moved) * duration + tokens,
+                        (p1 - moved) * duration + blocks - tail - tokens,
+                        p2 * duration + tail, p3 * duration, p4 * duration - blocks)
+        self.saved += alloc.saved_by_sharing() * duration
+        self.overreserved += alloc.overreserved_bytes() * duration
+        s = self.rows
+        s.stretches = True
+        self._row(duration, n, (p0 + moved) + tokens / duration,
+                  (p1 - moved) + (blocks - tail - tokens) / duration, p2 + tail / duration, p3,
+                  p4 - blocks / duration, hole)
+        self.env.timeout(duration).callbacks.append(self._iterated)
+        return True
+
     def _spec_unload(self) -> None:
         """Back to the SpecState objects, the allocator told every slot held (within the
         blocks it holds: never refused)."""
@@ -946,8 +986,6 @@ class Engine:
         r.prefill_left = r.prefill - hit - chunk
         if r.spec is not None:
             r.spec.computed, r.spec.scheduled, r.spec.drafts = hit + chunk, chunk, 0
-            if self.specs is not None and self.specs.arrayed:
-                self.specs.enter(r, tokens)
         self.prompt_lookups += r.prefill  # tokens looked up (vLLM's prefix cache queries)
         self.prefix_hits += hit
         if not r.preemptions:  # a first admission: what reuse across requests gave
@@ -955,6 +993,8 @@ class Engine:
             self.first_hits += hit
             r.hits = hit
         r.final = alloc.final_tokens(r.req.rid)
+        if self.specs is not None and self.specs.arrayed:
+            self.specs.enter(r, tokens)
         if grant.offset is not None:
             r.offset = float(grant.offset)
             if self.track_moves:

@@ -23,6 +23,7 @@ every slot held first, and `load` takes them up again when the fast path applies
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -40,6 +41,9 @@ class SpecSteps:
     whole arrays (no slicing, no gathers by index: at a few hundred slots the cost of a numpy
     call is its overhead, not its length); `decoding` and `live` are 0/1 integers, so that a
     masked sum is a dot product."""
+
+    #: Most iterations a stretch looks ahead (a window of decoders x WINDOW counts).
+    WINDOW = 256
 
     def __init__(self, spec: Speculative, acceptance: Acceptance, max_model_len: int,
                  asynchronous: bool, block_size: int) -> None:
@@ -71,6 +75,7 @@ class SpecSteps:
         self.p_tokens = np.zeros(0, dtype=_I64)
         self.n_scheduled = 0
         self.planned = 0  # iterations whose decoders were scheduled here (not walked)
+        self.stretched = 0  # of them, those that began a stretch of several (`stretch`)
 
     @property
     def lag(self) -> int:
@@ -88,6 +93,7 @@ class SpecSteps:
         self.inflight = z(cap, dtype=_I64)
         self.scheduled = z(cap, dtype=_I64)
         self.output = z(cap, dtype=_I64)
+        self.final = z(cap, dtype=_I64)  # slots its allocator request holds at most
         self.held = z(cap, dtype=_I64)  # slots held (a high-water mark)
         self.told = z(cap, dtype=_I64)  # of them, what the allocator stores (`lag`)
         self.blocks = z(cap, dtype=_I64)  # blocks held: ceil(told / bs), ceil(held / bs)
@@ -133,6 +139,7 @@ class SpecSteps:
         self.decoding[i] = st.decoding
         self.extra[i] = st.extra
         self.output[i] = r.output
+        self.final[i] = r.final
         self.held[i] = self.told[i] = told
         self.held_sum += told
         self.told_sum += told
@@ -320,6 +327,93 @@ class SpecSteps:
             out.append(r)
         return out
 
+    def all_decoding(self) -> bool:
+        """Whether every slot in use is a decoder (and there is one)."""
+        decoders = int(self.decoding.sum())
+        return decoders > 0 and decoders == int(self.live.sum())
+
+    def stretch(self, delta: float, w0: float, per_kv: float, free_blocks: int, b: int
+                ) -> tuple[int, float, float, float, float, list[int], list[int]] | None:
+        """This decode-only iteration (planned, every slot decoding) and the ones after it,
+        up to the first that completes a request, that reaches `delta` seconds (the next
+        arrival), or before the first that would need more than `free_blocks` blocks or come
+        near max_model_len. Every step of every decoder follows its draws: tokens as
+        cumulative sums over a (decoders x steps) window. Applies all but the last step's
+        verification (`verify` does it at the stretch's end) and returns (steps, seconds,
+        and, integrated over them against the first step, b x the slots held, the blocks held
+        and b x their tail past each request's final length; the (rids, slots) the allocator
+        is told now); None when the stretch would be one iteration. `w0`, `per_kv`: the first
+        step's seconds and the step time's cost per KV token read."""
+        idx = np.flatnonzero(self.decoding)
+        k, look, bs = self.k, self.look, self.bs
+        comp, dl, out = self.computed[idx], self.delivered[idx], self.output[idx]
+        most = int((out - dl).min()) + 1  # (each step delivers at least a token)
+        if delta < math.inf:
+            most = min(most, int(delta / w0) + 2)
+        most = min(most, self.WINDOW)
+        if most < 3:
+            return None
+        at = (self.accoff[idx] + self.verified[idx])[:, None] + np.arange(most)
+        acc = np.minimum(np.take(self.acc, at, mode="clip"), k)
+        cum = np.cumsum(acc + 1, axis=1)  # tokens given by steps 0..j
+        before = np.zeros_like(cum)  # by steps 0..j-1
+        before[:, 1:] = cum[:, :-1]
+        read = comp[:, None] + before  # computed at step j's KV read (`comp`: step 0's)
+        # step j's computed tokens at its scheduling, and the slots it wants
+        if self.asynchronous:  # (step j-1's rejected drafts rolled back after it)
+            planned = np.zeros_like(cum)
+            planned[:, 2:] = cum[:, :-2]
+            planned += comp[:, None]
+            want = planned + (k + 1 + look)
+        else:
+            planned = read - (k + 1)
+            want = read + look
+        held = np.maximum(want, self.held[idx][:, None])
+        held[:, 0] = self.held[idx]
+        blocks = held + (bs - 1)
+        blocks //= bs
+        per_step = blocks.sum(axis=0)
+        kv = read.sum(axis=0)
+        dt = w0 + per_kv * (kv - kv[0])
+        ok = (per_step - per_step[0] <= free_blocks) & (planned.max(axis=0) <= self.limit)
+        ok[0] = True
+        n = most if bool(ok.all()) else int(np.argmin(ok))
+        done = ((dl[:, None] + cum) >= out[:, None]).any(axis=0)
+        if bool(done.any()):
+            n = min(n, int(np.argmax(done)) + 1)
+        if delta < math.inf:
+            reach = np.cumsum(dt) >= delta
+            if bool(reach.any()):
+                n = min(n, int(np.argmax(reach)) + 1)
+        if n < 2:
+            return None
+        dt = dt[:n]
+        duration = float(dt.sum())
+        h = held[:, :n]
+        tail = np.maximum(blocks[:, :n] * bs - self.final[idx][:, None], 0).sum(axis=0) * b
+        slots = (h.sum(axis=0) - h[:, 0].sum()) * b
+        more_blocks = per_step[:n] - per_step[0]
+        # steps 0 .. n-2 verified, step n-1 scheduled
+        last = n - 1
+        self.computed[idx] = read[:, last]
+        self.delivered[idx] += before[:, last]
+        self.verified[idx] += last
+        self.steps += len(idx) * last
+        self.drafts_total += k * len(idx) * last
+        self.accepted_total += int(acc[:, :last].sum())
+        told = held[:, last]
+        grow = np.flatnonzero(told > self.told[idx])
+        rids = self.rid[idx[grow]].tolist()
+        more = (told[grow] - self.told[idx[grow]]).tolist()
+        self.held[idx] = told
+        self.told[idx] = told
+        self.blocks[idx] = blocks[:, last]
+        self.held_sum = int(self.held.sum())
+        self.told_sum = int(self.told.sum())
+        self.stretched += 1
+        return (n, duration, float(slots.dot(dt)), float(more_blocks.dot(dt)),
+                float((tail - tail[0]).dot(dt)), rids, more)
+
     def done_async(self, r: _Req) -> None:
         """Async: `r` is done; vLLM schedules it once more unless the one token its step in
         flight surely gives reaches the output's length."""
@@ -335,8 +429,8 @@ class SpecSteps:
 
 
 _FIELDS = ("computed", "delivered", "drafts", "verified", "rollback", "inflight", "scheduled",
-           "output", "held", "told", "blocks", "rid", "accoff", "accstart", "acclen", "decoding",
-           "extra", "live")
+           "output", "final", "held", "told", "blocks", "rid", "accoff", "accstart", "acclen",
+           "decoding", "extra", "live")
 
 
 # ------------------------------------------------------------------ the walk's helpers
