@@ -165,7 +165,7 @@ class SpecSteps:
         size = max(2 * (self.acc_live + need), 1024)
         acc = np.zeros(size, dtype=_I64)
         used = 0
-        for i in np.flatnonzero(self.live).tolist():
+        for i in self.live.nonzero()[0].tolist():
             n, start = int(self.acclen[i]), int(self.accstart[i])
             acc[used:used + n] = self.acc[start:start + n]
             self.accoff[i] += used - start
@@ -198,7 +198,7 @@ class SpecSteps:
         """Write the arrays back to the SpecState objects and empty them; returns (rid, slots)
         the allocator must be told of (grown by) first."""
         tell: list[tuple[int, int]] = []
-        for i in np.flatnonzero(self.live).tolist():
+        for i in self.live.nonzero()[0].tolist():
             r = self.reqs[i]
             assert r is not None
             st = r.spec
@@ -249,7 +249,7 @@ class SpecSteps:
         if int(blocks.sum()) > free_blocks:
             return False
         self.p_tokens, self.p_new, self.p_blocks = tokens, new, blocks
-        self.p_cross = np.flatnonzero(blocks)
+        self.p_cross = blocks.nonzero()[0]
         self.n_scheduled = decoders
         return True
 
@@ -297,7 +297,7 @@ class SpecSteps:
                 first.append(st.slot)
         dec, k = self.decoding, self.k
         decoders = int(dec.sum())  # (async: less those done and freed since the plan)
-        a = np.take(self.acc, self.accoff + self.verified, mode="clip")
+        a = self.acc.take(self.accoff + self.verified, mode="clip")
         np.minimum(a, k, out=a)
         a *= dec
         self.verified += dec
@@ -316,10 +316,10 @@ class SpecSteps:
             self.delivered[i] += 1
             self.inflight[i] = 1
             self.drafts[i] = k
-        done = np.flatnonzero((self.delivered >= self.output) & (self.decoding > 0))
+        done = ((self.delivered >= self.output) & (self.decoding > 0)).nonzero()[0]
         if not len(done):
             return []
-        order = done[np.argsort(self.rid[done], kind="stable")]
+        order = done[self.rid[done].argsort(kind="stable")]
         out: list[_Req] = []
         for i in order.tolist():
             r = self.reqs[i]
@@ -344,24 +344,24 @@ class SpecSteps:
         and b x their tail past each request's final length; the (rids, slots) the allocator
         is told now); None when the stretch would be one iteration. `w0`, `per_kv`: the first
         step's seconds and the step time's cost per KV token read."""
-        idx = np.flatnonzero(self.decoding)
+        idx = self.decoding.nonzero()[0]
         k, look, bs = self.k, self.look, self.bs
         comp, dl, out = self.computed[idx], self.delivered[idx], self.output[idx]
         most = int((out - dl).min()) + 1  # (each step delivers at least a token)
-        if delta < math.inf:
-            most = min(most, int(delta / w0) + 2)
+        if delta < math.inf:  # (every step takes w0 seconds at least)
+            most = min(most, math.ceil(delta / w0))
         most = min(most, self.WINDOW)
         if most < 3:
             return None
         at = (self.accoff[idx] + self.verified[idx])[:, None] + np.arange(most)
-        acc = np.minimum(np.take(self.acc, at, mode="clip"), k)
-        cum = np.cumsum(acc + 1, axis=1)  # tokens given by steps 0..j
-        before = np.zeros_like(cum)  # by steps 0..j-1
+        acc = np.minimum(self.acc.take(at, mode="clip"), k)
+        cum = (acc + 1).cumsum(axis=1)  # tokens given by steps 0..j
+        before = np.zeros(cum.shape, dtype=_I64)  # by steps 0..j-1
         before[:, 1:] = cum[:, :-1]
         read = comp[:, None] + before  # computed at step j's KV read (`comp`: step 0's)
         # step j's computed tokens at its scheduling, and the slots it wants
         if self.asynchronous:  # (step j-1's rejected drafts rolled back after it)
-            planned = np.zeros_like(cum)
+            planned = np.zeros(cum.shape, dtype=_I64)
             planned[:, 2:] = cum[:, :-2]
             planned += comp[:, None]
             want = planned + (k + 1 + look)
@@ -377,14 +377,14 @@ class SpecSteps:
         dt = w0 + per_kv * (kv - kv[0])
         ok = (per_step - per_step[0] <= free_blocks) & (planned.max(axis=0) <= self.limit)
         ok[0] = True
-        n = most if bool(ok.all()) else int(np.argmin(ok))
+        n = most if bool(ok.all()) else int(ok.argmin())
         done = ((dl[:, None] + cum) >= out[:, None]).any(axis=0)
         if bool(done.any()):
-            n = min(n, int(np.argmax(done)) + 1)
+            n = min(n, int(done.argmax()) + 1)
         if delta < math.inf:
-            reach = np.cumsum(dt) >= delta
+            reach = dt.cumsum() >= delta
             if bool(reach.any()):
-                n = min(n, int(np.argmax(reach)) + 1)
+                n = min(n, int(reach.argmax()) + 1)
         if n < 2:
             return None
         dt = dt[:n]
@@ -402,7 +402,7 @@ class SpecSteps:
         self.drafts_total += k * len(idx) * last
         self.accepted_total += int(acc[:, :last].sum())
         told = held[:, last]
-        grow = np.flatnonzero(told > self.told[idx])
+        grow = (told > self.told[idx]).nonzero()[0]
         rids = self.rid[idx[grow]].tolist()
         more = (told[grow] - self.told[idx[grow]]).tolist()
         self.held[idx] = told
