@@ -72,17 +72,22 @@ KINDS = (
     # and on gemma-3-27b (six sliding-window groups and one full, freed as windows move).
     ("hybrid-16", "hybrid", {"block_size": 16}, "bench"),
     ("hybrid-16 gemma-3-27b", "hybrid", {"block_size": 16, "model": "gemma-3-27b"}, "bench"),
-    # speculative decoding (EAGLE, 3 drafts, 70 % acceptance): every iteration an event
+    # speculative decoding (EAGLE, 3 drafts, 70 % acceptance), and both at a light load
     ("paged-16 EAGLE k3", "paged", {"block_size": 16, "speculative": SPEC}, "bench"),
+    ("paged-16 2 req/s", "paged", {"block_size": 16}, "light"),
+    ("paged-16 EAGLE k3 2 req/s", "paged", {"block_size": 16, "speculative": SPEC}, "light"),
 )
+#: Requests a second of each workload ("light": the same requests, a few decoding at once).
+RATES = {"bench": 40.0, "light": 2.0}
 
 
-def workload(n: int, seed: int, output: int = 1000) -> pd.DataFrame:
-    """N requests of about `output` tokens in all (prompt 200-800 for the default)."""
+def workload(n: int, seed: int, output: int = 1000, rate: float = 40.0) -> pd.DataFrame:
+    """N requests of about `output` tokens in all (prompt 200-800 for the default), `rate` a
+    second."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(200, 801, n)
     out = output - prompt + rng.integers(-100, 101, n) if output == 1000 else np.full(n, output)
-    arrival = np.cumsum(rng.exponential(1 / 40.0, n))  # 40 req/s: a saturated server
+    arrival = np.cumsum(rng.exponential(1 / rate, n))  # 40 req/s: a saturated server
     return pd.DataFrame(
         {
             "request_id": np.arange(n),
@@ -119,7 +124,7 @@ def _one(args: tuple) -> dict:
     label, kind, opts, which, n, seed, output, capacity, mml = args
     chunked = mml > CONFIG.max_num_batched_tokens  # (long contexts: as vLLM, chunked prefill)
     config = replace(CONFIG, chunked_prefill=True) if chunked else CONFIG
-    wl = mooncake() if which == "mooncake" else workload(n, seed, output)
+    wl = mooncake() if which == "mooncake" else workload(n, seed, output, RATES[which])
 
     opts = dict(opts)
     spec = opts.pop("speculative", None)

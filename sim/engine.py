@@ -18,7 +18,7 @@ Iteration semantics (the reference the tests hold the fast path to):
    their next chunks, oldest first. Where a prompt partway runs ahead of a decoder in
    admission order (FCFS), the running requests take their tokens, chunks and
    blocks in admission order instead, as vLLM walks its running list: a decoder past the
-   token budget takes no token in that iteration (`_walk_running`).
+   token budget takes no token in that iteration (`engine_walk.walk_running`).
 2. Waiting requests are admitted in arrival order while `max_num_seqs`, the token budget
    (`max_num_batched_tokens` less one token per decoder) and the allocator allow. Strict FCFS
    stops at the first refusal; `admission="skip"` lets later requests that fit jump ahead
@@ -77,7 +77,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 import simpy
-from kvfrag.sim.allocators.base import Allocator, Grant, Reason, Refusal, Request
+from kvfrag.sim.allocators.base import Allocator, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.engine_config import EngineConfig, StepTime, async_modelled
 from kvfrag.sim.engine_log import AllocationLog
@@ -89,8 +89,15 @@ from kvfrag.sim.engine_records import (
 )
 from kvfrag.sim.engine_requests import _Arrivals, _Inputs, _Outcomes, _Req
 from kvfrag.sim.engine_summary import summary
+from kvfrag.sim.engine_walk import (
+    spec_schedule,
+    spec_stretch,
+    spec_unload,
+    walk_decoders,
+    walk_running,
+)
 from kvfrag.sim.interrupts import poll
-from kvfrag.sim.spec_steps import SpecSteps, kv_read_objects, slots_wanted, verify_objects
+from kvfrag.sim.spec_steps import SpecSteps, kv_read_objects, verify_objects
 from kvfrag.sim.speculative import acceptance_for
 from kvfrag.sim.units import check_size
 from kvfrag.sim.waiting import PriorityQueue
@@ -186,7 +193,7 @@ class Engine:
         self.granted: dict[_Req, tuple[int, float]] = {}
         self.walked = False  # policy priority: decoders took their slots one by one (a shortage)
         # This iteration's decoding sequences that took no token (a prefill chunk ahead of
-        # them in admission order used the token budget: `_walk_running`), and their tokens.
+        # them in admission order used the token budget: `engine_walk.walk_running`), and their tokens.
         self.tokenless = 0
         self.tokenless_kv = 0
         # Running requests in admission order (the last one is the victim): a dict, so that a
@@ -356,9 +363,9 @@ class Engine:
             self.prefill_attn_s = 0.0
             self.tokenless = self.tokenless_kv = 0
             if self.spec is not None:
-                prefill_tokens, decoders = self._spec_schedule()
+                prefill_tokens, decoders = spec_schedule(self)
             elif self._prefill_ahead():
-                decoders, chunks = self._walk_running()
+                decoders, chunks = walk_running(self)
                 prefill_tokens = self._schedule(decoders, chunks)
             else:
                 self._ensure_decode_room()
@@ -389,7 +396,7 @@ class Engine:
                 # decoding: decode-only iterations joined where nothing happens between them.)
                 dt, per_kv = self._iteration_time(decoders + prefill_tokens)
                 dt += self.alloc.take_stall()
-                if not prefill_tokens and self.specs is not None and self._spec_stretch(dt, per_kv):
+                if not prefill_tokens and self.specs is not None and spec_stretch(self, dt, per_kv):
                     return
                 self._record(dt, 1)
                 env.timeout(dt).callbacks.append(self._iterated)
@@ -424,7 +431,7 @@ class Engine:
         alloc = self.alloc
         self.walked = False
         if self.by_priority and alloc.n_decoding and alloc.steps_until_full() == 0:
-            self._walk_decoders()
+            walk_decoders(self)
             return
         while alloc.n_decoding and alloc.steps_until_full() == 0:
             # The decoders before the shortage took every free block, idle cached ones
@@ -442,39 +449,6 @@ class Engine:
             return next(reversed(self.running))
         return max(self.running, key=_victim_key)
 
-    def _walk_decoders(self) -> None:
-        """Policy priority, a decoder short of a block: vLLM's walk of its running list, each
-        decoder taking its slot in admission order (`grow`, not the cohort's step). A refusal
-        preempts the victim by priority, which may have taken its slot already: it gives its
-        token back, its blocks freed as vLLM frees them (a block its slot filled is cached,
-        as vLLM caches it when scheduled). Only at a shortage: an event."""
-        alloc = self.alloc
-        stepped: set[_Req] = set()
-        for r in list(self.running):
-            rid = r.req.rid
-            if r.status != "running" or not alloc.is_decoding(rid):
-                continue
-            if self._grow_walked(r, 1, stepped, {})[0] is not None:
-                stepped.add(r)
-        self.walked = True
-
-    def _grow_walked(self, r: _Req, tokens: int, stepped: set[_Req],
-                     granted: dict[_Req, tuple[int, float]]) -> tuple[Grant | None, int, int]:
-        """Grow `r` by `tokens` in a walk of the running list, preempting the victim of each
-        refusal (`_preempt_walked`) until it fits or `r` itself is preempted. Returns (the
-        grant, or None when `r` went; the sequences and prefill tokens given back to the token
-        budget by victims scheduled earlier in the walk)."""
-        seqs = chunks = 0
-        while isinstance(grant := self.alloc.grow(r.req.rid, tokens, self._in_flight(r)),
-                         Refusal):
-            victim = self._victim()
-            back, back_chunk = self._preempt_walked(victim, stepped, granted)
-            seqs += back
-            chunks += back_chunk
-            if victim is r:
-                return None, seqs, chunks
-        return grant, seqs, chunks
-
     def _in_flight(self, r: _Req) -> int:
         """Async: `r`'s tokens scheduled in the previous iteration, its output not applied
         yet (a decoder's token; a prompt's chunk); 0 when synchronous."""
@@ -484,35 +458,6 @@ class Engine:
         if got is not None:
             return got
         return 1 if self._decodes(r) else 0
-
-    def _preempt_walked(self, victim: _Req, stepped: set[_Req],
-                        granted: dict[_Req, tuple[int, float]]) -> tuple[int, int]:
-        """Preempt `victim` in a walk of the running list. Under policy priority it may have
-        been scheduled earlier in the walk: a decoder in `stepped` gives its token back (vLLM
-        had scheduled it: its slot's block cached), a chunk in `granted` (tokens, attention
-        seconds) its tokens and attention. Returns (sequences, prefill tokens) given back to
-        the token budget."""
-        st = victim.spec
-        if victim in stepped:
-            stepped.discard(victim)
-            if st is not None:  # (its tokens scheduled go back; its slots are freed)
-                back = st.scheduled
-                st.computed -= back
-                self._preempt(victim)
-                return back, 0
-            self._preempt(victim, 1, True)
-            return victim.req.n, 0
-        if victim in granted:
-            chunk, seconds = granted.pop(victim)
-            self.prefill_attn_s -= seconds
-            if victim in self.prefilled:
-                self.prefilled.remove(victim)
-            if st is not None:
-                st.computed -= chunk
-            self._preempt(victim, 0 if st is not None else chunk)
-            return 0, chunk
-        self._preempt(victim)
-        return 0, 0
 
     def _preempt(self, r: _Req, unstepped: int = 0, scheduled: bool = False) -> None:
         """Free `r` and queue it first (policy priority: by its key); `unstepped`: tokens this
@@ -610,7 +555,7 @@ class Engine:
 
     def _schedule(self, decoders: int, chunks: int | None = None) -> int:
         """Admit and prefill for this iteration; returns the prefill tokens it processes.
-        `chunks`: the running requests' prefill tokens, when `_walk_running` gave them."""
+        `chunks`: the running requests' prefill tokens, when `walk_running` gave them."""
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens - decoders
         if chunks is None:
@@ -709,191 +654,10 @@ class Engine:
                 return True
         return False
 
-    def _walk_running(self) -> tuple[int, int]:
-        """vLLM's walk of its running list in admission order, when a prefill chunk is ahead
-        of a decoder (`_prefill_ahead`): each request takes its token or its chunk and its
-        blocks in turn, while token budget is left; a refusal preempts the newest running
-        request (FCFS: not scheduled yet, or the request itself, which ends the walk) or the
-        victim by priority (`_victim`; one scheduled already gives its tokens back, and one
-        that preempted itself lets the following ones go on). Decoders past the budget take
-        no token this iteration. An event: it happens only while some prompt is partway.
-        Returns (decoding sequences that took a token, prefill tokens)."""
-        alloc, cfg = self.alloc, self.cfg
-        budget = cfg.max_num_batched_tokens
-        cap = self._set_long_cap()
-        self.dropped = 0
-        stepped = chunks = 0
-        took: set[_Req] = set()  # scheduled in this walk: a victim by priority may be one
-        granted: dict[_Req, tuple[int, float]] = {}
-        spec, ds = self.spec is not None, self.draft_slots
-        if spec:
-            for r in self.running:
-                r.spec.scheduled = 0  # type: ignore[union-attr]
-        for r in list(self.running):
-            if r.status != "running" and not (r.spec is not None and r.spec.extra):
-                continue  # preempted by an earlier request's shortage
-            rid = r.req.rid
-            if spec and r.spec is not None and r.spec.decoding:
-                # its sampled token and drafts, cut to the token and input budgets and to
-                # max_model_len (vLLM leaves room for the token it samples)
-                st = r.spec
-                assert st is not None
-                tokens = min(1 + st.drafts,
-                             budget - stepped - chunks - ds * (len(took) + len(granted) + 1),
-                             alloc.max_model_len - st.computed - 1)
-                if tokens <= 0:
-                    self.tokenless += r.req.n
-                    self.tokenless_kv += st.computed
-                    continue
-                more = self._spec_slots(r, tokens)
-                grown = True
-                if more:
-                    grant, back, back_chunk = self._grow_walked(r, more, took, granted)
-                    stepped -= back
-                    chunks -= back_chunk
-                    grown = grant is not None
-                if grown:
-                    st.computed += tokens
-                    st.scheduled = tokens
-                    stepped += tokens
-                    took.add(r)
-                continue
-            if alloc.is_decoding(rid):
-                if stepped + chunks + r.req.n > budget:
-                    self.tokenless += r.req.n
-                    self.tokenless_kv += r.req.n * alloc.tokens(rid)
-                    if self.asynchronous:
-                        self.chunks_now[rid] = 0  # (nothing of it in flight next step)
-                        alloc.unscheduled(rid)
-                    continue
-                grant, back, back_chunk = self._grow_walked(r, 1, took, granted)
-                stepped -= back
-                chunks -= back_chunk
-                if grant is not None:
-                    stepped += r.req.n
-                    took.add(r)
-                continue
-            left = budget - stepped - chunks - ds * (len(took) + len(granted) + 1)
-            if left <= 0:
-                continue
-            chunk = min(r.prefill_left, left, cap if cap else r.prefill_left)
-            if not (chunk := alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk,
-                                                 r.prefill, cfg.prefill_chunk_limit)):
-                continue  # (Mamba "align" mode: no block boundary in reach this step)
-            last = chunk == r.prefill_left
-            attention = 0.0
-            if self.chunk_cost:  # (its attention runs even when a preemption discards it)
-                attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
-                self.prefill_attn_s += attention
-            more = self._spec_slots(r, chunk) if spec else chunk + (r.lead if last else 0)
-            grant = None
-            if more:
-                grant, back, back_chunk = self._grow_walked(r, more, took, granted)
-                stepped -= back
-                chunks -= back_chunk
-            if grant is not None or not more:
-                if grant is not None:
-                    self._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
-                if r.spec is not None:
-                    r.spec.computed += chunk
-                    r.spec.scheduled = chunk
-                r.prefill_left -= chunk
-                chunks += chunk
-                granted[r] = (chunk, attention)
-                if self.asynchronous:
-                    self.chunks_now[rid] = chunk
-                if last:
-                    self.prefilling.remove(r)
-                    self.prefilled.append(r)
-        self.spec_decode_tokens = stepped
-        return stepped, chunks
-
     def _decodes(self, r: _Req) -> bool:
         """Whether `r` is past its prefill (speculative decoding: kept by the engine)."""
         st = r.spec
         return st.decoding if st is not None else self.alloc.is_decoding(r.req.rid)
-
-    def _spec_slots(self, r: _Req, tokens: int) -> int:
-        """Speculative decoding: the slots `r` grows by to hold `tokens` more
-        (`slots_wanted`)."""
-        assert r.spec is not None
-        want = slots_wanted(r.spec, tokens, self.lookahead, self.alloc.max_model_len)
-        return max(want - self.alloc.tokens(r.req.rid), 0)
-
-    def _spec_schedule(self) -> tuple[int, int]:
-        """Speculative decoding: schedule this iteration; returns (prefill tokens, decoders'
-        tokens). The decoders go first, vectorised (`SpecSteps.plan`), when no prompt is
-        partway and none of them is cut or short of a block; otherwise vLLM's walk of the
-        running list takes the iteration, on the SpecState objects."""
-        specs, alloc = self.specs, self.alloc
-        assert specs is not None
-        if self.spec_fast and not self.prefilling:
-            if not specs.arrayed:
-                running = list(self.running)
-                specs.load(running, [alloc.tokens(r.req.rid) for r in running])
-            if specs.plan(self.cfg.max_num_batched_tokens,
-                          alloc.free_bytes() // self.block_bytes):
-                assert self.paged is not None
-                rids, more = specs.crossings()
-                self.paged.grow_within(rids, more)  # (the plan checked the free blocks)
-                decoders = self.spec_decode_tokens = specs.commit(sum(more))
-                return self._schedule(decoders), decoders
-        self._spec_unload()
-        decoders, chunks = self._walk_running()
-        return self._schedule(decoders, chunks), decoders
-
-    def _spec_stretch(self, w0: float, per_kv: float) -> bool:
-        """Speculative decoding, this decode-only iteration (its decoders planned) and as many
-        more as nothing happens (`SpecSteps.stretch`): one event, one row with the parts
-        integrated step by step. False when it stays a single iteration."""
-        specs, alloc = self.specs, self.alloc
-        assert specs is not None
-        if (not specs.arrayed or self.queue or self.held or self.preempted_now
-                or self.released_now or not specs.all_decoding()):
-            return False
-        horizon = self.arrivals.next_s
-        if self.cfg.max_time_s is not None:
-            horizon = min(horizon, self.cfg.max_time_s)
-        probe = self._probe()
-        p0, p1, p2, p3, p4 = alloc.parts(probe)
-        moved = specs.lag * alloc.bytes_per_token
-        hole = alloc.largest_hole()
-        got = specs.stretch(horizon - self.now, w0, per_kv,
-                            alloc.free_bytes() // self.block_bytes, alloc.bytes_per_token)
-        if got is None:
-            return False
-        n, duration, tokens, blocks, tail, rids, more = got
-        assert self.paged is not None
-        self.paged.grow_within(rids, more)  # (every decoder told its slots held)
-        blocks *= self.block_bytes
-        self._integrate((p0 + moved) * duration + tokens,
-                        (p1 - moved) * duration + blocks - tail - tokens,
-                        p2 * duration + tail, p3 * duration, p4 * duration - blocks)
-        self.saved += alloc.saved_by_sharing() * duration
-        self.overreserved += alloc.overreserved_bytes() * duration
-        s = self.rows
-        s.stretches = True
-        self._row(duration, n, (p0 + moved) + tokens / duration,
-                  (p1 - moved) + (blocks - tail - tokens) / duration, p2 + tail / duration, p3,
-                  p4 - blocks / duration, hole)
-        self.env.timeout(duration).callbacks.append(self._iterated)
-        return True
-
-    def _spec_unload(self) -> None:
-        """Back to the SpecState objects, the allocator told every slot held (within the
-        blocks it holds: never refused)."""
-        specs = self.specs
-        if specs is None or not specs.arrayed:
-            return
-        for rid, more in specs.store():
-            grant = self.alloc.grow(rid, more, self._decoder_in_flight(self.by_rid[rid]))
-            assert not isinstance(grant, Refusal)
-
-    def _decoder_in_flight(self, r: _Req) -> int:
-        """Async: a decoder's tokens in flight (`_in_flight`, its state in the arrays)."""
-        if not self.asynchronous:
-            return 0
-        return self.chunks_prev.get(r.req.rid, 1)
 
     def _continue_prefills(self, budget: int) -> int:
         """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
@@ -1273,7 +1037,7 @@ class Engine:
     # ------------------------------------------------------------------ result
     def _result(self) -> RunResult:
         alloc, out = self.alloc, self.out
-        self._spec_unload()
+        spec_unload(self)
         at_end = np.zeros(len(self.inputs), dtype=np.int64)
         for rid in alloc.rids():  # still holding memory when the run stopped
             r = self.by_rid[rid]

@@ -1,0 +1,274 @@
+"""The engine's walks of its running list, request by request, and speculative decoding's way
+around them.
+
+vLLM schedules its running requests in admission order: each takes its token, its drafts or
+its prefill chunk and the blocks they need while token budget is left, and a refusal preempts
+a victim. The fast engine takes that walk only where its order matters (`walk_running`: a
+prompt partway ahead of a decoder; `walk_decoders`: policy priority at a shortage) and,
+under speculative decoding, where the vectorised steps (sim/spec_steps.py) do not apply
+(`spec_schedule`): each is then an event, not the common case. Functions of the engine, kept
+apart from its loop (sim/engine.py) so that each stays a readable size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvfrag.sim.allocators.base import Grant, Refusal
+from kvfrag.sim.engine_requests import _Req
+from kvfrag.sim.spec_steps import slots_wanted
+
+if TYPE_CHECKING:
+    from kvfrag.sim.engine import Engine
+
+
+def walk_decoders(eng: Engine) -> None:
+    """Policy priority, a decoder short of a block: vLLM's walk of its running list, each
+    decoder taking its slot in admission order (`grow`, not the cohort's step). A refusal
+    preempts the victim by priority, which may have taken its slot already: it gives its
+    token back, its blocks freed as vLLM frees them (a block its slot filled is cached,
+    as vLLM caches it when scheduled). Only at a shortage: an event."""
+    alloc = eng.alloc
+    stepped: set[_Req] = set()
+    for r in list(eng.running):
+        rid = r.req.rid
+        if r.status != "running" or not alloc.is_decoding(rid):
+            continue
+        if grow_walked(eng, r, 1, stepped, {})[0] is not None:
+            stepped.add(r)
+    eng.walked = True
+
+
+def grow_walked(eng: Engine, r: _Req, tokens: int, stepped: set[_Req],
+                 granted: dict[_Req, tuple[int, float]]) -> tuple[Grant | None, int, int]:
+    """Grow `r` by `tokens` in a walk of the running list, preempting the victim of each
+    refusal (`preempt_walked`) until it fits or `r` itself is preempted. Returns (the
+    grant, or None when `r` went; the sequences and prefill tokens given back to the token
+    budget by victims scheduled earlier in the walk)."""
+    seqs = chunks = 0
+    while isinstance(grant := eng.alloc.grow(r.req.rid, tokens, eng._in_flight(r)),
+                     Refusal):
+        victim = eng._victim()
+        back, back_chunk = preempt_walked(eng, victim, stepped, granted)
+        seqs += back
+        chunks += back_chunk
+        if victim is r:
+            return None, seqs, chunks
+    return grant, seqs, chunks
+
+
+def preempt_walked(eng: Engine, victim: _Req, stepped: set[_Req],
+                    granted: dict[_Req, tuple[int, float]]) -> tuple[int, int]:
+    """Preempt `victim` in a walk of the running list. Under policy priority it may have
+    been scheduled earlier in the walk: a decoder in `stepped` gives its token back (vLLM
+    had scheduled it: its slot's block cached), a chunk in `granted` (tokens, attention
+    seconds) its tokens and attention. Returns (sequences, prefill tokens) given back to
+    the token budget."""
+    st = victim.spec
+    if victim in stepped:
+        stepped.discard(victim)
+        if st is not None:  # (its tokens scheduled go back; its slots are freed)
+            back = st.scheduled
+            st.computed -= back
+            eng._preempt(victim)
+            return back, 0
+        eng._preempt(victim, 1, True)
+        return victim.req.n, 0
+    if victim in granted:
+        chunk, seconds = granted.pop(victim)
+        eng.prefill_attn_s -= seconds
+        if victim in eng.prefilled:
+            eng.prefilled.remove(victim)
+        if st is not None:
+            st.computed -= chunk
+        eng._preempt(victim, 0 if st is not None else chunk)
+        return 0, chunk
+    eng._preempt(victim)
+    return 0, 0
+
+
+def walk_running(eng: Engine) -> tuple[int, int]:
+    """vLLM's walk of its running list in admission order, when a prefill chunk is ahead
+    of a decoder (`_prefill_ahead`): each request takes its token or its chunk and its
+    blocks in turn, while token budget is left; a refusal preempts the newest running
+    request (FCFS: not scheduled yet, or the request itself, which ends the walk) or the
+    victim by priority (`_victim`; one scheduled already gives its tokens back, and one
+    that preempted itself lets the following ones go on). Decoders past the budget take
+    no token this iteration. An event: it happens only while some prompt is partway.
+    Returns (decoding sequences that took a token, prefill tokens)."""
+    alloc, cfg = eng.alloc, eng.cfg
+    budget = cfg.max_num_batched_tokens
+    cap = eng._set_long_cap()
+    eng.dropped = 0
+    stepped = chunks = 0
+    took: set[_Req] = set()  # scheduled in this walk: a victim by priority may be one
+    granted: dict[_Req, tuple[int, float]] = {}
+    spec, ds = eng.spec is not None, eng.draft_slots
+    if spec:
+        for r in eng.running:
+            r.spec.scheduled = 0  # type: ignore[union-attr]
+    for r in list(eng.running):
+        if r.status != "running" and not (r.spec is not None and r.spec.extra):
+            continue  # preempted by an earlier request's shortage
+        rid = r.req.rid
+        if spec and r.spec is not None and r.spec.decoding:
+            # its sampled token and drafts, cut to the token and input budgets and to
+            # max_model_len (vLLM leaves room for the token it samples)
+            st = r.spec
+            assert st is not None
+            tokens = min(1 + st.drafts,
+                         budget - stepped - chunks - ds * (len(took) + len(granted) + 1),
+                         alloc.max_model_len - st.computed - 1)
+            if tokens <= 0:
+                eng.tokenless += r.req.n
+                eng.tokenless_kv += st.computed
+                continue
+            more = spec_slots(eng, r, tokens)
+            grown = True
+            if more:
+                grant, back, back_chunk = grow_walked(eng, r, more, took, granted)
+                stepped -= back
+                chunks -= back_chunk
+                grown = grant is not None
+            if grown:
+                st.computed += tokens
+                st.scheduled = tokens
+                stepped += tokens
+                took.add(r)
+            continue
+        if alloc.is_decoding(rid):
+            if stepped + chunks + r.req.n > budget:
+                eng.tokenless += r.req.n
+                eng.tokenless_kv += r.req.n * alloc.tokens(rid)
+                if eng.asynchronous:
+                    eng.chunks_now[rid] = 0  # (nothing of it in flight next step)
+                    alloc.unscheduled(rid)
+                continue
+            grant, back, back_chunk = grow_walked(eng, r, 1, took, granted)
+            stepped -= back
+            chunks -= back_chunk
+            if grant is not None:
+                stepped += r.req.n
+                took.add(r)
+            continue
+        left = budget - stepped - chunks - ds * (len(took) + len(granted) + 1)
+        if left <= 0:
+            continue
+        chunk = min(r.prefill_left, left, cap if cap else r.prefill_left)
+        if not (chunk := alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk,
+                                             r.prefill, cfg.prefill_chunk_limit)):
+            continue  # (Mamba "align" mode: no block boundary in reach this step)
+        last = chunk == r.prefill_left
+        attention = 0.0
+        if eng.chunk_cost:  # (its attention runs even when a preemption discards it)
+            attention = eng.st.prefill_s(chunk, r.prefill - r.prefill_left)
+            eng.prefill_attn_s += attention
+        more = spec_slots(eng, r, chunk) if spec else chunk + (r.lead if last else 0)
+        grant = None
+        if more:
+            grant, back, back_chunk = grow_walked(eng, r, more, took, granted)
+            stepped -= back
+            chunks -= back_chunk
+        if grant is not None or not more:
+            if grant is not None:
+                eng._log_op("grow", rid, grant.nbytes, -1, grant.blocks)
+            if r.spec is not None:
+                r.spec.computed += chunk
+                r.spec.scheduled = chunk
+            r.prefill_left -= chunk
+            chunks += chunk
+            granted[r] = (chunk, attention)
+            if eng.asynchronous:
+                eng.chunks_now[rid] = chunk
+            if last:
+                eng.prefilling.remove(r)
+                eng.prefilled.append(r)
+    eng.spec_decode_tokens = stepped
+    return stepped, chunks
+
+
+def spec_slots(eng: Engine, r: _Req, tokens: int) -> int:
+    """Speculative decoding: the slots `r` grows by to hold `tokens` more
+    (`slots_wanted`)."""
+    assert r.spec is not None
+    want = slots_wanted(r.spec, tokens, eng.lookahead, eng.alloc.max_model_len)
+    return max(want - eng.alloc.tokens(r.req.rid), 0)
+
+
+def spec_schedule(eng: Engine) -> tuple[int, int]:
+    """Speculative decoding: schedule this iteration; returns (prefill tokens, decoders'
+    tokens). The decoders go first, vectorised (`SpecSteps.plan`), when no prompt is
+    partway and none of them is cut or short of a block; otherwise vLLM's walk of the
+    running list takes the iteration, on the SpecState objects."""
+    specs, alloc = eng.specs, eng.alloc
+    assert specs is not None
+    if eng.spec_fast and not eng.prefilling:
+        if not specs.arrayed:
+            running = list(eng.running)
+            specs.load(running, [alloc.tokens(r.req.rid) for r in running])
+        if specs.plan(eng.cfg.max_num_batched_tokens,
+                      alloc.free_bytes() // eng.block_bytes):
+            assert eng.paged is not None
+            rids, more = specs.crossings()
+            eng.paged.grow_within(rids, more)  # (the plan checked the free blocks)
+            decoders = eng.spec_decode_tokens = specs.commit(sum(more))
+            return eng._schedule(decoders), decoders
+    spec_unload(eng)
+    decoders, chunks = walk_running(eng)
+    return eng._schedule(decoders, chunks), decoders
+
+
+def spec_stretch(eng: Engine, w0: float, per_kv: float) -> bool:
+    """Speculative decoding, this decode-only iteration (its decoders planned) and as many
+    more as nothing happens (`SpecSteps.stretch`): one event, one row with the parts
+    integrated step by step. False when it stays a single iteration."""
+    specs, alloc = eng.specs, eng.alloc
+    assert specs is not None
+    if (not specs.arrayed or eng.queue or eng.held or eng.preempted_now
+            or eng.released_now or not specs.all_decoding()):
+        return False
+    horizon = eng.arrivals.next_s
+    if eng.cfg.max_time_s is not None:
+        horizon = min(horizon, eng.cfg.max_time_s)
+    probe = eng._probe()
+    p0, p1, p2, p3, p4 = alloc.parts(probe)
+    moved = specs.lag * alloc.bytes_per_token
+    hole = alloc.largest_hole()
+    got = specs.stretch(horizon - eng.now, w0, per_kv,
+                        alloc.free_bytes() // eng.block_bytes, alloc.bytes_per_token)
+    if got is None:
+        return False
+    n, duration, tokens, blocks, tail, rids, more = got
+    assert eng.paged is not None
+    eng.paged.grow_within(rids, more)  # (every decoder told its slots held)
+    blocks *= eng.block_bytes
+    eng._integrate((p0 + moved) * duration + tokens,
+                    (p1 - moved) * duration + blocks - tail - tokens,
+                    p2 * duration + tail, p3 * duration, p4 * duration - blocks)
+    eng.saved += alloc.saved_by_sharing() * duration
+    eng.overreserved += alloc.overreserved_bytes() * duration
+    s = eng.rows
+    s.stretches = True
+    eng._row(duration, n, (p0 + moved) + tokens / duration,
+              (p1 - moved) + (blocks - tail - tokens) / duration, p2 + tail / duration, p3,
+              p4 - blocks / duration, hole)
+    eng.env.timeout(duration).callbacks.append(eng._iterated)
+    return True
+
+
+def spec_unload(eng: Engine) -> None:
+    """Back to the SpecState objects, the allocator told every slot held (within the
+    blocks it holds: never refused)."""
+    specs = eng.specs
+    if specs is None or not specs.arrayed:
+        return
+    for rid, more in specs.store():
+        grant = eng.alloc.grow(rid, more, decoder_in_flight(eng, eng.by_rid[rid]))
+        assert not isinstance(grant, Refusal)
+
+
+def decoder_in_flight(eng: Engine, r: _Req) -> int:
+    """Async: a decoder's tokens in flight (`_in_flight`, its state in the arrays)."""
+    if not eng.asynchronous:
+        return 0
+    return eng.chunks_prev.get(r.req.rid, 1)
