@@ -56,9 +56,13 @@ tokens go back to the budget). A stretch then ends at every arrival, which may j
 
 Speculative decoding (`speculative`, sim/speculative.py): a decode step carries the token
 sampled last and k drafts and gives 1 + the accepted drafts; every allocation reserves the
-method's lookahead. Each decoder's tokens follow its own draws, so there is no stretch of
-identical steps: every iteration walks the running list (each request grows on its own, out of
-the allocator's decode cohort) and is its own segment; its cost grows with the requests running.
+method's lookahead. Each decoder grows by its own draws, out of the allocator's decode cohort.
+With a paged allocator the running requests' state lives in arrays (sim/spec_steps.py): an
+iteration whose decoders go first is vectorised, and decode-only iterations join into one
+segment as plain decoding's do, every step of every decoder following its draws as cumulative
+sums (the allocator told a request's slots at its block crossings). Anything else (a prompt
+partway, a binding budget, a shortage, policy priority, the allocation log, another allocator)
+walks the running list, one iteration a segment (sim/engine_walk.py).
 
 Requests that can never run (prompt over max_model_len, too large for an empty allocator,
 or more sequences than max_num_seqs) are rejected with the reason, and counted per reason
@@ -193,7 +197,8 @@ class Engine:
         self.granted: dict[_Req, tuple[int, float]] = {}
         self.walked = False  # policy priority: decoders took their slots one by one (a shortage)
         # This iteration's decoding sequences that took no token (a prefill chunk ahead of
-        # them in admission order used the token budget: `engine_walk.walk_running`), and their tokens.
+        # them in admission order used the token budget: `engine_walk.walk_running`), and
+        # their tokens.
         self.tokenless = 0
         self.tokenless_kv = 0
         # Running requests in admission order (the last one is the victim): a dict, so that a
