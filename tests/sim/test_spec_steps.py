@@ -13,9 +13,11 @@ from runpy import run_path
 
 import numpy as np
 import pandas as pd
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, make_allocator
+from kvfrag.sim.allocators.base import Request
 from kvfrag.sim.engine import Engine
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.reference import reference
@@ -55,9 +57,11 @@ def workload(seed: int, n: int, rate: float, longest: int) -> pd.DataFrame:
     budget=st.sampled_from([24, 512]),  # binding (with a draft model's slots) or not
     chunked=st.booleans(),
     asynchronous=st.booleans(),
+    max_time=st.sampled_from([None, None, 7.5]),  # a stretch cut by the run's end
 )
 def test_vectorised_steps_match_the_reference(seed, spec, n, rate, longest, capacity_tokens,
-                                               block_size, budget, chunked, asynchronous):
+                                               block_size, budget, chunked, asynchronous,
+                                               max_time):
     """Records, time and the time-averaged parts agree with the reference (the parts while
     the allocator is told slots at block crossings only included)."""
     b, mml = 8, 400
@@ -69,6 +73,7 @@ def test_vectorised_steps_match_the_reference(seed, spec, n, rate, longest, capa
         speculative=SPECS[spec],
         step_time=StepTime(0.05, 1e-3, 1e-4),
         async_scheduling=asynchronous,
+        max_time_s=max_time,
     )
 
     def fresh():
@@ -76,12 +81,19 @@ def test_vectorised_steps_match_the_reference(seed, spec, n, rate, longest, capa
                               max_model_len=mml, block_size=block_size)
 
     fast = Engine(wl, fresh(), cfg).run()
-    AGREE(fast, reference(wl, fresh(), cfg), parts=[*PARTS, "internal_overreservation"])
-    # The verification counts as the walk makes them (logging allocations walks every
-    # iteration; the reference does not count them).
+    if max_time is None:  # (the reference runs every request to its end)
+        AGREE(fast, reference(wl, fresh(), cfg), parts=[*PARTS, "internal_overreservation"])
+    # As the walk makes them (logging allocations walks every iteration): the verification
+    # counts (the reference does not count them), and a run stopped at max_time_s.
     walked = Engine(wl, fresh(), replace(cfg, log_allocations=True)).run()
-    counts = ("spec_verify_steps", "spec_drafts", "spec_drafts_accepted")
-    assert [fast.summary[c] for c in counts] == [walked.summary[c] for c in counts]
+    same = ["spec_verify_steps", "spec_drafts", "spec_drafts_accepted", "completed",
+            "preemptions"]
+    assert [fast.summary[c] for c in same] == [walked.summary[c] for c in same]
+    assert fast.summary["sim_time_s"] == pytest.approx(walked.summary["sim_time_s"], rel=1e-9)
+    for p in PARTS:
+        assert fast.summary[f"{p}_frac"] == pytest.approx(walked.summary[f"{p}_frac"],
+                                                          rel=1e-7, abs=1e-9), p
+    pd.testing.assert_series_equal(fast.requests["status"], walked.requests["status"])
 
 
 def test_light_load_decodes_vectorised():
@@ -107,3 +119,25 @@ def test_light_load_decodes_vectorised():
         assert specs.stretched >= 2
         assert fast.summary["events"] <= 12
         AGREE(fast, reference(wl, fresh(), cfg), parts=[*PARTS, "internal_overreservation"])
+
+
+def test_grow_within_is_grow_for_each():
+    """The paged allocator's grow_within (a step's block crossings told at once) leaves it as
+    `grow` one request at a time does: parts, free blocks, tokens, and what it refuses."""
+    def fresh():
+        alloc = make_allocator("paged", capacity=64 * 4 * 8, bytes_per_token=8,
+                               max_model_len=200, block_size=4)
+        alloc.defer_block_ids()
+        for rid, (prompt, tokens) in enumerate([(5, 9), (12, 12), (3, 30)]):
+            alloc.admit(Request(rid, prompt, 40), tokens, decoding=False)
+        return alloc
+
+    one, many = fresh(), fresh()
+    for rid, more in [(0, 7), (2, 1), (1, 20)]:
+        one.grow(rid, more)
+    many.grow_within([0, 2, 1], [7, 1, 20])
+    assert one.parts() == many.parts()
+    assert one.free_blocks() == many.free_blocks()
+    assert [one.tokens(r) for r in range(3)] == [many.tokens(r) for r in range(3)]
+    with pytest.raises(ValueError):
+        many.grow_within([0], [100])  # (past its final length)
