@@ -31,6 +31,8 @@ from kvfrag.sim.engine_requests import _Req
 from kvfrag.sim.speculative import Acceptance, SpecState, Speculative
 
 _I64 = np.int64
+#: A free slot's output length: never reached.
+_NEVER = 1 << 62
 
 
 class SpecSteps:
@@ -62,6 +64,7 @@ class SpecSteps:
         self.arrayed = False  # whether the arrays hold the running requests' state now
         # slots held, and of them what the allocator stores: `lag` is the difference
         self.held_sum = self.told_sum = 0
+        self.n_live = 0  # slots in use
         self.free: list[int] = []
         self.reqs: list[_Req | None] = []
         self._alloc_arrays(64)
@@ -83,34 +86,36 @@ class SpecSteps:
         return self.held_sum - self.told_sum
 
     def _alloc_arrays(self, cap: int) -> None:
+        """The state as rows of one matrix (`_FIELDS` order), each field a view of its row: a
+        slot's column is written in one call when a request enters, leaves or is stored."""
         self.cap = cap
-        z = np.zeros
-        self.computed = z(cap, dtype=_I64)
-        self.delivered = z(cap, dtype=_I64)
-        self.drafts = z(cap, dtype=_I64)
-        self.verified = z(cap, dtype=_I64)
-        self.rollback = z(cap, dtype=_I64)
-        self.inflight = z(cap, dtype=_I64)
-        self.scheduled = z(cap, dtype=_I64)
-        self.output = z(cap, dtype=_I64)
-        self.final = z(cap, dtype=_I64)  # slots its allocator request holds at most
-        self.held = z(cap, dtype=_I64)  # slots held (a high-water mark)
-        self.told = z(cap, dtype=_I64)  # of them, what the allocator stores (`lag`)
-        self.blocks = z(cap, dtype=_I64)  # blocks held: ceil(told / bs), ceil(held / bs)
-        self.rid = z(cap, dtype=_I64)
-        self.accoff = z(cap, dtype=_I64)  # acc[accoff + verified]: its next accepted count
-        self.accstart = z(cap, dtype=_I64)  # its segment: acclen counts from accstart
-        self.acclen = z(cap, dtype=_I64)
-        self.decoding = z(cap, dtype=_I64)  # (0/1)
-        self.extra = z(cap, dtype=_I64)  # (0/1)
-        self.live = z(cap, dtype=_I64)  # (0/1)
+        self.state = np.zeros((len(_FIELDS), cap), dtype=_I64)
+        rows = self.state
+        self.computed = rows[0]
+        self.delivered = rows[1]
+        self.drafts = rows[2]
+        self.verified = rows[3]
+        self.rollback = rows[4]
+        self.inflight = rows[5]
+        self.scheduled = rows[6]
+        self.decoding = rows[7]  # (0/1)
+        self.extra = rows[8]  # (0/1)
+        self.output = rows[9]
+        self.final = rows[10]  # slots its allocator request holds at most
+        self.held = rows[11]  # slots held (a high-water mark)
+        self.told = rows[12]  # of them, what the allocator stores (`lag`)
+        self.blocks = rows[13]  # blocks held: ceil(told / bs), ceil(held / bs)
+        self.rid = rows[14]
+        self.accoff = rows[15]  # acc[accoff + verified]: its next accepted count
+        self.accstart = rows[16]  # its segment: acclen counts from accstart
+        self.acclen = rows[17]
+        self.live = rows[18]  # (0/1)
+        self.output[:] = _NEVER
 
     def _grow_arrays(self) -> None:
-        old = self.cap
-        keep = {name: getattr(self, name) for name in _FIELDS}
+        old, state = self.cap, self.state
         self._alloc_arrays(2 * old)
-        for name, values in keep.items():
-            getattr(self, name)[:old] = values
+        self.state[:, :old] = state
         self.free.extend(range(2 * old - 1, old - 1, -1))
         self.reqs.extend([None] * old)
 
@@ -129,36 +134,23 @@ class SpecSteps:
         i = self.free.pop()
         self.reqs[i] = r
         st.slot = i
-        self.computed[i] = st.computed
-        self.delivered[i] = st.delivered
-        self.drafts[i] = st.drafts
-        self.verified[i] = st.verified
-        self.rollback[i] = st.rollback
-        self.inflight[i] = st.inflight
-        self.scheduled[i] = st.scheduled
-        self.decoding[i] = st.decoding
-        self.extra[i] = st.extra
-        self.output[i] = r.output
-        self.final[i] = r.final
-        self.held[i] = self.told[i] = told
-        self.held_sum += told
-        self.told_sum += told
-        if self.bs:
-            self.blocks[i] = -(-told // self.bs)
-        self.rid[i] = r.req.rid
         # Accepted counts for every step it may still verify (each delivers a token; async:
         # one more step after its last), from its next one on.
         n = max(r.output + 2 - st.verified, 1)
-        counts = self.acceptance.counts(r.req.rid, st.verified, n)
+        counts = np.minimum(self.acceptance.counts(r.req.rid, st.verified, n), self.k)
         if self.acc_used + n > len(self.acc):
             self._compact(n)  # (over the live slots: not this one yet)
-        self.acc[self.acc_used:self.acc_used + n] = counts
-        self.accoff[i] = self.acc_used - st.verified
-        self.accstart[i] = self.acc_used
-        self.acclen[i] = n
+        at = self.acc_used
+        self.acc[at:at + n] = counts
         self.acc_used += n
         self.acc_live += n
-        self.live[i] = 1
+        self.held_sum += told
+        self.told_sum += told
+        blocks = -(-told // self.bs) if self.bs else 0
+        self.state[:, i] = (st.computed, st.delivered, st.drafts, st.verified, st.rollback,
+                            st.inflight, st.scheduled, st.decoding, st.extra, r.output, r.final,
+                            told, told, blocks, r.req.rid, at - st.verified, at, n, 1)
+        self.n_live += 1
 
     def _compact(self, need: int) -> None:
         """Make room for `need` more counts: keep only the live slots' segments."""
@@ -181,8 +173,9 @@ class SpecSteps:
         self.held_sum -= int(self.held[i])
         self.told_sum -= int(self.told[i])
         self.acc_live -= int(self.acclen[i])
-        for name in _FIELDS:
-            getattr(self, name)[i] = 0
+        self.state[:, i] = 0
+        self.output[i] = _NEVER
+        self.n_live -= 1
         self.reqs[i] = None
         self.free.append(i)
         st.slot = -1
@@ -216,9 +209,9 @@ class SpecSteps:
             more = int(self.held[i] - self.told[i])
             if more:
                 tell.append((r.req.rid, more))
-        for name in _FIELDS:
-            getattr(self, name)[:] = 0
-        self.held_sum = self.told_sum = self.acc_used = self.acc_live = 0
+        self.state[:] = 0
+        self.output[:] = _NEVER
+        self.held_sum = self.told_sum = self.acc_used = self.acc_live = self.n_live = 0
         self.free.clear()
         self.reqs.clear()
         self.arrayed = False
@@ -297,8 +290,7 @@ class SpecSteps:
                 first.append(st.slot)
         dec, k = self.decoding, self.k
         decoders = int(dec.sum())  # (async: less those done and freed since the plan)
-        a = self.acc.take(self.accoff + self.verified, mode="clip")
-        np.minimum(a, k, out=a)
+        a = self.acc.take(self.accoff + self.verified, mode="clip")  # (clipped to k)
         a *= dec
         self.verified += dec
         self.steps += decoders
@@ -316,7 +308,8 @@ class SpecSteps:
             self.delivered[i] += 1
             self.inflight[i] = 1
             self.drafts[i] = k
-        done = ((self.delivered >= self.output) & (self.decoding > 0)).nonzero()[0]
+        # (a free slot's output is _NEVER; a slot done and not decoding was freed before)
+        done = (self.delivered >= self.output).nonzero()[0]
         if not len(done):
             return []
         order = done[self.rid[done].argsort(kind="stable")]
@@ -328,9 +321,9 @@ class SpecSteps:
         return out
 
     def all_decoding(self) -> bool:
-        """Whether every slot in use is a decoder (and there is one)."""
-        decoders = int(self.decoding.sum())
-        return decoders > 0 and decoders == int(self.live.sum())
+        """Whether every slot in use was a decoder at this iteration's plan (and there was
+        one): nobody admitted nor released since, the caller knows."""
+        return 0 < self.n_scheduled == self.n_live
 
     def stretch(self, delta: float, w0: float, per_kv: float, free_blocks: int, b: int
                 ) -> tuple[int, float, float, float, float, list[int], list[int]] | None:
@@ -344,17 +337,19 @@ class SpecSteps:
         and b x their tail past each request's final length; the (rids, slots) the allocator
         is told now); None when the stretch would be one iteration. `w0`, `per_kv`: the first
         step's seconds and the step time's cost per KV token read."""
+        most = self.WINDOW
+        if delta < math.inf:  # (every step takes w0 seconds at least)
+            most = min(most, math.ceil(delta / w0))
+        if most < 3:
+            return None
         idx = self.decoding.nonzero()[0]
         k, look, bs = self.k, self.look, self.bs
         comp, dl, out = self.computed[idx], self.delivered[idx], self.output[idx]
-        most = int((out - dl).min()) + 1  # (each step delivers at least a token)
-        if delta < math.inf:  # (every step takes w0 seconds at least)
-            most = min(most, math.ceil(delta / w0))
-        most = min(most, self.WINDOW)
+        most = min(most, int((out - dl).min()) + 1)  # (each step delivers a token at least)
         if most < 3:
             return None
         at = (self.accoff[idx] + self.verified[idx])[:, None] + np.arange(most)
-        acc = np.minimum(self.acc.take(at, mode="clip"), k)
+        acc = self.acc.take(at, mode="clip")
         cum = (acc + 1).cumsum(axis=1)  # tokens given by steps 0..j
         before = np.zeros(cum.shape, dtype=_I64)  # by steps 0..j-1
         before[:, 1:] = cum[:, :-1]
@@ -428,9 +423,10 @@ class SpecSteps:
         st.extra = st.decoding = extra
 
 
+#: The state's rows (`SpecSteps._alloc_arrays`): a column is a slot.
 _FIELDS = ("computed", "delivered", "drafts", "verified", "rollback", "inflight", "scheduled",
-           "output", "final", "held", "told", "blocks", "rid", "accoff", "accstart", "acclen",
-           "decoding", "extra", "live")
+           "decoding", "extra", "output", "final", "held", "told", "blocks", "rid", "accoff",
+           "accstart", "acclen", "live")
 
 
 # ------------------------------------------------------------------ the walk's helpers
