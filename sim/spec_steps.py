@@ -135,13 +135,15 @@ class SpecSteps:
         self.reqs[i] = r
         st.slot = i
         # Accepted counts for every step it may still verify (each delivers a token; async:
-        # one more step after its last), from its next one on.
-        n = max(r.output + 2 - st.verified, 1)
-        counts = np.minimum(self.acceptance.counts(r.req.rid, st.verified, n), self.k)
+        # one more step after its last), from its next one on; none when its prefill gives
+        # its last token (a column may then have none to give).
+        n = r.output + 2 - st.verified if r.output > st.delivered + 1 else 0
         if self.acc_used + n > len(self.acc):
             self._compact(n)  # (over the live slots: not this one yet)
         at = self.acc_used
-        self.acc[at:at + n] = counts
+        if n:
+            self.acc[at:at + n] = np.minimum(
+                self.acceptance.counts(r.req.rid, st.verified, n), self.k)
         self.acc_used += n
         self.acc_live += n
         self.held_sum += told

@@ -141,3 +141,20 @@ def test_grow_within_is_grow_for_each():
     assert [one.tokens(r) for r in range(3)] == [many.tokens(r) for r in range(3)]
     with pytest.raises(ValueError):
         many.grow_within([0], [100])  # (past its final length)
+
+
+def test_a_request_its_prefill_ends_needs_no_counts():
+    """A one-token output is given by its prefill: no accepted count is asked of it, so a
+    column without any for it runs (as in the reference); a longer one needs them."""
+    wl = pd.DataFrame({"request_id": [0, 1], "arrival_s": [0.0, 0.5],
+                       "prompt_tokens": [10, 12], "output_tokens": [1, 30],
+                       "accepted_drafts": [[], [2, 1]]})
+    cfg = EngineConfig(speculative=Speculative("eagle", 2), step_time=StepTime(0.05, 1e-3))
+
+    def fresh():
+        return make_allocator("paged", capacity=1 << 16, bytes_per_token=8,
+                              max_model_len=256, block_size=16)
+
+    AGREE(Engine(wl, fresh(), cfg).run(), reference(wl, fresh(), cfg))
+    with pytest.raises(ValueError, match="no accepted_drafts"):
+        Engine(wl.assign(output_tokens=[2, 30]), fresh(), cfg).run()
