@@ -135,9 +135,11 @@ class SpecSteps:
         self.reqs[i] = r
         st.slot = i
         # Accepted counts for every step it may still verify (each delivers a token; async:
-        # one more step after its last), from its next one on; none when its prefill gives
-        # its last token (a column may then have none to give).
-        n = r.output + 2 - st.verified if r.output > st.delivered + 1 else 0
+        # one more step after its last), from its next one on; none when it has its prefill
+        # to finish and that gives its last token (a column may then have none to give).
+        n = 0
+        if st.decoding or r.output > st.delivered + 1:
+            n = max(r.output + 2 - st.verified, 1)
         if self.acc_used + n > len(self.acc):
             self._compact(n)  # (over the live slots: not this one yet)
         at = self.acc_used
