@@ -199,20 +199,32 @@ def spec_schedule(eng: Engine) -> tuple[int, int]:
     """Speculative decoding: schedule this iteration; returns (prefill tokens, decoders'
     tokens). The decoders go first, vectorised (`SpecSteps.plan`), when no prompt is
     partway and none of them is cut or short of a block; otherwise vLLM's walk of the
-    running list takes the iteration, on the SpecState objects."""
+    running list takes the iteration, on the SpecState objects.
+
+    Taking the state up into the arrays and back costs a few microseconds a request: after
+    each return to the walk the arrays wait `backoff` turns (doubled at each return, halved
+    at each planned iteration, at most 64), so that a run whose budget binds, or whose
+    prompts come partway every other iteration, walks rather than moving its state to and
+    fro at every turn."""
     specs, alloc = eng.specs, eng.alloc
     assert specs is not None
     if eng.spec_fast and not eng.prefilling:
-        if not specs.arrayed:
+        if not specs.arrayed and specs.wait:
+            specs.wait -= 1
+        elif not specs.arrayed:
             running = list(eng.running)
             specs.load(running, [alloc.tokens(r.req.rid) for r in running])
-        if specs.plan(eng.cfg.max_num_batched_tokens,
-                      alloc.free_bytes() // eng.block_bytes):
+        if specs.arrayed and specs.plan(eng.cfg.max_num_batched_tokens,
+                                        alloc.free_bytes() // eng.block_bytes):
             assert eng.paged is not None
             rids, more = specs.crossings()
             eng.paged.grow_within(rids, more)  # (the plan checked the free blocks)
             decoders = eng.spec_decode_tokens = specs.commit(sum(more))
+            specs.backoff >>= 1
             return eng._schedule(decoders), decoders
+    if specs.arrayed:
+        specs.wait = specs.backoff
+        specs.backoff = min(2 * specs.backoff + 1, 64)
     spec_unload(eng)
     decoders, chunks = walk_running(eng)
     return eng._schedule(decoders, chunks), decoders

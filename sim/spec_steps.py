@@ -62,6 +62,9 @@ class SpecSteps:
         # decode steps that verified drafts, their drafts and those accepted (the summary)
         self.steps = self.drafts_total = self.accepted_total = 0
         self.arrayed = False  # whether the arrays hold the running requests' state now
+        # turns the arrays wait after a return to the walk, and the next such wait
+        # (`engine_walk.spec_schedule`)
+        self.wait = self.backoff = 0
         # slots held, and of them what the allocator stores: `lag` is the difference
         self.held_sum = self.told_sum = 0
         self.n_live = 0  # slots in use
