@@ -60,12 +60,14 @@ _CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
 class _Rec:
     """One decoder: its phase, final length, form and terms, and its heap keys."""
 
-    def __init__(self, c: int, final: int) -> None:
+    def __init__(self, c: int, final: int, terms: list[tuple[int, int]], a: list[int],
+                 s: list[int], sid: int) -> None:
         self.c = c
         self.final = final
-        self.a: list[int] = []
-        self.s: list[int] = []
-        self.terms: list[tuple[int, int]] = []  # (term kind, x)
+        self.a = a
+        self.s = s
+        self.sid = sid  # its slope's index in `Cohort.slopes` (-1: a slope of zeros)
+        self.terms = terms  # (term kind, x)
         self.event = NEVER  # clock of its next event
         self.light = False  # whether that event only ends its reserved slots at its final
         self.nf = NEVER  # clock of its next free that no term counts (in-window, chunked)
@@ -164,6 +166,8 @@ class Cohort:
         assert not self.recs
         self.lag = lag
         self._slopes.clear()
+        self.slopes.clear()
+        self.slope_n.clear()
         self._events_at()
 
     # ------------------------------------------------------------------ one request
@@ -278,10 +282,15 @@ class Cohort:
         self._terms = 0  # every change of the terms (`_add`): `steps_until_full` keeps its sum
         self._taken = 0
         self._taken_clock = self._taken_done = self._taken_terms = -1
-        self._slopes: dict[int, list[int]] = {}  # windows passed -> a decoder's slope
+        # windows passed -> the index of a decoder's slope then in `slopes` (`_build`)
+        self._slopes: dict[int, int] = {}
+        self.slopes: list[list[int]] = []
+        self.slope_n: list[int] = []  # per slope, the decoders with it
+        self.zeros = [0] * width  # (the slope of a phase of one length)
         self.recs: dict[int, _Rec] = {}
         self.A = [0] * width  # sum of a
-        self.S = [0] * width  # sum of s
+        self.S = [0] * width  # sum of s: `slope_sum`, kept while `_S_ok`
+        self._S_ok = True
         self.sums = [FloorSum(mod) for mod in self.mods]
         # per term kind: residue of x -> the decoders with that residue (each decoder has at
         # most one term of a kind: the set's size is the count a step at that residue moves)
@@ -313,11 +322,11 @@ class Cohort:
         self.chunk_freed: set[int] = set()
 
     # ------------------------------------------------------------------ one decoder
-    def _term_value(self, rec: _Rec, k: int) -> list[int]:
-        """Sum over the record's terms of v x floor((x + k) / mod)."""
+    def _term_value(self, terms: list[tuple[int, int]], k: int) -> list[int]:
+        """Sum over these terms of v x floor((x + k) / mod)."""
         out = [0] * self.width
         mods, vecs = self.mods, self.vecs
-        for kind, x in rec.terms:
+        for kind, x in terms:
             q = (x + k) // mods[kind]
             if q:
                 v = vecs[kind]
@@ -329,7 +338,6 @@ class Cohort:
                now: tuple[int, ...] | None = None) -> tuple[_Rec, tuple[int, ...]]:
         """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 - lag processed),
         and its parts then (`now`: those parts where the caller has them)."""
-        rec = _Rec(c, final)
         tokens = c + clock
         lag = self.lag
         mods = self.mods
@@ -337,30 +345,34 @@ class Cohort:
         for k, w, _ in self.sliding:
             if tokens - lag >= w:
                 terms.append((k, c - w - lag))
-        rec.terms = terms
-        nxt, rec.light = self._next_event(tokens, final)
+        nxt, light = self._next_event(tokens, final)
         width = self.width
         if now is None:
             now = self.parts_of(tokens, max(0, tokens - 1 - lag), final)
-        tv = self._term_value(rec, clock)
+        tv = self._term_value(terms, clock)
         # The slope depends only on the windows passed (out-of-window tokens grow by their
-        # layers' bytes per token; every other figure moves by terms or stays): measured once.
+        # layers' bytes per token; every other figure moves by terms or stays): measured once,
+        # and the running sums count decoders per slope (`slope_sum`), not add them.
         passed = 0
         for w in self.windows:
             if w <= tokens:
                 passed += 1
-        s = self._slopes.get(passed)
-        if s is None:
-            if nxt > tokens + 1 and tokens < final:
-                after = self.parts_of(tokens + 1, tokens - lag, final)
-                tv1 = self._term_value(rec, clock + 1)
-                s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
-                self._slopes[passed] = s
-            else:  # (a phase of one length: any slope, the constant makes it exact, and
-                s = [0] * width  # the next event rebuilds it)
-                rec.light = False
-        rec.s = s
-        rec.a = [now[i] - s[i] * clock - tv[i] for i in range(width)]
+        sid = self._slopes.get(passed, -1)
+        if sid >= 0:
+            s = self.slopes[sid]
+        elif nxt > tokens + 1 and tokens < final:
+            after = self.parts_of(tokens + 1, tokens - lag, final)
+            tv1 = self._term_value(terms, clock + 1)
+            s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
+            sid = self._slopes[passed] = len(self.slopes)
+            self.slopes.append(s)
+            self.slope_n.append(0)
+        else:  # (a phase of one length: any slope, the constant makes it exact, and
+            s = self.zeros  # the next event rebuilds it)
+            light = False
+        rec = _Rec(c, final, terms, [now[i] - s[i] * clock - tv[i] for i in range(width)], s,
+                   sid)
+        rec.light = light
         rec.event = NEVER if nxt == NEVER else nxt - c
         # frees no term counts: an in-window sliding decoder's first, a chunked one's next
         # (lag: a step to L frees as a synchronous one to L - lag: lengths shifted by lag)
@@ -419,10 +431,11 @@ class Cohort:
         length = rec.c + rec.event
         final = rec.final
         d = 0
-        for m in self.managers:
-            b = m.block_size
-            if m.token_bytes and final % b and final // b * b + 1 == length:
-                d += m.token_bytes * (final - b * (final // b + 1))
+        bss, tbs = self.m_bs, self.m_tb
+        for i in range(len(bss)):
+            b, tb = bss[i], tbs[i]
+            if tb and final % b and final // b * b + 1 == length:
+                d += tb * (final - b * (final // b + 1))
         rec.a[2] = rec.a[2] + d
         rec.a[3] = rec.a[3] - d
         self.A[2] = self.A[2] + d
@@ -436,15 +449,16 @@ class Cohort:
     def _add(self, rid: int, rec: _Rec, sign: int) -> None:
         self._changes += 1
         self._terms += 1
-        A, S, a, s = self.A, self.S, rec.a, rec.s
+        A, a = self.A, rec.a
         if sign > 0:
             for i in range(self.width):
                 A[i] = A[i] + a[i]
-                S[i] = S[i] + s[i]
         else:
             for i in range(self.width):
                 A[i] = A[i] - a[i]
-                S[i] = S[i] - s[i]
+        if rec.sid >= 0:
+            self.slope_n[rec.sid] += sign
+            self._S_ok = False
         sums, mods, members = self.sums, self.mods, self.members
         for kind, x in rec.terms:
             sums[kind].add(x, sign)
@@ -460,6 +474,19 @@ class Cohort:
                 group.discard(rid)
                 if not group:
                     del members[kind][r]
+
+    def slope_sum(self) -> list[int]:
+        """The sum of the decoders' slopes: per slope, its decoders' count times it."""
+        if not self._S_ok:
+            S = [0] * self.width
+            for sid, s in enumerate(self.slopes):
+                n = self.slope_n[sid]
+                if n:
+                    for i in range(self.width):
+                        S[i] = S[i] + n * s[i]
+            self.S = S
+            self._S_ok = True
+        return self.S
 
     def _enter(self, rid: int, rec: _Rec) -> None:
         self.recs[rid] = rec
@@ -479,20 +506,35 @@ class Cohort:
         """Forget the prefill corrections of an earlier clock (keeping the last clock's
         decoders, whose first step `steps_until_shrink` looks at)."""
         if self.fresh_clock != clock:
+            # (the dicts and corrections are made anew only where they hold something: an
+            # empty one's corrections are zeros, as decoders leaving take theirs out)
             self._changes += 1
             follows = self.fresh_clock == clock - 1
-            self.prev_fresh = ({rid: p for rid, (p, _) in self.fresh.items()}
-                               if follows else {})
-            self.fresh = {}
-            self.fresh_corr = [0] * self.width
+            if follows and self.fresh:
+                self.prev_fresh = {rid: p for rid, (p, _) in self.fresh.items()}
+            elif self.prev_fresh:
+                self.prev_fresh = {}
+            if self.fresh:
+                self.fresh = {}
+                self.fresh_corr = [0] * self.width
             if self.lag:
-                self.prev_first = ({rid: p for rid, (p, _) in self.first_now.items()}
-                                   if self.first_clock == clock - 1 else {})
-                self.first_now = self.first_next if follows else {}
-                self.first_now_corr = self.first_next_corr if follows else [0] * self.width
+                if self.first_clock == clock - 1 and self.first_now:
+                    self.prev_first = {rid: p for rid, (p, _) in self.first_now.items()}
+                elif self.prev_first:
+                    self.prev_first = {}
+                if follows and self.first_next:
+                    self.first_now = self.first_next
+                    self.first_now_corr = self.first_next_corr
+                    self.first_next = {}
+                    self.first_next_corr = [0] * self.width
+                else:
+                    if self.first_now:
+                        self.first_now = {}
+                        self.first_now_corr = [0] * self.width
+                    if self.first_next:
+                        self.first_next = {}
+                        self.first_next_corr = [0] * self.width
                 self.first_clock = clock
-                self.first_next = {}
-                self.first_next_corr = [0] * self.width
             if self.arrived:
                 self.arrived = set()
             self.fresh_clock = clock
@@ -538,28 +580,34 @@ class Cohort:
         self._rotate(clock)
         rec = self.recs.pop(rid)
         self._add(rid, rec, -1)
-        got = self.fresh.pop(rid, None)
-        if got is not None:
-            self._changes += 1
-            corr = self.fresh_corr
-            for i in range(self.width):
-                corr[i] = corr[i] - got[1][i]
-        self.prev_fresh.pop(rid, None)
-        self.prev_first.pop(rid, None)
+        if self.fresh:
+            self._drop(self.fresh, self.fresh_corr, rid)
+        if self.prev_fresh:
+            self.prev_fresh.pop(rid, None)
+        if self.prev_first:
+            self.prev_first.pop(rid, None)
         # (what its step into this clock freed no longer counts as just freed: it left)
-        self.arrived.discard(rid)
+        if self.arrived:
+            self.arrived.discard(rid)
         if self.switched_clock == clock:
             for group in self.switched:
                 group.discard(rid)
         if self.freed_clock == clock:
             self.chunk_freed.discard(rid)
-        for pending, corr in ((self.first_next, self.first_next_corr),
-                              (self.first_now, self.first_now_corr)):
-            got = pending.pop(rid, None)
-            if got is not None:
-                self._changes += 1
-                for i in range(self.width):
-                    corr[i] = corr[i] - got[1][i]
+        if self.first_next:
+            self._drop(self.first_next, self.first_next_corr, rid)
+        if self.first_now:
+            self._drop(self.first_now, self.first_now_corr, rid)
+
+    def _drop(self, pending: dict[int, tuple[int, list[int]]], corr: list[int],
+              rid: int) -> None:
+        """Take a decoder's correction out of a pending one's, if it has one."""
+        got = pending.pop(rid, None)
+        if got is not None:
+            self._changes += 1
+            diff = got[1]
+            for i in range(self.width):
+                corr[i] = corr[i] - diff[i]
 
     def stepped(self, clock: int) -> None:
         """The clock is `clock`: rebuild the decoders whose event it has reached."""
@@ -642,7 +690,8 @@ class Cohort:
 
     def totals(self, clock: int) -> list[int]:
         """The cohort's figures at `clock`."""
-        out = [self.A[i] + self.S[i] * clock for i in range(self.width)]
+        S = self.slope_sum()
+        out = [self.A[i] + S[i] * clock for i in range(self.width)]
         vecs = self.vecs
         for k, fs in enumerate(self.sums):
             if fs.nonzero or fs.q:
@@ -662,7 +711,7 @@ class Cohort:
         return out
 
     def blocks(self, clock: int) -> int:
-        total = self.A[0] + self.S[0] * clock
+        total = self.A[0] + self.slope_sum()[0] * clock
         for k, fs in enumerate(self.sums):
             b = self.blocks_vec[k]
             if b and (fs.nonzero or fs.q):
@@ -709,7 +758,8 @@ class Cohort:
         weight = n * w0 + w1 * n * (n - 1) / 2
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
         kw = clock * weight + jw  # sum_j (clock + j) * w_j
-        sums = [self.A[i] * weight + self.S[i] * kw for i in range(6)]
+        S = self.slope_sum()
+        sums = [self.A[i] * weight + S[i] * kw for i in range(6)]
         for k, fs in enumerate(self.sums):
             if fs.nonzero or fs.q:
                 val = fs.integrate(clock, n, w0, w1, weight)
@@ -778,6 +828,7 @@ class Cohort:
         limit = now + free
         # Decoders whose forms change by the step walked (their events up to `horizon`,
         # looked up a stretch at a time: the walk often stops at its first steps)
+        slope = self.slope_sum()[0]
         horizon = min(done, 32)
         special = self._ending_by(clock + horizon)
         recs = self.recs
@@ -798,7 +849,7 @@ class Cohort:
                         rest += bv[k] * (sums[k].value(clock + done) - sums[k].value(k1 - 1))
                 if cur + rest <= limit:
                     return done
-            delta = up + self.S[0]
+            delta = up + slope
             for k in range(n_ceil, len(self.mods)):
                 delta += bv[k] * self._hit(k, k1)
             for rid in special:  # (their forms change within the stretch)
@@ -877,15 +928,21 @@ class Cohort:
         first_next = self.first_next if lag and self.fresh_clock == clock else {}
         # (every decoder that joined now: one that left since its step and joined again has
         # not stepped into this clock)
-        unformed: set[int] = set(self.arrived) if self.fresh_clock == clock else set()
-        if lag:
-            unformed.update(first_now)
-            unformed.update(first_next)
+        # (made where a step's frees are counted: most answers need it not)
+        unformed: set[int] = set()
+        made = False
         second = NEVER
         for k, _, _ in self.sliding:
             hit = self._hit(k, clock)
             if hit and self.switched_clock == clock:
                 hit -= len(self.switched[k])
+            if hit and not made:
+                made = True
+                if self.fresh_clock == clock:
+                    unformed.update(self.arrived)
+                if lag:
+                    unformed.update(first_now)
+                    unformed.update(first_next)
             if hit:  # (less the decoders that joined now: their step is still to come)
                 mod = self.mods[k]
                 for rid in unformed:
