@@ -297,8 +297,8 @@ class HybridAllocator(Allocator):
     def group_blocks(self) -> tuple[int, ...]:
         """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
         managers' tables, nulls left out), summed over live requests."""
-        per_manager = self._totals()[6:]
-        return tuple(per_manager[self._manager_of[g]] for g in range(len(self.plan.groups)))
+        figures = self._totals()
+        return tuple([figures[6 + mi] for mi in self._manager_of])
 
     def blocks_of(self, rid: int) -> int:
         held = self._held.get(rid)  # (outside the cohort: its parts as counted)
@@ -499,10 +499,11 @@ class HybridAllocator(Allocator):
         held = self._held.pop(rid, None)  # (None: a decoder, freed as it left the cohort)
         if held is not None:
             self._add_fixed(held, -1)
-        for groups in self._tables.pop(rid, []):
-            for ids in groups:
-                self._stack_ids.give(ids)
-        self._named_start.pop(rid, None)
+        if self._tables:  # (block ids named: not while the engine defers them)
+            for groups in self._tables.pop(rid, []):
+                for ids in groups:
+                    self._stack_ids.give(ids)
+            self._named_start.pop(rid, None)
         self._rank.pop(rid, None)
         self._proc.pop(rid, None)
         self._joined.pop(rid, None)

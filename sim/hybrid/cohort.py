@@ -168,6 +168,7 @@ class Cohort:
         self._slopes.clear()
         self.slopes.clear()
         self.slope_n.clear()
+        self.slope_counted.clear()
         self._events_at()
 
     # ------------------------------------------------------------------ one request
@@ -286,6 +287,7 @@ class Cohort:
         self._slopes: dict[int, int] = {}
         self.slopes: list[list[int]] = []
         self.slope_n: list[int] = []  # per slope, the decoders with it
+        self.slope_counted: list[int] = []  # per slope, those `S` counts
         self.zeros = [0] * width  # (the slope of a phase of one length)
         self.recs: dict[int, _Rec] = {}
         self.A = [0] * width  # sum of a
@@ -367,6 +369,7 @@ class Cohort:
             sid = self._slopes[passed] = len(self.slopes)
             self.slopes.append(s)
             self.slope_n.append(0)
+            self.slope_counted.append(0)
         else:  # (a phase of one length: any slope, the constant makes it exact, and
             s = self.zeros  # the next event rebuilds it)
             light = False
@@ -428,6 +431,20 @@ class Cohort:
     def _final_block(self, rid: int, rec: _Rec, clock: int) -> None:
         """A decoder enters its final length's block (an event `_next_event` calls light):
         its reserved slots, tb x (bs x ceil(L / bs) - L) before, are tb x (F - L) from now."""
+        d = self._final_shift(rec)
+        rec.a[2] = rec.a[2] + d
+        rec.a[3] = rec.a[3] - d
+        self.A[2] = self.A[2] + d
+        self.A[3] = self.A[3] - d
+        self._changes += 1
+        nxt, rec.light = self._next_event(rec.c + rec.event, rec.final)
+        rec.event = NEVER if nxt == NEVER else nxt - rec.c
+        if rec.event != NEVER:
+            heapq.heappush(self.events, (rec.event, rid))
+
+    def _final_shift(self, rec: _Rec) -> int:
+        """What a decoder's reserved slots gain (its internal bytes lose) at its light
+        event, entering its final length's block."""
         length = rec.c + rec.event
         final = rec.final
         d = 0
@@ -436,15 +453,20 @@ class Cohort:
             b, tb = bss[i], tbs[i]
             if tb and final % b and final // b * b + 1 == length:
                 d += tb * (final - b * (final // b + 1))
-        rec.a[2] = rec.a[2] + d
-        rec.a[3] = rec.a[3] - d
-        self.A[2] = self.A[2] + d
-        self.A[3] = self.A[3] - d
-        self._changes += 1
-        nxt, rec.light = self._next_event(length, final)
-        rec.event = NEVER if nxt == NEVER else nxt - rec.c
-        if rec.event != NEVER:
-            heapq.heappush(self.events, (rec.event, rid))
+        return d
+
+    def _after_light(self, rec: _Rec) -> _Rec:
+        """The decoder's form from its light event on (`_final_block` on a copy): only two
+        constants and the next event move, so it is not built afresh."""
+        d = self._final_shift(rec)
+        a = list(rec.a)
+        a[2] = a[2] + d
+        a[3] = a[3] - d
+        new = _Rec(rec.c, rec.final, rec.terms, a, rec.s, rec.sid)
+        new.nf, new.last = rec.nf, rec.last
+        nxt, new.light = self._next_event(rec.c + rec.event, rec.final)
+        new.event = NEVER if nxt == NEVER else nxt - rec.c
+        return new
 
     def _add(self, rid: int, rec: _Rec, sign: int) -> None:
         self._changes += 1
@@ -476,15 +498,18 @@ class Cohort:
                     del members[kind][r]
 
     def slope_sum(self) -> list[int]:
-        """The sum of the decoders' slopes: per slope, its decoders' count times it."""
+        """The sum of the decoders' slopes: per slope, the change in its decoders' count
+        since the last sum, times it (a decoder joining and another leaving with the same
+        slope move nothing)."""
         if not self._S_ok:
-            S = [0] * self.width
-            for sid, s in enumerate(self.slopes):
-                n = self.slope_n[sid]
-                if n:
+            S, counted, now = self.S, self.slope_counted, self.slope_n
+            for sid in range(len(now)):
+                d = now[sid] - counted[sid]
+                if d:
+                    s = self.slopes[sid]
                     for i in range(self.width):
-                        S[i] = S[i] + n * s[i]
-            self.S = S
+                        S[i] = S[i] + d * s[i]
+                    counted[sid] = now[sid]
             self._S_ok = True
         return self.S
 
@@ -783,7 +808,8 @@ class Cohort:
         end = clock + n
         while cur.event <= end:
             start = cur.event
-            new = self._build(rid, old.c, old.final, start)[0]
+            new = (self._after_light(cur) if cur.light
+                   else self._build(rid, old.c, old.final, start)[0])
             stop = min(new.event - 1, end)
             _piece(self, new, 1, clock, start, stop, w0, w1, sums)
             _piece(self, old, -1, clock, start, stop, w0, w1, sums)
@@ -824,20 +850,20 @@ class Cohort:
         taken += self._taken
         if taken <= free:
             return done
-        now = self.blocks(clock)
+        now = self.blocks_now(clock) - self.fixed[0]  # (`blocks`, as the caller just asked)
         limit = now + free
         # Decoders whose forms change by the step walked (their events up to `horizon`,
         # looked up a stretch at a time: the walk often stops at its first steps)
         slope = self.slope_sum()[0]
         horizon = min(done, 32)
-        special = self._ending_by(clock + horizon)
+        special = self._moving(self._ending_by(clock + horizon), clock + done)
         recs = self.recs
         cur = now
         for t in range(1, done + 1):
             k1 = clock + t
             if t > horizon:
                 horizon = done
-                special = self._ending_by(clock + horizon)
+                special = self._moving(self._ending_by(clock + horizon), clock + done)
             up = 0
             for k in range(n_ceil):
                 if bv[k]:
@@ -895,6 +921,20 @@ class Cohort:
             cur += delta
             assert walked == cur, (walked, cur)
         return done
+
+    def _moving(self, rids: list[int], end: int) -> list[int]:
+        """Those of these decoders whose blocks leave their forms by `end`: a light event
+        (`_final_block`) moves reserved slots only, so only an event after it counts."""
+        out: list[int] = []
+        recs = self.recs
+        for rid in rids:
+            rec = recs[rid]
+            if rec.light:
+                nxt = self._next_event(rec.c + rec.event, rec.final)[0]
+                if nxt == NEVER or nxt - rec.c > end:
+                    continue
+            out.append(rid)
+        return out
 
     def _exact(self, rid: int, rec: _Rec, tokens: int, clock: int) -> int:
         """A decoder's blocks at `clock`, from its managers (its prefill's at its join)."""
@@ -983,12 +1023,13 @@ class Cohort:
                         and self._frees_between(wix, tokens + 1 - lag, p)):
                     second = 2  # (its second step frees by the form: no term counts it)
         best = second
-        for k, _, _ in self.sliding:
-            mod = self.mods[k]
-            for r in self.members[k]:
-                t = (-(r + clock) - 1) % mod + 1
-                if t < best:
-                    best = t
+        for k, _, _ in self.sliding:  # the first step that moves a residue held
+            mod, members = self.mods[k], self.members[k]
+            if members:
+                for t in range(1, min(mod, best - 1) + 1):
+                    if (-(clock + t)) % mod in members:
+                        best = t
+                        break
         heap, recs = self.nf_heap, self.recs
         while heap:
             key, rid = heap[0]
