@@ -51,7 +51,9 @@ HOT = (
     "allocators/torch_blocks",
     "allocators/torch_caching",
     "allocators/hybrid",
+    "hybrid/forms",
     "hybrid/cohort",
+    "hybrid/lookahead",
     "model_view",
 )
 _NAMES = frozenset(f"{__package__}.{name.replace('/', '.')}" for name in HOT)

@@ -1,0 +1,259 @@
+"""The hybrid decode cohort's look-ahead (`kvfrag.sim.hybrid.cohort`): how many decode steps
+it can take before a decoder finds too few free blocks, and before one frees a block.
+
+- `steps_until_full` walks steps, not decoders: a step's blocks taken and freed are the counts
+  at its residues. vLLM allocates the running requests one after the other (each frees its
+  skipped blocks, then takes its new ones), so a step where the blocks taken could exceed the
+  free pool before the blocks freed come back is settled by walking that step's decoders in
+  running order (admission order): only those steps, only those decoders;
+- `steps_until_shrink` is the first step at which some residue of skipped blocks moves, or an
+  in-window or chunked decoder reaches its next free (a heap), exact up to the first decoder's
+  end (what the engine and the checks use); beyond it, a lower bound, or None when no decoder
+  frees again before its end (a heap of each decoder's last free).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvfrag.sim.hybrid.forms import NEVER, Form
+
+if TYPE_CHECKING:  # (cohort.py imports this module)
+    from kvfrag.sim.hybrid.cohort import Cohort
+
+def _hit(co: Cohort, kind: int, clock: int) -> int:
+    """Decoders whose term of this kind moves at the step into `clock`."""
+    group = co.members[kind].get(-clock % co.mods[kind])
+    return 0 if group is None else len(group)
+
+def steps_until_full(co: Cohort, clock: int, done: int, free: int,
+                     order: Callable[[int], int]) -> int:
+    """Steps (at most `done`) the cohort can take before some decoder, in running order
+    (`order`: its rank), finds too few of the `free` blocks (free now)."""
+    n_ceil, sums, bv = co.n_ceil, co.sums, co.blocks_vec
+    lag = co.lag
+    # blocks the ceil terms take over the whole stretch: frees only lower it (async: and
+    # what the first steps' corrections may add, `first_*`)
+    taken = 0
+    first_next = co.first_next if lag and co.fresh_clock == clock else {}
+    first_now = co.first_now if lag and co.first_clock == clock else {}
+    if lag:
+        if co.fresh_clock == clock:
+            taken += max(0, -co.fresh_corr[0]) + max(0, co.first_next_corr[0])
+        if first_now:
+            taken += max(0, -co.first_now_corr[0])
+    # (the ceil terms' part is asked again as the free pool changes with the cohort as it
+    # is: kept while the terms, clock and stretch stay)
+    if (co._taken_clock != clock or co._taken_done != done
+            or co._taken_terms != co._terms):
+        ceil = 0
+        for k in range(n_ceil):
+            if bv[k]:
+                ceil += bv[k] * (sums[k].value(clock + done) - sums[k].value(clock))
+        co._taken = ceil
+        co._taken_clock, co._taken_done, co._taken_terms = clock, done, co._terms
+    taken += co._taken
+    if taken <= free:
+        return done
+    now = co.blocks_now(clock) - co.fixed[0]  # (`blocks`, as the caller just asked)
+    limit = now + free
+    # Decoders whose forms change by the step walked (their events up to `horizon`,
+    # looked up a stretch at a time: the walk often stops at its first steps)
+    slope = co.slope_sum()[0]
+    horizon = min(done, 32)
+    special = _moving(co, co._ending_by(clock + horizon), clock + done)
+    recs = co.recs
+    cur = now
+    for t in range(1, done + 1):
+        k1 = clock + t
+        if t > horizon:
+            horizon = done
+            special = _moving(co, co._ending_by(clock + horizon), clock + done)
+        up = 0
+        for k in range(n_ceil):
+            if bv[k]:
+                up += bv[k] * _hit(co, k, k1)
+        if t % 32 == 0:  # far from full: what the ceil terms take from here on fits
+            rest = 0
+            for k in range(n_ceil):
+                if bv[k]:
+                    rest += bv[k] * (sums[k].value(clock + done) - sums[k].value(k1 - 1))
+            if cur + rest <= limit:
+                return done
+        delta = up + slope
+        for k in range(n_ceil, len(co.mods)):
+            delta += bv[k] * _hit(co, k, k1)
+        for rid in special:  # (their forms change within the stretch)
+            rec = recs[rid]
+            if rec.event <= k1:
+                tokens = rec.c + k1
+                p = max(0, tokens - 1 - lag)
+                delta += (co.blocks_of(tokens, p) - co._rec_blocks(rec, k1)
+                          - co.blocks_of(tokens - 1, max(0, p - 1))
+                          + co._rec_blocks(rec, k1 - 1))
+        if t == 1 and co.fresh_clock == clock and co.fresh:
+            delta -= co.fresh_corr[0]
+        if t == 1 and first_now:
+            delta -= co.first_now_corr[0]
+        if first_next and t <= 2:
+            delta += co.first_next_corr[0] * (1 if t == 1 else -1)
+        if cur + up <= limit:
+            cur += delta
+            continue
+        if delta == up:  # nothing freed at this step: its order cannot matter
+            return t - 1
+        # Blocks taken before others are freed could overrun: vLLM's order decides.
+        cands: set[int] = set(special)
+        for k in range(len(co.mods)):
+            group = co.members[k].get(-k1 % co.mods[k])
+            if group:
+                cands.update(group)
+        if t == 1 and co.fresh_clock == clock:
+            cands.update(co.fresh)
+            cands.update(first_now)
+        if t <= 2:
+            cands.update(first_next)
+        walked = cur
+        for rid in sorted(cands, key=order):
+            rec = recs[rid]
+            tokens = rec.c + k1
+            change = (_exact(co, rid, rec, tokens, k1)
+                      - _exact(co, rid, rec, tokens - 1, k1 - 1))
+            if change:
+                walked += change
+                if walked > limit:
+                    return t - 1
+        cur += delta
+        assert walked == cur, (walked, cur)
+    return done
+
+def _moving(co: Cohort, rids: list[int], end: int) -> list[int]:
+    """Those of these decoders whose blocks leave their forms by `end`: a light event
+    (`_final_block`) moves reserved slots only, so only an event after it counts."""
+    out: list[int] = []
+    recs = co.recs
+    for rid in rids:
+        rec = recs[rid]
+        if rec.light:
+            nxt = co._next_event(rec.c + rec.event, rec.final)[0]
+            if nxt == NEVER or nxt - rec.c > end:
+                continue
+        out.append(rid)
+    return out
+
+def _exact(co: Cohort, rid: int, rec: Form, tokens: int, clock: int) -> int:
+    """A decoder's blocks at `clock`, from its managers (its prefill's at its join)."""
+    if clock == co.fresh_clock:
+        got = co.fresh.get(rid)
+        if got is not None:
+            return co.blocks_of(tokens, got[0])
+    if co.lag:
+        got = None
+        if clock == co.fresh_clock + 1:
+            got = co.first_next.get(rid)
+        elif clock == co.first_clock:
+            got = co.first_now.get(rid)
+        if got is not None:
+            return co.blocks_of(tokens, got[0])
+    return co.blocks_of(tokens, max(0, tokens - 1 - co.lag))
+
+def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
+    """See the module: exact up to `done`, a lower bound past it, None if no decoder
+    frees again before its end."""
+    if not co.windowed or not co.recs:
+        return None
+    wix = co.windowed_ix
+    # The step just taken freed a block (the engine asks whether memory came back).
+    if co.freed_clock == clock and co.chunk_freed:
+        return 1
+    fresh = co.fresh if co.fresh_clock == clock else {}
+    lag = co.lag
+    # async: the decoders at their first step and those that joined now (`first_*`)
+    first_now = co.first_now if lag and co.first_clock == clock else {}
+    first_next = co.first_next if lag and co.fresh_clock == clock else {}
+    # (every decoder that joined now: one that left since its step and joined again has
+    # not stepped into this clock)
+    # (made where a step's frees are counted: most answers need it not)
+    unformed: set[int] = set()
+    made = False
+    second = NEVER
+    for k, _, _ in co.sliding:
+        hit = _hit(co, k, clock)
+        if hit and co.switched_clock == clock:
+            hit -= len(co.switched[k])
+        if hit and not made:
+            made = True
+            if co.fresh_clock == clock:
+                unformed.update(co.arrived)
+            if lag:
+                unformed.update(first_now)
+                unformed.update(first_next)
+        if hit:  # (less the decoders that joined now: their step is still to come)
+            mod = co.mods[k]
+            for rid in unformed:
+                hit -= sum(1 for kind, x in co.recs[rid].terms
+                           if kind == k and (x + clock) % mod == 0)
+        if hit > 0:
+            return 1
+    for rid, processed in co.prev_fresh.items():
+        rec = co.recs[rid]
+        tokens = rec.c + clock
+        got = first_now.get(rid)
+        p = got[0] if got is not None else tokens - 1 - lag
+        if co._frees_between(wix, p, processed):
+            return 1
+    if lag:
+        for rid, p in co.prev_first.items():  # (their second step, just taken)
+            tokens = co.recs[rid].c + clock
+            if co._frees_between(wix, tokens - 1 - lag, p):
+                return 1
+    for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
+        tokens = co.recs[rid].c + clock
+        before = co.prev_fresh.get(rid, tokens - 2 - lag)
+        if co._frees_between(wix, p, before):
+            return 1
+        if tokens < co.recs[rid].final and co._frees_between(wix, tokens - lag, p):
+            return 1
+    if fresh or first_next:
+        for rid in set(fresh) | set(first_next):
+            rec = co.recs[rid]
+            tokens = rec.c + clock
+            got = fresh.get(rid)
+            processed = got[0] if got is not None else tokens - 1 - lag
+            ahead = first_next.get(rid)
+            p = ahead[0] if ahead is not None else tokens - lag
+            if tokens < rec.final and co._frees_between(wix, p, processed):
+                return 1
+            if (ahead is not None and tokens + 1 < rec.final
+                    and co._frees_between(wix, tokens + 1 - lag, p)):
+                second = 2  # (its second step frees by the form: no term counts it)
+    best = second
+    for k, _, _ in co.sliding:  # the first step that moves a residue held
+        mod, members = co.mods[k], co.members[k]
+        if members:
+            for t in range(1, min(mod, best - 1) + 1):
+                if (-(clock + t)) % mod in members:
+                    best = t
+                    break
+    heap, recs = co.nf_heap, co.recs
+    while heap:
+        key, rid = heap[0]
+        found = recs.get(rid)
+        if found is None or found.nf != key or key <= clock:
+            heapq.heappop(heap)
+            continue
+        best = min(best, key - clock)
+        break
+    if done is not None and best <= done:
+        return best
+    heap = co.last_heap
+    while heap:
+        key, rid = heap[0]
+        found = recs.get(rid)
+        if found is None or found.last != -key or -key <= clock:
+            heapq.heappop(heap)
+            continue
+        return best if best != NEVER else (done or 0) + 1
+    return None
