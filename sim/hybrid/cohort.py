@@ -75,6 +75,7 @@ class Cohort(Forms):
         # most one term of a kind: the set's size is the count a step at that residue moves)
         self.members: list[dict[int, set[int]]] = [{} for _ in self.mods]
         self.events: list[tuple[int, int]] = []  # (clock, rid), lazily pruned
+        self.bevents: list[tuple[int, int]] = []  # (clock, rid) of `Form.bev`, likewise
         self.nf_heap: list[tuple[int, int]] = []  # (clock, rid)
         self.last_heap: list[tuple[int, int]] = []  # (-clock, rid)
         # decoders that joined at `fresh_clock` -> (processed, parts now less their form's)
@@ -99,6 +100,7 @@ class Cohort(Forms):
         # decoders still in the cohort whose step into `freed_clock` freed a chunked block
         self.freed_clock = -1
         self.chunk_freed: set[int] = set()
+        self.empty: dict[int, tuple[int, list[int]]] = {}  # (read only: where none is kept)
 
     def _final_block(self, rid: int, rec: Form, clock: int) -> None:
         """A decoder enters its final length's block (an event `_next_event` calls light):
@@ -168,6 +170,12 @@ class Cohort(Forms):
                 heapq.heapify(self.events)
             else:
                 heapq.heappush(self.events, (rec.event, rid))
+        if rec.bev != NEVER:
+            if len(self.bevents) > 2 * len(self.recs) + 64:
+                self.bevents = [(r.bev, i) for i, r in self.recs.items() if r.bev != NEVER]
+                heapq.heapify(self.bevents)
+            else:
+                heapq.heappush(self.bevents, (rec.bev, rid))
         if rec.nf != NEVER:
             heapq.heappush(self.nf_heap, (rec.nf, rid))
         if rec.last >= 0:
@@ -399,22 +407,25 @@ class Cohort(Forms):
             total += self.blocks_vec[kind] * ((x + clock) // self.mods[kind])
         return total
 
-    def _ending_by(self, clock: int) -> list[int]:
-        """Decoders with an event at or before `clock` (their forms change by then)."""
-        out: dict[int, None] = {}
-        heap, recs = self.events, self.recs
+    def _ending_by(self, clock: int, blocks: bool = False) -> list[int]:
+        """Decoders with an event at or before `clock` (their forms change by then); with
+        `blocks`, only those whose blocks leave their form by then (`Form.bev`)."""
+        heap, recs = (self.bevents if blocks else self.events), self.recs
         while heap:  # (entries of decoders gone or rebuilt since: dropped from the top)
             key, rid = heap[0]
             found = recs.get(rid)
-            if found is not None and found.event == key:
+            if found is not None and (found.bev if blocks else found.event) == key:
                 break
             heapq.heappop(heap)
-        todo = [0] if heap and heap[0][0] <= clock else []
+        if not heap or heap[0][0] > clock:
+            return []
+        out: dict[int, None] = {}
+        todo = [0]
         while todo:
             i = todo.pop()
             key, rid = heap[i]
             rec = recs.get(rid)
-            if rec is not None and rec.event == key:
+            if rec is not None and (rec.bev if blocks else rec.event) == key:
                 out[rid] = None
             j = 2 * i + 1  # (its two children, written out: a loop over a tuple is generic)
             if j < len(heap) and heap[j][0] <= clock:

@@ -53,6 +53,7 @@ class Form:
         self.terms = terms  # (term kind, x)
         self.event = NEVER  # clock of its next event
         self.light = False  # whether that event only ends its reserved slots at its final
+        self.bev = NEVER  # clock of its next event that moves its blocks (past light ones)
         self.nf = NEVER  # clock of its next free that no term counts (in-window, chunked)
         self.last = -1  # clock of its last free before its final length
 
@@ -300,6 +301,9 @@ class Forms:
                    sid)
         rec.light = light
         rec.event = NEVER if nxt == NEVER else nxt - c
+        while light:  # (light events keep the blocks' form: the next one that moves them)
+            nxt, light = self._next_event(nxt, final)
+        rec.bev = NEVER if nxt == NEVER else nxt - c
         # frees no term counts: an in-window sliding decoder's first, a chunked one's next
         # (lag: a step to L frees as a synchronous one to L - lag: lengths shifted by lag)
         nf = NEVER
@@ -372,7 +376,7 @@ class Forms:
         a[2] = a[2] + d
         a[3] = a[3] - d
         new = Form(rec.c, rec.final, rec.terms, a, rec.s, rec.sid)
-        new.nf, new.last = rec.nf, rec.last
+        new.nf, new.last, new.bev = rec.nf, rec.last, rec.bev
         nxt, new.light = self._next_event(rec.c + rec.event, rec.final)
         new.event = NEVER if nxt == NEVER else nxt - rec.c
         return new

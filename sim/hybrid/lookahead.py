@@ -37,8 +37,8 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     # blocks the ceil terms take over the whole stretch: frees only lower it (async: and
     # what the first steps' corrections may add, `first_*`)
     taken = 0
-    first_next = co.first_next if lag and co.fresh_clock == clock else {}
-    first_now = co.first_now if lag and co.first_clock == clock else {}
+    first_next = co.first_next if lag and co.fresh_clock == clock else co.empty
+    first_now = co.first_now if lag and co.first_clock == clock else co.empty
     if lag:
         if co.fresh_clock == clock:
             taken += max(0, -co.fresh_corr[0]) + max(0, co.first_next_corr[0])
@@ -63,14 +63,14 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     # looked up a stretch at a time: the walk often stops at its first steps)
     slope = co.slope_sum()[0]
     horizon = min(done, 32)
-    special = _moving(co, co._ending_by(clock + horizon), clock + done)
+    special = co._ending_by(clock + horizon, True)
     recs = co.recs
     cur = now
     for t in range(1, done + 1):
         k1 = clock + t
         if t > horizon:
             horizon = done
-            special = _moving(co, co._ending_by(clock + horizon), clock + done)
+            special = co._ending_by(clock + horizon, True)
         up = 0
         for k in range(n_ceil):
             if bv[k]:
@@ -87,7 +87,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
             delta += bv[k] * _hit(co, k, k1)
         for rid in special:  # (their forms change within the stretch)
             rec = recs[rid]
-            if rec.event <= k1:
+            if rec.bev <= k1:  # (light events keep the blocks' form)
                 tokens = rec.c + k1
                 p = max(0, tokens - 1 - lag)
                 delta += (co.blocks_of(tokens, p) - co._rec_blocks(rec, k1)
@@ -129,20 +129,6 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         assert walked == cur, (walked, cur)
     return done
 
-def _moving(co: Cohort, rids: list[int], end: int) -> list[int]:
-    """Those of these decoders whose blocks leave their forms by `end`: a light event
-    (`_final_block`) moves reserved slots only, so only an event after it counts."""
-    out: list[int] = []
-    recs = co.recs
-    for rid in rids:
-        rec = recs[rid]
-        if rec.light:
-            nxt = co._next_event(rec.c + rec.event, rec.final)[0]
-            if nxt == NEVER or nxt - rec.c > end:
-                continue
-        out.append(rid)
-    return out
-
 def _exact(co: Cohort, rid: int, rec: Form, tokens: int, clock: int) -> int:
     """A decoder's blocks at `clock`, from its managers (its prefill's at its join)."""
     if clock == co.fresh_clock:
@@ -168,14 +154,15 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
     # The step just taken freed a block (the engine asks whether memory came back).
     if co.freed_clock == clock and co.chunk_freed:
         return 1
-    fresh = co.fresh if co.fresh_clock == clock else {}
+    # (`co.empty` where none: asked at every event, a new empty dict each time showed)
+    fresh = co.fresh if co.fresh_clock == clock else co.empty
     lag = co.lag
     # async: the decoders at their first step and those that joined now (`first_*`)
-    first_now = co.first_now if lag and co.first_clock == clock else {}
-    first_next = co.first_next if lag and co.fresh_clock == clock else {}
+    first_now = co.first_now if lag and co.first_clock == clock else co.empty
+    first_next = co.first_next if lag and co.fresh_clock == clock else co.empty
     # (every decoder that joined now: one that left since its step and joined again has
-    # not stepped into this clock)
-    # (made where a step's frees are counted: most answers need it not)
+    # not stepped into this clock; made where a step's frees are counted: most answers
+    # need it not)
     unformed: set[int] = set()
     made = False
     second = NEVER
@@ -197,25 +184,27 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
                            if kind == k and (x + clock) % mod == 0)
         if hit > 0:
             return 1
-    for rid, processed in co.prev_fresh.items():
-        rec = co.recs[rid]
-        tokens = rec.c + clock
-        got = first_now.get(rid)
-        p = got[0] if got is not None else tokens - 1 - lag
-        if co._frees_between(wix, p, processed):
-            return 1
-    if lag:
+    if co.prev_fresh:
+        for rid, processed in co.prev_fresh.items():
+            rec = co.recs[rid]
+            tokens = rec.c + clock
+            got = first_now.get(rid)
+            p = got[0] if got is not None else tokens - 1 - lag
+            if co._frees_between(wix, p, processed):
+                return 1
+    if lag and co.prev_first:
         for rid, p in co.prev_first.items():  # (their second step, just taken)
             tokens = co.recs[rid].c + clock
             if co._frees_between(wix, tokens - 1 - lag, p):
                 return 1
-    for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
-        tokens = co.recs[rid].c + clock
-        before = co.prev_fresh.get(rid, tokens - 2 - lag)
-        if co._frees_between(wix, p, before):
-            return 1
-        if tokens < co.recs[rid].final and co._frees_between(wix, tokens - lag, p):
-            return 1
+    if first_now:
+        for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
+            tokens = co.recs[rid].c + clock
+            before = co.prev_fresh.get(rid, tokens - 2 - lag)
+            if co._frees_between(wix, p, before):
+                return 1
+            if tokens < co.recs[rid].final and co._frees_between(wix, tokens - lag, p):
+                return 1
     if fresh or first_next:
         for rid in set(fresh) | set(first_next):
             rec = co.recs[rid]
