@@ -407,6 +407,18 @@ class Cohort(Forms):
             total += self.blocks_vec[kind] * ((x + clock) // self.mods[kind])
         return total
 
+    def first_due(self) -> int:
+        """The first clock at which a decoder's blocks leave its form (`Form.bev`; NEVER:
+        none)."""
+        heap, recs = self.bevents, self.recs
+        while heap:  # (entries of decoders gone or rebuilt since: dropped from the top)
+            key, rid = heap[0]
+            found = recs.get(rid)
+            if found is not None and found.bev == key:
+                return key
+            heapq.heappop(heap)
+        return NEVER
+
     def _ending_by(self, clock: int, blocks: bool = False) -> list[int]:
         """Decoders with an event at or before `clock` (their forms change by then); with
         `blocks`, only those whose blocks leave their form by then (`Form.bev`)."""

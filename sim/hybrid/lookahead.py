@@ -59,18 +59,24 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         return done
     now = co.blocks_now(clock) - co.fixed[0]  # (`blocks`, as the caller just asked)
     limit = now + free
-    # Decoders whose forms change by the step walked (their events up to `horizon`,
-    # looked up a stretch at a time: the walk often stops at its first steps)
+    # Decoders whose blocks leave their forms by the step walked (their events up to
+    # `horizon`, looked up a stretch at a time, and only from the first such event on: the
+    # walk often stops at its first steps)
     slope = co.slope_sum()[0]
     horizon = min(done, 32)
-    special = co._ending_by(clock + horizon, True)
+    due = co.first_due()
+    special: list[int] = []
+    fetched = False
     recs = co.recs
     cur = now
     for t in range(1, done + 1):
         k1 = clock + t
         if t > horizon:
             horizon = done
+            fetched = False
+        if not fetched and k1 >= due:
             special = co._ending_by(clock + horizon, True)
+            fetched = True
         up = 0
         for k in range(n_ceil):
             if bv[k]:
