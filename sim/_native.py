@@ -38,6 +38,7 @@ HOT = (
     "engine_log",
     "engine_records",
     "engine_requests",
+    "floor_sum",
     "engine_walk",
     "spec_steps",
     "allocators/base",

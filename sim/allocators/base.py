@@ -38,6 +38,7 @@ from enum import Enum
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, ClassVar, Final
 
+from kvfrag.sim.floor_sum import times
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
@@ -48,16 +49,6 @@ if TYPE_CHECKING:
 PARTS = ("token_states", "reserved", "internal", "external", "usable_free")
 
 
-def times(a: int, b: int) -> int:
-    """a * b, signs taken out first. Compiled, a product stays native only when both operands
-    are in [0, 2**30): a negative one goes through Python's multiply (an int object made and
-    freed, ~10x the cost). The decode cohort's phases (tokens less the clock) and the
-    coefficients of requests leaving it are negative as often as not."""
-    if a < 0:
-        return -times(-a, b)
-    if b < 0:
-        return -(a * -b)
-    return a * b
 
 
 def push_clock(heap: list[int], pushed: dict[int, list[int]], clock: int, rid: int) -> None:

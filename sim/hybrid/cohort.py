@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from kvfrag.sim.allocators.paged import FloorSum
+from kvfrag.sim.floor_sum import FloorSum
 from kvfrag.sim.hybrid import lookahead
 from kvfrag.sim.hybrid.forms import NEVER, Form, Forms
 from kvfrag.sim.hybrid.managers import Manager

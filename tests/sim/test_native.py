@@ -119,6 +119,15 @@ def test_kvfrag_pure_loads_the_sources():
     assert flag == "False" and engine.endswith("engine.py") and paged.endswith("paged.py")
 
 
+
+@pytest.mark.parametrize("module", sorted(_native.HOT))
+def test_every_hot_module_imports_first(module):
+    """Each hot module imports as the first of a process: no cycle through the allocators
+    package (the imports are the same compiled or not)."""
+    name = "kvfrag.sim." + module.replace("/", ".")
+    subprocess.run([sys.executable, "-c", f"import {name}"], check=True,
+                   env={**os.environ, "KVFRAG_PURE": "1"})
+
 def test_the_digest_follows_every_hot_source(tmp_path: Path):
     """An edit to any compiled module's source changes the digest, so a stale extension is
     never loaded in its place (choose() then loads the sources)."""
