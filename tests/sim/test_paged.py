@@ -12,7 +12,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, Request, make_allocator
-from kvfrag.sim.allocators.paged import FloorSum
+from kvfrag.sim.floor_sum import FloorSum
 from kvfrag.sim.geometry import preset
 
 
