@@ -94,6 +94,7 @@ from kvfrag.sim.engine_records import (
 from kvfrag.sim.engine_requests import _Arrivals, _Inputs, _Outcomes, _Req
 from kvfrag.sim.engine_summary import summary
 from kvfrag.sim.engine_walk import (
+    next_chunk,
     spec_schedule,
     spec_stretch,
     spec_unload,
@@ -676,16 +677,10 @@ class Engine:
                 break
             if r.status != "running":
                 continue  # preempted by an earlier chunk this iteration
-            cap = self.long_cap
-            chunk = min(r.prefill_left, budget - used, cap if cap else r.prefill_left)
-            if not (chunk := self.alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk,
-                                                      r.prefill, self.cfg.prefill_chunk_limit)):
+            chunk, attention = next_chunk(self, r, budget - used, self.long_cap)
+            if not chunk:
                 continue  # (Mamba "align" mode: no block boundary in reach this step)
             last = chunk == r.prefill_left
-            attention = 0.0
-            if self.chunk_cost:  # (its attention runs even when a preemption discards it)
-                attention = self.st.prefill_s(chunk, r.prefill - r.prefill_left)
-                self.prefill_attn_s += attention
             while isinstance(grant := self.alloc.grow(
                     r.req.rid, chunk + (r.lead if last else 0), self._in_flight(r)), Refusal):
                 victim = self._victim()

@@ -154,15 +154,10 @@ def walk_running(eng: Engine) -> tuple[int, int]:
         left = budget - stepped - chunks - ds * (len(took) + len(granted) + 1)
         if left <= 0:
             continue
-        chunk = min(r.prefill_left, left, cap if cap else r.prefill_left)
-        if not (chunk := alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk,
-                                             r.prefill, cfg.prefill_chunk_limit)):
+        chunk, attention = next_chunk(eng, r, left, cap)
+        if not chunk:
             continue  # (Mamba "align" mode: no block boundary in reach this step)
         last = chunk == r.prefill_left
-        attention = 0.0
-        if eng.chunk_cost:  # (its attention runs even when a preemption discards it)
-            attention = eng.st.prefill_s(chunk, r.prefill - r.prefill_left)
-            eng.prefill_attn_s += attention
         more = spec_slots(eng, r, chunk) if spec else chunk + (r.lead if last else 0)
         grant = None
         if more:
@@ -185,6 +180,20 @@ def walk_running(eng: Engine) -> tuple[int, int]:
                 eng.prefilled.append(r)
     eng.spec_decode_tokens = stepped
     return stepped, chunks
+
+
+def next_chunk(eng: Engine, r: _Req, room: int, cap: int) -> tuple[int, float]:
+    """The prefill chunk `r` takes with `room` tokens of budget left under the long-prefill
+    `cap` (0: none), aligned as its allocator needs (0: none this step), and its attention's
+    seconds, added to the iteration's: it runs even when a preemption discards the chunk."""
+    chunk = min(r.prefill_left, room, cap if cap else r.prefill_left)
+    chunk = eng.alloc.aligned_chunk(r.req, r.prefill - r.prefill_left, chunk, r.prefill,
+                                    eng.cfg.prefill_chunk_limit)
+    attention = 0.0
+    if chunk and eng.chunk_cost:
+        attention = eng.st.prefill_s(chunk, r.prefill - r.prefill_left)
+        eng.prefill_attn_s += attention
+    return chunk, attention
 
 
 def spec_slots(eng: Engine, r: _Req, tokens: int) -> int:
