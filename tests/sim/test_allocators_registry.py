@@ -14,8 +14,8 @@ from kvfrag.sim.allocators import (
     make_allocator,
     options_of,
 )
-from kvfrag.sim.allocators.paged import _prefix_sums
 from kvfrag.sim.allocators.slab import next_pow2
+from kvfrag.sim.floor_sum import _prefix_sums
 from kvfrag.sim.geometry import KVGeometry
 
 COMMON = {"capacity": 4096, "bytes_per_token": 2, "max_model_len": 64}
