@@ -40,6 +40,7 @@ HOT = (
     "engine_requests",
     "floor_sum",
     "engine_walk",
+    "engine_recording",
     "spec_steps",
     "allocators/base",
     "allocators/slab",

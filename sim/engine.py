@@ -85,16 +85,15 @@ from kvfrag.sim.allocators.base import Allocator, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.engine_config import EngineConfig, StepTime, async_modelled
 from kvfrag.sim.engine_log import AllocationLog
+from kvfrag.sim.engine_recording import record, record_stretch, result
 from kvfrag.sim.engine_records import (
-    _ROWS_PER_CHUNK,
     TOO_MANY_SEQUENCES,
     RunResult,
     _Rows,
 )
 from kvfrag.sim.engine_requests import _Arrivals, _Inputs, _Outcomes, _Req
-from kvfrag.sim.engine_summary import summary
 from kvfrag.sim.engine_walk import (
-    next_chunk,
+    continue_prefills,
     spec_schedule,
     spec_stretch,
     spec_unload,
@@ -151,11 +150,8 @@ class Engine:
         # SimPy's clock, read once after each timeout (`env.now` is a property: a Python call
         # at each of the several reads an event makes).
         self.now = 0.0
-        # Requests as columns; engine state (`_Req`) exists only from arrival to retirement,
-        # when its figures move into the result columns: memory follows the requests in
-        # flight, not the workload's length.
-        # Speculative decoding (sim/speculative.py): every iteration walks the running list
-        # (each decoder takes its own tokens) and applies the accepted counts at its end.
+        # Speculative decoding (sim/speculative.py): each decoder takes its own tokens and
+        # the accepted counts apply at the iteration's end.
         spec = self.spec = config.speculative
         self.acceptance = acceptance_for(spec, workload) if spec is not None else None
         self.lookahead = spec.lookahead if spec is not None else 0
@@ -178,6 +174,9 @@ class Engine:
                           and self.block_bytes > 0 and not config.log_allocations
                           and config.policy != "priority" and config.batching != "static"
                           and not allocator.waste_split)
+        # Requests as columns; engine state (`_Req`) exists only from arrival to retirement,
+        # when its figures move into the result columns: memory follows the requests in
+        # flight, not the workload's length.
         self.inputs = _Inputs(workload, spec, allocator.max_model_len,
                               async_modelled(config, allocator))
         if spec is not None and self.inputs.groups:
@@ -317,7 +316,8 @@ class Engine:
             self.env.run()
             if self.progress is not None:
                 self.progress(len(self.inputs), len(self.inputs))
-            return self._result()
+            spec_unload(self)  # (every slot held told to the allocator)
+            return result(self)
         finally:
             if collecting:
                 gc.enable()
@@ -360,7 +360,7 @@ class Engine:
                 wait = self.arrivals.next_s - self.now
                 if cfg.max_time_s is not None:
                     wait = min(wait, cfg.max_time_s - self.now)
-                self._record(wait, 0)
+                record(self, wait, 0)
                 env.timeout(wait).callbacks.append(self._waited)
                 return
             self.preempted_now = False
@@ -404,12 +404,12 @@ class Engine:
                 dt += self.alloc.take_stall()
                 if not prefill_tokens and self.specs is not None and spec_stretch(self, dt, per_kv):
                     return
-                self._record(dt, 1)
+                record(self, dt, 1)
                 env.timeout(dt).callbacks.append(self._iterated)
                 return
             # Decode only: this iteration and as many more as nothing happens.
             n, w0, w1, duration = self._stretch(decoders)
-            self._record_stretch(n, w0, w1, duration)
+            record_stretch(self, n, w0, w1, duration)
             if n > 1:
                 self.alloc.advance(n - 1)  # n is within steps_until_done and _full
             env.timeout(duration).callbacks.append(self._iterated)
@@ -566,7 +566,7 @@ class Engine:
         budget = cfg.max_num_batched_tokens - decoders
         if chunks is None:
             cap = self._set_long_cap()
-            used = self._continue_prefills(budget)
+            used = continue_prefills(self, budget)
         else:
             cap, used = self.long_cap, chunks
         if self.preempted_now:
@@ -664,57 +664,6 @@ class Engine:
         """Whether `r` is past its prefill (speculative decoding: kept by the engine)."""
         st = r.spec
         return st.decoding if st is not None else self.alloc.is_decoding(r.req.rid)
-
-    def _continue_prefills(self, budget: int) -> int:
-        """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
-        used = 0
-        self.dropped = 0
-        if not self.prefilling:
-            return used
-        granted = self.granted
-        for r in list(self.prefilling):
-            if used >= budget:
-                break
-            if r.status != "running":
-                continue  # preempted by an earlier chunk this iteration
-            chunk, attention = next_chunk(self, r, budget - used, self.long_cap)
-            if not chunk:
-                continue  # (Mamba "align" mode: no block boundary in reach this step)
-            last = chunk == r.prefill_left
-            while isinstance(grant := self.alloc.grow(
-                    r.req.rid, chunk + (r.lead if last else 0), self._in_flight(r)), Refusal):
-                victim = self._victim()
-                # vLLM schedules running requests in admission order: a decoder after this
-                # one had not taken its token yet, nor its share of the budget (policy
-                # priority: one before it gives its token back).
-                unstepped = int(victim is not r and self.alloc.is_decoding(victim.req.rid))
-                if unstepped:
-                    self.dropped += victim.req.n
-                    budget += victim.req.n
-                elif victim in granted:  # (policy priority) its chunk goes back to the budget
-                    unstepped, seconds = granted.pop(victim)
-                    used -= unstepped
-                    self.prefill_attn_s -= seconds
-                    if victim in self.prefilled:
-                        self.prefilled.remove(victim)
-                # (a decoder before r in admission order: vLLM had scheduled its token)
-                before = self.by_priority and unstepped == 1 and _before(self.running, victim, r)
-                self._preempt(victim, unstepped, before)
-                if victim is r:
-                    break
-            else:
-                self._log_op("grow", r.req.rid, grant.nbytes, -1, grant.blocks)
-                r.prefill_left -= chunk
-                used += chunk
-                if self.asynchronous:
-                    self.chunks_now[r.req.rid] = chunk
-                if self.by_priority:
-                    granted[r] = (chunk, attention)
-                if last:
-                    self.prefilling.remove(r)
-                    self.prefilled.append(r)
-        granted.clear()
-        return used
 
     def _try_admit(self, r: _Req, hit: int, chunk: int) -> Reason | None:
         """Admit `r` with its first chunk; returns the refusal reason, or None if admitted."""
@@ -951,105 +900,6 @@ class Engine:
     def _probe(self) -> Request:
         return self.queue[0].req if self.queue else self.reference
 
-    def _record(self, dt: float, iterations: int) -> None:
-        alloc = self.alloc
-        p0, p1, p2, p3, p4 = alloc.parts(self._probe())
-        if self.specs is not None and self.specs.lag:
-            # slots held past those the allocator was told (SpecSteps): stored, not reserved
-            moved = self.specs.lag * alloc.bytes_per_token
-            p0, p1 = p0 + moved, p1 - moved
-        self._integrate(p0 * dt, p1 * dt, p2 * dt, p3 * dt, p4 * dt)
-        self.saved += alloc.saved_by_sharing() * dt
-        self.overreserved += alloc.overreserved_bytes() * dt
-        if self.waste_split:
-            padding, out = alloc.waste_parts()
-            self.padding += padding * dt
-            self.out_of_window += out * dt
-        self._row(dt, iterations, p0, p1, p2, p3, p4, alloc.largest_hole())
-
-    def _record_stretch(self, n: int, w0: float, w1: float, duration: float) -> None:
-        """This iteration (already stepped) plus n-1 more: exact integrals, one row."""
-        alloc = self.alloc
-        probe = self._probe()
-        p0, p1, p2, p3, p4 = alloc.parts(probe)
-        s0, s1, s2, s3, s4 = p0 * w0, p1 * w0, p2 * w0, p3 * w0, p4 * w0
-        self.saved += alloc.saved_by_sharing() * w0
-        self.overreserved += alloc.overreserved_bytes() * duration  # fixed in a stretch
-        if n > 1:
-            more = alloc.integrals(n - 1, probe, w0 + w1, w1)  # (PARTS, then saved)
-            s0, s1, s2 = s0 + more[0], s1 + more[1], s2 + more[2]
-            s3, s4 = s3 + more[3], s4 + more[4]
-            self.saved += more[5]
-        if self.waste_split:
-            padding, out = alloc.waste_parts()
-            self.padding += padding * w0
-            self.out_of_window += out * w0
-            if n > 1:
-                wasted = alloc.waste_integrals(n - 1, w0 + w1, w1)
-                self.padding += wasted[0]
-                self.out_of_window += wasted[1]
-        self._integrate(s0, s1, s2, s3, s4)
-        self.rows.stretches = True
-        self._row(duration, n, s0 / duration, s1 / duration, s2 / duration, s3 / duration,
-                  s4 / duration, alloc.largest_hole())
-
-    def _integrate(self, s0: float, s1: float, s2: float, s3: float, s4: float) -> None:
-        """Add byte-seconds to each part's time integral (PARTS order, spelled out: compiled,
-        five float attributes cost less than a list of boxed floats and a loop over it)."""
-        self.area0 += s0
-        self.area1 += s1
-        self.area2 += s2
-        self.area3 += s3
-        self.area4 += s4
-
-    def _row(
-        self, dt: float, iterations: int, p0: object, p1: object, p2: object, p3: object,
-        p4: object, largest_hole: int,
-    ) -> None:
-        # (`object`: the parts go into the row as they come, ints as ints; compiled, a `float`
-        # parameter would turn an int into a float)
-        running = len(self.running)
-        self.busy_running += running * dt
-        blocked = self.head_reason is Reason.FRAGMENTED and bool(self.queue)
-        if blocked:
-            self.frag_blocked_s += dt
-        rows = self.rows
-        rows.t.append(self.now)
-        rows.dt.append(dt)
-        rows.iterations.append(iterations)
-        rows.running.append(running)
-        rows.waiting.append(len(self.queue))
-        rows.p0.append(p0)  # (PARTS, spelled out: no loop)
-        rows.p1.append(p1)
-        rows.p2.append(p2)
-        rows.p3.append(p3)
-        rows.p4.append(p4)
-        rows.hole.append(largest_hole)
-        rows.blocked.append(blocked)
-        if self.group_of:
-            held = [0] * len(self.group_names)
-            for g, blocks in enumerate(self.alloc.group_blocks()):
-                held[self.group_of[g]] += blocks
-            rows.groups.append(held)
-        if len(rows.t) == _ROWS_PER_CHUNK:
-            rows.flush()
-
-    # ------------------------------------------------------------------ result
-    def _result(self) -> RunResult:
-        alloc, out = self.alloc, self.out
-        spec_unload(self)
-        at_end = np.zeros(len(self.inputs), dtype=np.int64)
-        for rid in alloc.rids():  # still holding memory when the run stopped
-            r = self.by_rid[rid]
-            at_end[r.idx] = alloc.tokens(rid)
-            r.peak = max(r.peak, alloc.allocated_bytes(rid))
-        for r in list(self.made.values()):  # running, waiting, or held when the run stopped
-            out.store(r)
-        requests = out.frame(at_end, moved=self.track_moves and alloc.compactions > 0)
-        timeseries = self.rows.frame(self.group_names)  # (which empties the rows)
-        log = None if self.log is None else self.log.frame()
-        return RunResult(summary(self, requests, timeseries), timeseries, requests, log)
-
 
 def _iterations_to_reach(delta: float, w0: float, w1: float, most: int) -> int:
     """Fewest iterations (>= 1) whose durations w0, w0+w1, ... add up to at least `delta`, or
@@ -1077,14 +927,6 @@ def _iterations_to_reach(delta: float, w0: float, w1: float, most: int) -> int:
 
 def _rid_of(r: _Req) -> int:
     return r.req.rid
-
-
-def _before(running: dict[_Req, None], a: _Req, b: _Req) -> bool:
-    """Whether `a` was admitted before `b` (both running): a walk, at a preemption only."""
-    for r in running:
-        if r is a or r is b:
-            return r is a
-    return False
 
 
 def _victim_key(r: _Req) -> tuple[int, float]:

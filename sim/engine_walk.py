@@ -4,7 +4,8 @@ around them.
 vLLM schedules its running requests in admission order: each takes its token, its drafts or
 its prefill chunk and the blocks they need while token budget is left, and a refusal preempts
 a victim. The fast engine takes that walk only where its order matters (`walk_running`: a
-prompt partway ahead of a decoder; `walk_decoders`: policy priority at a shortage) and,
+prompt partway ahead of a decoder; `walk_decoders`: policy priority at a shortage;
+`continue_prefills`: the prompts partway, when every decoder went first) and,
 under speculative decoding, where the vectorised steps (sim/spec_steps.py) do not apply
 (`spec_schedule`): each is then an event, not the common case. Functions of the engine, kept
 apart from its loop (sim/engine.py) so that each stays a readable size.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvfrag.sim.allocators.base import Grant, Refusal
+from kvfrag.sim.engine_recording import integrate, parts_now, row
 from kvfrag.sim.engine_requests import _Req
 from kvfrag.sim.spec_steps import slots_wanted
 
@@ -182,6 +184,66 @@ def walk_running(eng: Engine) -> tuple[int, int]:
     return stepped, chunks
 
 
+def continue_prefills(eng: Engine, budget: int) -> int:
+    """Chunked prefill: give in-progress prompts their next chunk, oldest first."""
+    used = 0
+    eng.dropped = 0
+    if not eng.prefilling:
+        return used
+    granted = eng.granted
+    for r in list(eng.prefilling):
+        if used >= budget:
+            break
+        if r.status != "running":
+            continue  # preempted by an earlier chunk this iteration
+        chunk, attention = next_chunk(eng, r, budget - used, eng.long_cap)
+        if not chunk:
+            continue  # (Mamba "align" mode: no block boundary in reach this step)
+        last = chunk == r.prefill_left
+        while isinstance(grant := eng.alloc.grow(
+                r.req.rid, chunk + (r.lead if last else 0), eng._in_flight(r)), Refusal):
+            victim = eng._victim()
+            # vLLM schedules running requests in admission order: a decoder after this
+            # one had not taken its token yet, nor its share of the budget (policy
+            # priority: one before it gives its token back).
+            unstepped = int(victim is not r and eng.alloc.is_decoding(victim.req.rid))
+            if unstepped:
+                eng.dropped += victim.req.n
+                budget += victim.req.n
+            elif victim in granted:  # (policy priority) its chunk goes back to the budget
+                unstepped, seconds = granted.pop(victim)
+                used -= unstepped
+                eng.prefill_attn_s -= seconds
+                if victim in eng.prefilled:
+                    eng.prefilled.remove(victim)
+            # (a decoder before r in admission order: vLLM had scheduled its token)
+            before = eng.by_priority and unstepped == 1 and _before(eng.running, victim, r)
+            eng._preempt(victim, unstepped, before)
+            if victim is r:
+                break
+        else:
+            eng._log_op("grow", r.req.rid, grant.nbytes, -1, grant.blocks)
+            r.prefill_left -= chunk
+            used += chunk
+            if eng.asynchronous:
+                eng.chunks_now[r.req.rid] = chunk
+            if eng.by_priority:
+                granted[r] = (chunk, attention)
+            if last:
+                eng.prefilling.remove(r)
+                eng.prefilled.append(r)
+    granted.clear()
+    return used
+
+
+def _before(running: dict[_Req, None], a: _Req, b: _Req) -> bool:
+    """Whether `a` was admitted before `b` (both running): a walk, at a preemption only."""
+    for r in running:
+        if r is a or r is b:
+            return r is a
+    return False
+
+
 def next_chunk(eng: Engine, r: _Req, room: int, cap: int) -> tuple[int, float]:
     """The prefill chunk `r` takes with `room` tokens of budget left under the long-prefill
     `cap` (0: none), aligned as its allocator needs (0: none this step), and its attention's
@@ -251,9 +313,7 @@ def spec_stretch(eng: Engine, w0: float, per_kv: float) -> bool:
     horizon = eng.arrivals.next_s
     if eng.cfg.max_time_s is not None:
         horizon = min(horizon, eng.cfg.max_time_s)
-    probe = eng._probe()
-    p0, p1, p2, p3, p4 = alloc.parts(probe)
-    moved = specs.lag * alloc.bytes_per_token
+    p0, p1, p2, p3, p4 = parts_now(eng)
     hole = alloc.largest_hole()
     got = specs.stretch(horizon - eng.now, w0, per_kv,
                         alloc.free_bytes() // eng.block_bytes, alloc.bytes_per_token)
@@ -263,16 +323,14 @@ def spec_stretch(eng: Engine, w0: float, per_kv: float) -> bool:
     assert eng.paged is not None
     eng.paged.grow_within(rids, more)  # (every decoder told its slots held)
     blocks *= eng.block_bytes
-    eng._integrate((p0 + moved) * duration + tokens,
-                    (p1 - moved) * duration + blocks - tail - tokens,
-                    p2 * duration + tail, p3 * duration, p4 * duration - blocks)
+    integrate(eng, p0 * duration + tokens, p1 * duration + blocks - tail - tokens,
+              p2 * duration + tail, p3 * duration, p4 * duration - blocks)
     eng.saved += alloc.saved_by_sharing() * duration
     eng.overreserved += alloc.overreserved_bytes() * duration
     s = eng.rows
     s.stretches = True
-    eng._row(duration, n, (p0 + moved) + tokens / duration,
-              (p1 - moved) + (blocks - tail - tokens) / duration, p2 + tail / duration, p3,
-              p4 - blocks / duration, hole)
+    row(eng, duration, n, p0 + tokens / duration, p1 + (blocks - tail - tokens) / duration,
+        p2 + tail / duration, p3, p4 - blocks / duration, hole)
     eng.env.timeout(duration).callbacks.append(eng._iterated)
     return True
 

@@ -15,10 +15,11 @@ needs a new block, and not between. Its blocks are then the same as if it had be
 step (ceil(told / bs) == ceil(held / bs)), and so are its internal bytes (past the request's
 final length, a function of the blocks); only token_states is short of the slots held by
 `lag` tokens, which `reserved` holds instead. The engine moves those bytes back when it
-records the parts (`Engine._record`). Any other iteration (a prompt partway, a binding budget,
-a shortage, policy priority, static batching, the allocation log) runs the per-request walk
-on the `SpecState` objects: `store` writes the arrays back to them and tells the allocator
-every slot held first, and `load` takes them up again when the fast path applies once more.
+records the parts (`engine_recording.parts_now`). Any other iteration (a prompt partway, a
+binding budget, a shortage, policy priority, static batching, the allocation log) runs the
+per-request walk on the `SpecState` objects: `store` writes the arrays back to them and tells
+the allocator every slot held first, and `load` takes them up again when the fast path
+applies once more.
 """
 
 from __future__ import annotations
