@@ -282,11 +282,7 @@ class SpecSteps:
     def kv_read(self, chunk_cost: bool) -> int:
         """The KV read after a plan: the decoders' contexts (all scheduled), and, when the
         step time counts every token held, the prompts' too."""
-        dec = self.decoding
-        read = int(self.computed.dot(dec))
-        if not chunk_cost:
-            read += int(self.computed.dot(self.live)) - int(self.computed.dot(dec))
-        return read
+        return int(self.computed.dot(self.decoding if chunk_cost else self.live))
 
     def verify(self, prefilled: list[_Req]) -> list[_Req]:
         """The iteration's output after a plan (`verify_objects`', vectorised): every decoder
@@ -458,7 +454,7 @@ def verify_objects(running: Iterable[_Req], prefilled: list[_Req], steps: SpecSt
             d = st.scheduled - 1
             a = 0
             if d:
-                a = min(int(acceptance.counts(r.req.rid, st.verified, 1)[0]), d)
+                a = min(acceptance.count(r.req.rid, st.verified), d)
                 st.verified += 1
                 steps.steps += 1
                 steps.drafts_total += d

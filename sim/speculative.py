@@ -107,8 +107,8 @@ class Acceptance:
         return have[start:start + n]
 
     def count(self, rid: int, index: int) -> int:
-        """Count `index` of request `rid`: what the reference engine asks, one verifying step
-        at a time."""
+        """Count `index` of request `rid`: what the reference engine and the fast engine's
+        walk ask, one verifying step at a time."""
         return int(self.counts(rid, index, 1)[0])
 
     def forget(self, rid: int) -> None:
