@@ -380,7 +380,7 @@ class Scenario(_Frozen):
         geo = self.full_geometry
         if self.tp > 1:
             geo = replace(geo, kv_heads=max(geo.kv_heads // self.tp, 1))
-        return draft_geometry(geo, self.draft_layers, self._draft_layer(geo.dtype_bytes))
+        return draft_geometry(geo, self.draft_layers, self._draft_layer())
 
     @property
     def kv_stack(self) -> LayerStack | None:
@@ -390,13 +390,15 @@ class Scenario(_Frozen):
         stack = self.stack
         if stack is None:
             return None
-        dtype = self.full_geometry.dtype_bytes
-        return draft_stack(stack.shard(self.tp), self.draft_layers, self._draft_layer(dtype))
+        return draft_stack(stack.shard(self.tp), self.draft_layers, self._draft_layer())
 
-    def _draft_layer(self, dtype_bytes: int) -> FullAttention | None:
-        """A named draft model's KV layer on one GPU (None: the draft copies the target's)."""
+    def _draft_layer(self) -> FullAttention | None:
+        """A named draft model's KV layer on one GPU, in the model's KV dtype (None: the
+        draft copies the target's layers)."""
         spec = self.engine.speculative
-        return None if spec is None else spec.draft_layer(self.tp, dtype_bytes)
+        if spec is None:
+            return None
+        return spec.draft_layer(self.tp, self.full_geometry.dtype_bytes)
 
     @property
     def speculative(self) -> Speculative | None:
