@@ -275,21 +275,24 @@ class PagedAllocator(Allocator):
         without a Grant each. Single sequences outside the decode cohort, no model view."""
         bs, deferred = self.block_size, self._deferred
         blocks = internal = tokens = 0
-        for j, rid in enumerate(rids):
+        for j, rid in enumerate(rids):  # (checked before anything changes)
             live = self._live[rid]
             old = live.base
             new = old + more[j]
             if live.decoding or live.req.n != 1 or self._view is not None or new > live.final:
                 raise ValueError(f"request {rid}: not grown within (see `grow`)")
-            have, want = -(-old // bs), -(-new // bs)
+            blocks += -(-new // bs) - -(-old // bs)
+        if blocks > self.free_blocks():
+            raise AssertionError("grow_within: more blocks than are free")
+        for j, rid in enumerate(rids):
+            live = self._live[rid]
+            old = live.base
+            new = old + more[j]
             if not deferred:
-                self._materialize(live, want, new)
-            blocks += want - have
+                self._materialize(live, -(-new // bs), new)
             internal += self._tail_waste(live, new) - self._tail_waste(live, old)
             live.base = new
             tokens += new - old
-        if blocks > self.free_blocks():
-            raise AssertionError("grow_within: more blocks than are free")
         self._fixed_blocks += blocks
         self._fixed_internal += internal
         self._fixed_tokens += tokens

@@ -144,6 +144,15 @@ def test_grow_within_is_grow_for_each():
     assert [one.tokens(r) for r in range(3)] == [many.tokens(r) for r in range(3)]
     with pytest.raises(ValueError):
         many.grow_within([0], [100])  # (past its final length)
+    # more blocks than are free: refused before anything changes
+    tight = make_allocator("paged", capacity=6 * 4 * 8, bytes_per_token=8, max_model_len=200,
+                           block_size=4)
+    for rid in range(2):
+        assert tight.admit(Request(rid, 4, 10), decoding=False)
+    before = (tight.parts(), tight.free_blocks(), tight.tokens(0), tight.tokens(1))
+    with pytest.raises(AssertionError):
+        tight.grow_within([0, 1], [8, 8])
+    assert (tight.parts(), tight.free_blocks(), tight.tokens(0), tight.tokens(1)) == before
 
 
 def test_a_request_its_prefill_ends_needs_no_counts():
