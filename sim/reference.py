@@ -30,6 +30,10 @@ high-water mark of computed + scheduled + lookahead, and at the iteration's end 
 count gives it 1 + a tokens and rolls the rest back. Async, the rollback lands after the next
 scheduling, and a request done by its last step is scheduled once more unless vLLM could tell.
 A request's "c" is its computed tokens (vLLM's num_computed_tokens), "out" its outputs.
+
+`cfg.max_time_s` stops the run as the engine does: no iteration starts at or past it (one
+under way finishes), an idle wait ends there, and what is live then stays "running" or
+"waiting".
 """
 
 from __future__ import annotations
@@ -372,21 +376,24 @@ def reference(
                     done_prefill.append(r)
         return stepped, chunks, seconds
 
+    stop = math.inf if cfg.max_time_s is None else cfg.max_time_s
     while True:
         while pending and pending[0]["arrival"] <= t:
             r = pending.pop(0)
             r["status"] = "waiting"
             enqueue(r, front=False)
+        if t >= stop:  # (an iteration under way when the time runs out is finished first)
+            break
         if not running and not queue:
             if not pending:
                 break
-            dt = pending[0]["arrival"] - t
+            dt = min(pending[0]["arrival"], stop) - t
             acc = alloc.account(ref)
             for p in PARTS:
                 integrals[p] += getattr(acc, p) * dt
             add_waste(dt)
             total += dt
-            t = pending[0]["arrival"]
+            t = min(pending[0]["arrival"], stop)
             continue
         preempted[0] = False
         chunks_prev.clear()
@@ -619,6 +626,8 @@ def reference(
                     "idle_cached_blocks": idle(),
                 }
             )
+    for rid in alloc.rids():  # still holding memory when the run stopped (max_time_s)
+        by_rid[rid]["peak"] = max(by_rid[rid]["peak"], alloc.allocated_bytes(rid))
     cap = alloc.capacity
     if total:
         fractions = {p: integrals[p] / (cap * total) for p in PARTS}

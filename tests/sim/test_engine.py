@@ -98,15 +98,17 @@ AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equ
     watermark=st.sampled_from([0.0, 0.0, 0.1]),
     long_prefill=st.sampled_from([0, 0, 16, 48]),
     reserve=st.sampled_from([True, True, False]),
+    max_time=st.sampled_from([None, None, None, 2.53]),  # a run stopped mid-stretch (not at a
+    # multiple of a step: there, rounding decides whether one more iteration starts)
 )
 # Beams hold more blocks at their fork than at their end: a prompt whose fork exceeds the pool
 # must be rejected, not wait forever (the engine stalled here once).
 @example(seed=54, which=0, n=5, capacity_tokens=64, chunked=True, skip=False, linear=False,
          table=False, samples=3, beams=True, max_seqs=8, watermark=0.0, long_prefill=0,
-         reserve=True)
+         reserve=True, max_time=None)
 def test_fast_engine_matches_per_iteration_reference(
     seed, which, n, capacity_tokens, chunked, skip, linear, table, samples, beams, max_seqs,
-    watermark, long_prefill, reserve,
+    watermark, long_prefill, reserve, max_time,
 ):
     kind, opts = ALLOCATORS[which]
     if kind == "vattention" and opts["page_size"] % 24:
@@ -126,6 +128,7 @@ def test_fast_engine_matches_per_iteration_reference(
         long_prefill_token_threshold=long_prefill,
         reserve_full_isl=reserve,
         step_time=TABLE if table else StepTime(0.05, 1e-3, 1e-4) if linear else StepTime(0.05),
+        max_time_s=max_time,
     )
 
     def fresh():
