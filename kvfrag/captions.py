@@ -15,7 +15,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from kvfrag.figure_kit import _DPI, _first, format_bytes
-from kvfrag.sweep_plots import _SETTING_COLUMNS, sweep_columns
+from kvfrag.sweep_plots import _SETTING_COLUMNS, key_span, sweep_columns
 
 _LINE_IN = 0.17  # inches per caption line kept at the bottom of every figure
 
@@ -28,10 +28,14 @@ def caption_parts(meta: Mapping | None = None, summary: pd.DataFrame | None = No
     scenario = meta.get("scenario") or meta.get("name") or _first(summary, "scenario")
     if scenario:
         parts.append(f"scenario: {scenario}")
+    models = [] if summary is None or "model" not in summary.columns else [
+        str(m) for m in pd.unique(summary["model"].dropna())]
     model = meta.get("model") or _first(summary, "model")
     if isinstance(model, Mapping):
         model = model.get("name")
-    if model:
+    if len(models) > 1:  # (a sweep over the model)
+        parts.append(f"model: swept ({', '.join(models)})")
+    elif model:
         parts.append(f"model: {model}")
     # The budget the runs used (summary.csv) rather than how the scenario gave it: a number,
     # a size string or a GPU's terms (a mapping) all read `12 GiB`, as the axes do.
@@ -60,8 +64,11 @@ def caption_parts(meta: Mapping | None = None, summary: pd.DataFrame | None = No
         mml = meta.get("max_model_len") or _first(summary, "max_model_len")
     if mml is not None:
         parts.append(f"max_model_len: {mml if isinstance(mml, str) else int(mml)}")
+    bpt_range = _range(summary, "bytes_per_token", format_bytes)
     bpt = _first(summary, "bytes_per_token")
-    if bpt is not None:
+    if bpt_range:
+        parts.append(f"{bpt_range} per token per point")
+    elif bpt is not None:
         parts.append(f"{format_bytes(float(bpt))} per token")
     workload = meta.get("workload")
     if workload:
@@ -95,10 +102,8 @@ def _swept_keys(summary: pd.DataFrame | None) -> list[str]:
 
 def _fallback_settings(summary: pd.DataFrame) -> set[str]:
     """The setting columns `sweep_columns` names only for want of sweep-key columns."""
-    cols = list(summary.columns)
-    if "model" in cols and "point" in cols and cols.index("point") < cols.index("model"):
-        return set(_SETTING_COLUMNS) - set(cols[cols.index("point") + 1 : cols.index("model")])
-    return set(_SETTING_COLUMNS)
+    between = key_span(list(summary.columns))
+    return set(_SETTING_COLUMNS) - set(between or ())
 
 
 def caption(meta: Mapping | None = None, summary: pd.DataFrame | None = None) -> str:

@@ -1,7 +1,7 @@
 """Sweeps as figures show them: which columns are the sweep's keys, what each point is
 called, and where it sits on an axis (`kvfrag.plots` and every figure module).
 
-- `sweep_columns`: the summary's sweep-key columns (those between `point` and `model` whose
+- `sweep_columns`: the summary's sweep-key columns (those between `point` and `hardware` whose
   value changes from point to point); `point_names`: each point as the printed table names it
   (`block_size=32`, `n=2`, `kv_budget=8 GiB`); `sweep_axis`: the points on an x axis, by their
   swept value where it is a number.
@@ -90,6 +90,16 @@ _BASE_COLUMNS = {
 _SETTING_COLUMNS = ("kv_budget_bytes", "max_model_len", "bytes_per_token")
 
 
+def key_span(cols: list[str]) -> list[str] | None:
+    """The columns summary.csv puts a sweep's keys in: after `point`, up to `hardware` (the
+    run's settings follow). `model` is among them: a sweep over the model writes its name
+    there, and it varies only then. None for a table without that layout."""
+    end = "hardware" if "hardware" in cols else "model"
+    if "point" not in cols or end not in cols or cols.index("point") > cols.index(end):
+        return None
+    return cols[cols.index("point") + 1 : cols.index(end)]
+
+
 def sweep_columns(summary: pd.DataFrame) -> list[str]:
     """The summary's sweep-key columns: those that are not run metadata or engine keys and
     whose value changes from point to point (run settings such as kv_budget_bytes when a sweep
@@ -103,10 +113,8 @@ def sweep_columns(summary: pd.DataFrame) -> list[str]:
         )
         return per_point.dropna().nunique() > 1
 
-    cols = list(summary.columns)
-    if "model" in cols and cols.index("point") < cols.index("model"):
-        # summary.csv puts the sweep keys between `point` and `model`.
-        between = cols[cols.index("point") + 1 : cols.index("model")]
+    between = key_span(list(summary.columns))
+    if between is not None:
         keys = [c for c in between if varies(c)]
     else:
         keys = [c for c in summary.columns

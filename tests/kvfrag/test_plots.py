@@ -992,3 +992,28 @@ def test_pieces_of_a_moved_slab_keep_its_parts_continuous():
     ts = cut["token_states"]
     assert ts[0, 4, 1] - 2 == pytest.approx(ts[1, 1, 1] - 1)
     assert ts[1, 4, 1] - 1 == pytest.approx(ts[2, 1, 1])
+
+
+def test_a_sweep_over_the_model_is_named_by_the_model(results):
+    """A sweep over `model` (and max_model_len) names its points by the model's name, not by
+    the bytes per token that follow from it, and the caption says the model was swept."""
+    base = pd.read_csv(results / "summary.csv")
+    rows = []
+    for point, (model, mml, bpt) in enumerate([("gemma-3-27b", 4096, 507904),
+                                               ("gpt-oss-120b", 4096, 73728),
+                                               ("gpt-oss-120b", 8192, 73728)]):
+        part = base.drop(columns=["point", "model", "max_model_len", "bytes_per_token"],
+                         errors="ignore")
+        # as summary.csv lays it out: the sweep keys after `point`, the settings from hardware
+        front = pd.DataFrame({"label": part.pop("label"), "kind": part.pop("kind"),
+                              "point": point, "model": model, "max_model_len": mml,
+                              "hardware": "", "bytes_per_token": bpt})
+        rows.append(pd.concat([front, part], axis=1))
+    summary = pd.concat(rows, ignore_index=True)
+    names = sweep_plots.point_names(summary)
+    assert names == {0: "model=gemma-3-27b, max_model_len=4096",
+                     1: "model=gpt-oss-120b, max_model_len=4096",
+                     2: "model=gpt-oss-120b, max_model_len=8192"}
+    text = captions.caption(None, summary)
+    assert "model: swept (gemma-3-27b, gpt-oss-120b)" in text
+    assert "72–496 KiB per token per point" in text
