@@ -44,8 +44,9 @@ from kvfrag.sweep_plots import (
 
 
 def _capacity_metrics(summary: pd.DataFrame) -> list[dict[str, Any]]:
-    """The capacity figure's panels: requests running, throughput and latency always (latency
-    where the summary has it), then what a scenario is about when its runs show it: prefix
+    """The capacity figure's panels: requests running, capacity (requests at once at
+    saturation, `sim.capacity`), throughput and latency always (capacity and latency where the
+    summary has them), then what a scenario is about when its runs show it: prefix
     cache hits, memory saved by sharing, compaction stall."""
 
     def shows(col: str) -> bool:
@@ -62,6 +63,12 @@ def _capacity_metrics(summary: pd.DataFrame) -> list[dict[str, Any]]:
          "ylabel": "throughput (generated tokens / s)",
          "bar_note": "generated tokens over the run's span"},
     ]
+    if shows("capacity_requests"):  # (what the memory holds, whatever the arrival rate)
+        metrics.insert(1, {
+            "main": "capacity_requests", "fmt": "{:.1f}", "title": "Capacity",
+            "ylabel": "requests running at once, saturated",
+            "bar_note": "requests at once when the queue never empties",
+            "line_note": "requests at once when the queue never empties"})
     if "mean_latency_s" in summary.columns:
         metrics.append(
             {"main": "mean_latency_s", "extra": "p99_latency_s", "fmt": "s",
