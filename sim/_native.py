@@ -53,6 +53,7 @@ HOT = (
     "allocators/torch_blocks",
     "allocators/torch_caching",
     "allocators/hybrid",
+    "allocators/floor",
     "hybrid/forms",
     "hybrid/cohort",
     "hybrid/lookahead",

@@ -176,6 +176,35 @@ class ModelView:
                 walked += alpha * fa * count + (alpha * step + w1 * fa) * s1 + w1 * step * s2
         return (self._fixed + const + slope * clock) * weight + slope * jw + walked
 
+    def at(self, clock: int) -> tuple[int, int]:
+        """(`total`, growth per step) at a later `clock` with nothing entering or leaving
+        before it, without renewing anything: the segments that end before it evaluated
+        afresh. The growth is the slope of the segments valid then (0 for a decoder inside
+        its window or chunk, a sliding layer's bytes past the window), which later steps
+        only raise: out of window stays at or above total + growth x steps (`sim.allocators
+        .floor`'s bound)."""
+        const, slope = self._offset, self._slope
+        for rid in self._ending_by(clock):
+            _, c, sl, mult, phase = self._seg[rid]
+            tokens = phase + clock
+            now = mult * self.out_of_window(tokens)
+            grows = mult * self.out_of_window(tokens + 1) - now if self.end(tokens) > tokens else 0
+            const += now - grows * clock - c
+            slope += grows - sl
+        return self._fixed + const + slope * clock, slope
+
+    def next_end(self, clock: int) -> int | None:
+        """The earliest clock past `clock` at which a decoder's segment ends (its figure
+        turns: a window edge or a chunk start), or None: stale heap entries dropped."""
+        heap, segs = self._heap, self._seg
+        while heap:
+            key, rid = heap[0]
+            seg = segs.get(rid)
+            if seg is not None and seg[0] + 1 == key:
+                return max(key, clock + 1)
+            heapq.heappop(heap)
+        return None
+
     def _ending_by(self, k: int) -> list[int]:
         return segments_ending_by(self._heap, self._seg, k)
 

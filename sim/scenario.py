@@ -202,17 +202,19 @@ class Scenario(_Frozen):
     @model_validator(mode="after")
     def _layout(self) -> Scenario:
         """A Mamba hybrid's state (a page per request, not per token) has a place only in the
-        `hybrid` allocator: vLLM cannot run such a model without its hybrid KV-cache manager
+        layouts that lay out the model's layers themselves (the `hybrid` allocator, and the
+        `floor`'s exact need): vLLM cannot run such a model without its hybrid KV-cache manager
         (a Mamba layer cannot be promoted to full attention), and kvfrag does not price the
         state as per-token KV in the other layouts."""
         stack = self.stack
         if stack is not None and stack.mamba_layers:
             for i, spec in enumerate(self.allocators):
-                if spec.kind != "hybrid":
+                if not _takes_stack(spec.kind):
                     raise FieldError(("allocators", i), f"allocator {spec.label!r}: {spec.kind} "
                                      f"cannot hold the Mamba state of {stack.name} "
                                      f"({stack.mamba_layers} layers; vLLM runs a Mamba hybrid "
-                                     "only with its hybrid KV-cache manager): use kind hybrid")
+                                     "only with its hybrid KV-cache manager): use kind hybrid "
+                                     "(or floor)")
         return self
 
     @model_validator(mode="after")
@@ -595,7 +597,8 @@ def allocator_options(point: Scenario, spec: AllocatorSpec) -> dict[str, Any]:
         # (None: a full-attention model, whose sharded geometry the allocator reads as such)
         options["stack"] = None if stack is None else stack.shard(point.tp)
         options["max_num_batched_tokens"] = point._batch_limits()[1]
-        options.setdefault("concurrent_batches", 2 if point.async_scheduling else 1)
+        if "concurrent_batches" in options_of(spec.kind):
+            options.setdefault("concurrent_batches", 2 if point.async_scheduling else 1)
     return options
 
 

@@ -18,6 +18,7 @@ from kvfrag.sim.allocators.base import (
 )
 from kvfrag.sim.allocators.buddy import BuddyAllocator
 from kvfrag.sim.allocators.contiguous import ContiguousAllocator, Placement
+from kvfrag.sim.allocators.floor import FloorAllocator
 from kvfrag.sim.allocators.hybrid import HybridAllocator
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.allocators.prefix_caching import PrefixCachingAllocator
@@ -36,6 +37,7 @@ REGISTRY: dict[str, type[Allocator]] = {
         TorchCachingAllocator,
         VAttentionAllocator,
         HybridAllocator,
+        FloorAllocator,
     )
 }
 
@@ -57,9 +59,10 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "concurrent_batches", "prefix_caching", "mamba_cache_mode",
         "prefix_cache_retention_interval",
     ),
+    "floor": ("stack", "max_num_batched_tokens"),
 }
 #: Kinds whose constructor also takes the model's KV shape (`geometry=`).
-TAKES_GEOMETRY = frozenset({"vattention", "hybrid"})
+TAKES_GEOMETRY = frozenset({"vattention", "hybrid", "floor"})
 
 
 def options_of(kind: str) -> list[str]:
@@ -121,6 +124,7 @@ __all__ = [
     "Allocator",
     "BuddyAllocator",
     "ContiguousAllocator",
+    "FloorAllocator",
     "Grant",
     "HybridAllocator",
     "PagedAllocator",

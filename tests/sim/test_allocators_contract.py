@@ -626,18 +626,19 @@ def _hybrid_stacks():
 HYBRID_STACKS = _hybrid_stacks()
 
 
+@pytest.mark.parametrize("kind", ["hybrid", "floor"])
 @pytest.mark.parametrize("name", list(HYBRID_STACKS))
-def test_hybrid_lifecycle_identity_refusals_and_no_leak(name):
+def test_hybrid_lifecycle_identity_refusals_and_no_leak(name, kind):
     stack = HYBRID_STACKS[name]
     b, mml = stack.full_bytes_per_token, 64
-    a = make_allocator("hybrid", capacity=40_000, bytes_per_token=b, max_model_len=mml,
+    a = make_allocator(kind, capacity=40_000, bytes_per_token=b, max_model_len=mml,
                        stack=stack)
     checked(a)
     fresh = copy.deepcopy(a)
     rids, refusal = fill(a, lambda rid: Request(rid, 20 + rid % 7, 30), Request(99, 5, 5))
     assert rids and refusal.reason is Reason.OUT_OF_MEMORY
     before = snapshot(a)
-    assert not a.admit(Request(len(rids), 20, 30)) and snapshot(a) == before
+    assert not a.admit(Request(len(rids), 20 + len(rids) % 7, 30)) and snapshot(a) == before
     while (full := a.steps_until_full()) is not None and a.steps_until_done():
         assert a.step(min(full, a.steps_until_done()))
         checked(a, Request(99, 5, 5))
@@ -651,3 +652,25 @@ def test_hybrid_lifecycle_identity_refusals_and_no_leak(name):
         a.free(rid)
         checked(a)
     assert a.account() == fresh.account()
+
+
+@pytest.mark.parametrize(("capacity", "b", "tokens"), [(4096, 2, 5), (10_000, 6, 7), (999, 4, 1)])
+def test_floor_on_full_attention_fills_the_budget_to_the_byte(capacity, b, tokens):
+    """On a full-attention model the floor is every token, byte-granular: requests of
+    `tokens` tokens fill capacity // (b x tokens), and the bytes left are usable free."""
+    a = make_allocator("floor", capacity=capacity, bytes_per_token=b, max_model_len=64,
+                       geometry=_geometry_of(b))
+    rids, refusal = fill(a, lambda rid: Request(rid, tokens, 3))
+    assert len(rids) == capacity // (b * tokens) and refusal.reason is Reason.OUT_OF_MEMORY
+    acc = a.account()
+    assert (acc.token_states, acc.reserved, acc.internal, acc.external) == (
+        len(rids) * b * tokens, 0, 0, 0)
+    assert acc.usable_free == capacity - len(rids) * b * tokens
+
+
+
+def _geometry_of(b: int):
+    """A one-layer full-attention model of `b` (even) bytes per token."""
+    from kvfrag.sim.geometry import KVGeometry
+
+    return KVGeometry("plain", layers=1, kv_heads=1, head_dim=b // 2, dtype_bytes=1)

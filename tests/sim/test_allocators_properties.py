@@ -702,3 +702,59 @@ def test_hybrid_integrate_and_full(pattern, phases, clock, extra_blocks, w0, w1,
     scale = a.capacity * n * (w0 + abs(w1) * n + 1)
     for part in PARTS:
         assert got[part] == pytest.approx(want[part], rel=1e-9, abs=1e-12 * scale), part
+
+
+@pytest.mark.parametrize("pattern", HYBRID)
+@settings(max_examples=60, deadline=None)
+@given(
+    phases=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 80), st.booleans()), min_size=1, max_size=6
+    ),
+    clock=st.integers(0, 40),
+    extra=st.integers(0, 6_000),
+    w0=st.floats(0, 5),
+    w1=st.floats(-2, 2),
+    data=st.data(),
+)
+def test_floor_integrate_and_full(pattern, phases, clock, extra, w0, w1, data):
+    """The floor with decoders at mixed phases, past window edges and chunk starts:
+    integrate is the brute-force sum, steps_until_full the last step before a refusal, and
+    the running sums are each request's need, summed afresh."""
+    stack = _hybrid_stack(pattern)
+    b, mml = stack.full_bytes_per_token, 200
+    sizing = make_allocator("floor", capacity=10**12, bytes_per_token=b, max_model_len=mml,
+                            stack=stack)
+    need = sum(sizing.bytes_for(Request(0, p, 1), p) for p, _, _ in phases)
+    capacity = max(need, sizing.bytes_for(Request(0, 1, 1), clock + 2)) + extra
+    a = make_allocator("floor", capacity=capacity, bytes_per_token=b, max_model_len=mml,
+                       stack=stack)
+    if clock:
+        assert a.admit(Request(-5, 1, clock + 1))
+        assert a.step(clock)
+        a.free(-5)
+    for rid, (prompt, output, decoding) in enumerate(phases):
+        assert a.admit(Request(rid, prompt, output), decoding=decoding)
+    acc = a.account()
+    acc.check()
+    assert acc.internal == acc.external == 0
+    assert acc.token_states == sum(a.need(a.tokens(r)) for r in a.rids())
+    assert acc.allocated == sum(a.allocated_bytes(r) for r in a.rids())
+    full, done = a.steps_until_full(), a.steps_until_done()
+    if done is not None:
+        c = copy.deepcopy(a)
+        if full is None or full >= done:
+            assert c.step(done)
+        else:
+            assert c.step(full)
+            assert not c.step(1)
+            after = sum(c.need(c.tokens(r) + c.is_decoding(r)) for r in c.rids())
+            assert after + c.account().reserved > c.capacity  # (the next step does not fit)
+        c.account().check()
+        assert c.account().token_states == sum(c.need(c.tokens(r)) for r in c.rids())
+    limits = [x for x in (done, full) if x is not None]
+    n = data.draw(st.integers(0, min([60, *limits])))
+    got = a.integrate(n, None, w0, w1)
+    want = brute_integrate(a, n, None, w0, w1)
+    scale = a.capacity * n * (w0 + abs(w1) * n + 1)
+    for part in PARTS:
+        assert got[part] == pytest.approx(want[part], rel=1e-9, abs=1e-12 * scale), part
