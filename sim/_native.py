@@ -54,6 +54,7 @@ HOT = (
     "allocators/torch_caching",
     "allocators/hybrid",
     "allocators/floor",
+    "allocators/static_partition",
     "hybrid/forms",
     "hybrid/cohort",
     "hybrid/lookahead",

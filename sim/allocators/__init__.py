@@ -23,6 +23,7 @@ from kvfrag.sim.allocators.hybrid import HybridAllocator
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.allocators.prefix_caching import PrefixCachingAllocator
 from kvfrag.sim.allocators.slab import Reserve
+from kvfrag.sim.allocators.static_partition import StaticPartitionAllocator
 from kvfrag.sim.allocators.torch_caching import TorchCachingAllocator
 from kvfrag.sim.allocators.vattention import VAttentionAllocator
 from kvfrag.sim.geometry import KVGeometry
@@ -38,6 +39,7 @@ REGISTRY: dict[str, type[Allocator]] = {
         VAttentionAllocator,
         HybridAllocator,
         FloorAllocator,
+        StaticPartitionAllocator,
     )
 }
 
@@ -60,9 +62,12 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "prefix_cache_retention_interval",
     ),
     "floor": ("stack", "max_num_batched_tokens"),
+    "static-partition": (
+        "block_size", "partition", "stack", "max_num_batched_tokens", "concurrent_batches",
+    ),
 }
 #: Kinds whose constructor also takes the model's KV shape (`geometry=`).
-TAKES_GEOMETRY = frozenset({"vattention", "hybrid", "floor"})
+TAKES_GEOMETRY = frozenset({"vattention", "hybrid", "floor", "static-partition"})
 
 
 def options_of(kind: str) -> list[str]:
@@ -134,6 +139,7 @@ __all__ = [
     "Refusal",
     "Request",
     "Reserve",
+    "StaticPartitionAllocator",
     "TorchCachingAllocator",
     "VAttentionAllocator",
     "allocator_class",

@@ -309,6 +309,15 @@ class HybridAllocator(Allocator):
     def allocated_bytes(self, rid: int) -> int:
         return self.blocks_of(rid) * self.page
 
+    def grow_shortfall(self, rid: int, n: int, in_flight: int = 0) -> int:
+        """Blocks `grow(rid, n, in_flight)` would need beyond the free ones (0: it would be
+        granted); nothing changes. A coordinator of several pools (`static-partition`) asks
+        each before it grows any, so that a refusal leaves every pool as it was."""
+        live = self._get(rid)
+        old = self._tokens_of(live)
+        proc = max(0, old - in_flight) if self._lag else old
+        return max(0, self._blocks(old + n, proc) - self.blocks_of(rid) - self.free_blocks())
+
     def bytes_for(self, req: Request, tokens: int) -> int:
         """The most the request holds while its first `tokens` are prefilled: every group's
         blocks for them, sliding and chunked groups capped at their admission cap (vLLM's

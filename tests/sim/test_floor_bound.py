@@ -26,8 +26,10 @@ def _span(stack: LayerStack) -> int:
 
 def _layouts(stack: LayerStack) -> list[tuple[str, dict]]:
     """The allocator kinds (and options) that run on `stack`: a Mamba hybrid only with the
-    hybrid manager; the others also as every layout without one keeps every layer."""
-    out: list[tuple[str, dict]] = [("hybrid", {"stack": stack})]
+    layouts that place its layers by type (the hybrid manager, a pool per type); the others
+    also as every layout without one keeps every layer."""
+    out: list[tuple[str, dict]] = [("hybrid", {"stack": stack}),
+                                   ("static-partition", {"stack": stack})]
     if stack.mamba_layers:
         return out
     out += [
@@ -45,7 +47,7 @@ def _layouts(stack: LayerStack) -> list[tuple[str, dict]]:
 def _build(kind: str, opts: dict, stack: LayerStack, mml: int, asynchronous: bool) -> Allocator:
     a = make_allocator(kind, capacity=CAPACITY, bytes_per_token=stack.full_bytes_per_token,
                        max_model_len=mml, geometry=stack.geometry(), **opts)
-    if kind not in ("hybrid", "floor"):
+    if kind not in ("hybrid", "floor", "static-partition"):
         a.view_model(stack)
     a.defer_block_ids()
     if asynchronous:
