@@ -108,8 +108,9 @@ from kvfrag.sim.waiting import PriorityQueue
 
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Allocators speculative decoding is not modelled with: EAGLE's block hashes cover one token
-#: more (prefix caching), and vLLM's hybrid manager places draft layers in groups of their own.
-SPEC_NOT_MODELLED = frozenset({"prefix-caching", "hybrid"})
+#: more (prefix caching), and vLLM's hybrid manager places draft layers in groups of their own
+#: (as the layouts by layer type would: the floor, static-partition).
+SPEC_NOT_MODELLED = frozenset({"prefix-caching", "hybrid", "floor", "static-partition"})
 #: `run`'s progress callback is called at most once in this many turns of the serving loop
 #: (the wall clock is read no more often), and this many seconds of wall time apart.
 PROGRESS_TURNS = 256

@@ -63,6 +63,8 @@ MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 #: Allocator kinds that speculative decoding does not run on yet, and why.
 NOT_MODELLED = {
     "hybrid": "the hybrid allocator with engine.speculative is not modelled yet",
+    "floor": "floor with engine.speculative is not modelled yet",
+    "static-partition": "static-partition with engine.speculative is not modelled yet",
     "prefix-caching": "prefix caching with engine.speculative is not modelled yet (EAGLE's "
                       "block hashes cover one more token)",
 }

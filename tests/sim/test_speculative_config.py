@@ -275,3 +275,10 @@ def test_check_workload_needs_the_column_and_single_sequences(tmp_path):
     check_workload(spec, table(accepted_drafts=pd.Series([[1], [1]], dtype=object)), "w")
     rate = load(tmp_path).engine.speculative
     check_workload(rate, table(n=np.ones(2, dtype=np.int64)), "w")  # (a rate needs no column)
+
+
+@pytest.mark.parametrize("kind", ["floor", "static-partition"])
+def test_the_layouts_by_layer_type_refuse_speculative_decoding(tmp_path, kind):
+    with pytest.raises(ScenarioError, match=f"allocator 'a': {kind} with engine.speculative is "
+                                            "not modelled yet"):
+        load(tmp_path, [f"allocators=[{{label: a, kind: {kind}}}]"])
