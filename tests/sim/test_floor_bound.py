@@ -38,6 +38,7 @@ def _layouts(stack: LayerStack) -> list[tuple[str, dict]]:
         ("prefix-caching", {"block_size": 16}),
         ("contiguous", {"reserve": "oracle"}),
         ("buddy", {"reserve": "pow2_final"}),
+        ("torch-caching", {"reserve": "oracle"}),
     ]
     if stack.full_geometry() is not None:
         out.append(("vattention", {"page_size": 2 * 2**20}))
@@ -69,7 +70,7 @@ def _held(a: Allocator) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(STACKS))
-@settings(max_examples=20, deadline=None,
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=OPS, asynchronous=st.booleans())
 def test_no_allocator_holds_less_than_the_floor(name, ops, asynchronous):
