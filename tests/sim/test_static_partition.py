@@ -235,3 +235,21 @@ def test_fast_engine_matches_reference(seed, which, n, slack, chunked, asynchron
     slow = reference(wl, fresh(), cfg)
     AGREE(fast, slow)
     assert sum(fast.summary[f"{p}_frac"] for p in PARTS) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_a_sweep_over_the_partition_runs_each_ratio(tmp_path):
+    """The best ratio for a trace is found by a sweep over the layout's `partition` (the whole
+    mapping: a sweep over one share alone would leave the sum off 1)."""
+    from kvfrag.cli import main
+
+    out = tmp_path / "out"
+    code = main(["run", str(ROOT / "scenarios" / "gpt-oss-120b-h100.yaml"), "--set",
+                 "allocators=[{label: sp, kind: static-partition}]", "--set",
+                 "sweep={allocators.sp.partition: [{full: 0.8, sliding: 0.2}, "
+                 "{full: 0.9, sliding: 0.1}]}", "--set", "workload.transforms.first_n=30",
+                 "-o", str(out), "-q", "--no-plots"])
+    assert code == 0
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary["partition_full_share"].tolist() == [0.8, 0.9]
+    blocks = summary["partition_full_blocks"].tolist()
+    assert blocks[0] < blocks[1]  # (a larger share, more blocks of the same page)
