@@ -194,6 +194,10 @@ class StaticPartitionAllocator(Allocator):
                                  "holds no request's state")
         self.left_over = self.capacity - used  # (the shares' rounding: external)
         self.waste_split = True
+        # `parts()` as of (clock, changes): the engine asks the free bytes and the parts several
+        # times between two changes, and each asks every pool
+        self._changes = 0
+        self._parts_memo: tuple[int, int, tuple[int, int, int, int, int]] | None = None
 
     # ------------------------------------------------------------- per request
     def allocated_bytes(self, rid: int) -> int:
@@ -237,6 +241,7 @@ class StaticPartitionAllocator(Allocator):
     # -------------------------------------------------------------------- hooks
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         req, rid = live.req, live.req.rid
+        self._changes += 1
         state = self.state
         if state is not None and state.held >= state.num_blocks:
             reason = Reason.TOO_LARGE if state.num_blocks == 0 else Reason.OUT_OF_MEMORY
@@ -257,6 +262,7 @@ class StaticPartitionAllocator(Allocator):
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
+        self._changes += 1
         for t, p in zip(self.types, self.pools, strict=True):
             short = p.grow_shortfall(rid, new - old, self.in_flight_now)
             if short > 0:
@@ -270,12 +276,14 @@ class StaticPartitionAllocator(Allocator):
         return Grant(rid, nbytes, live.cap)
 
     def _release(self, live: Live) -> None:
+        self._changes += 1
         for p in self.pools:
             p.free(live.req.rid)
         if self.state is not None:
             self.state.held -= 1
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
+        self._changes += 1
         for p in self.pools:
             p.set_decoding(live.req.rid, decoding)
 
@@ -292,6 +300,7 @@ class StaticPartitionAllocator(Allocator):
             p.set_async()
 
     def unscheduled(self, rid: int) -> None:
+        self._changes += 1
         for p in self.pools:
             p.unscheduled(rid)
 
@@ -304,6 +313,9 @@ class StaticPartitionAllocator(Allocator):
 
     # ----------------------------------------------------------------- totals
     def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
+        memo = self._parts_memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._changes:
+            return memo[2]
         sums = [0, 0, 0, self.left_over, 0]
         for p in self.pools:
             for i, x in enumerate(p.parts()):
@@ -311,7 +323,9 @@ class StaticPartitionAllocator(Allocator):
         if self.state is not None:
             for i, x in enumerate(self.state.parts()):
                 sums[i] += x
-        return (sums[0], sums[1], sums[2], sums[3], sums[4])
+        out = (sums[0], sums[1], sums[2], sums[3], sums[4])
+        self._parts_memo = (self._clock, self._changes, out)
+        return out
 
     def _allocated_total(self) -> int:
         parts = self.parts()
