@@ -18,7 +18,9 @@ while it is computed, not only the window of the last; a chunked-local layer rea
 start of the chunk of its first position: c + (old mod C) tokens. The floor holds those from
 the chunk's allocation (`admit` or `grow`) until the request's next one or until it joins the
 decode cohort (after its last chunk), and counts the bytes beyond the need as `reserved`. A
-decode step (c = 1) holds nothing beyond the need, so a decoder holds exactly its need. Every
+decode step (c = 1) holds nothing beyond the need, so a decoder holds exactly its need (the
+bytes given back as a request joins the cohort count as a free: the engine tries a request
+refused for memory again after one). Every
 layout must hold as much: vLLM frees a window's blocks only by the tokens processed before
 the allocation (the hybrid allocator holds every block of the chunk's reads and more), and
 the other layouts keep every token. So the floor stays a lower bound at every instant (the
