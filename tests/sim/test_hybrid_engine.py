@@ -198,7 +198,8 @@ allocators:
 @pytest.mark.parametrize(("model", "allocator", "expected"), [
     ("jamba-1.5-mini", "{label: paged-16, kind: paged}",
      r"s\.yaml:14: allocators\[1\]: allocator 'paged-16': paged cannot hold the Mamba state of "
-     r"jamba-1\.5-mini \(28 layers; .*\): use kind hybrid \(or floor\)$"),
+     r"jamba-1\.5-mini \(28 layers; .*\): use kind hybrid \(or static-partition, "
+     r"floor\)$"),
     ("{layers: [{type: full}, {type: mamba, state_bytes: 1MiB}], kv_heads: 8, head_dim: 64}",
      "{label: slab, kind: contiguous, reserve: max_model_len}",
      r"allocators\[1\]: allocator 'slab': contiguous cannot hold the Mamba state of custom "
