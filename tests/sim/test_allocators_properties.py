@@ -758,3 +758,22 @@ def test_floor_integrate_and_full(pattern, phases, clock, extra, w0, w1, data):
     scale = a.capacity * n * (w0 + abs(w1) * n + 1)
     for part in PARTS:
         assert got[part] == pytest.approx(want[part], rel=1e-9, abs=1e-12 * scale), part
+
+
+def test_floor_full_passes_a_chunk_start_where_the_need_drops():
+    """Three chunked-local layers (chunk 24) and a full one, 16 B per token each: a decoder's
+    need is 64 B a token up to a chunk's end, drops to the full layer's and one token at the
+    next chunk's start, and grows again; in 1,536 B it fills at 24 tokens, passes the chunk
+    start, and is refused only past 42 (16 x 43 + 48 x 19 > 1,536)."""
+    from kvfrag.sim.layers import ChunkedLocal, FullAttention, LayerStack
+
+    stack = LayerStack("c3f", (ChunkedLocal(1, 4, 2, chunk=24),) * 3 + (FullAttention(1, 4, 2),))
+    a = make_allocator("floor", capacity=1536, bytes_per_token=64, max_model_len=200,
+                       stack=stack)
+    assert a.admit(Request(0, 23, 100))
+    assert a.account().token_states == 64 * 23
+    assert a.steps_until_full() == 19
+    assert a.step(1) and a.account().usable_free == 0  # 24 tokens: the budget, exactly
+    assert a.step(1) and a.account().token_states == 16 * 25 + 48  # a chunk start
+    assert a.step(17) and a.account().usable_free == 0
+    assert a.steps_until_full() == 0 and not a.step(1)
