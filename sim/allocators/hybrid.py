@@ -309,6 +309,11 @@ class HybridAllocator(Allocator):
     def allocated_bytes(self, rid: int) -> int:
         return self.blocks_of(rid) * self.page
 
+    def admit_shortfall(self, tokens: int) -> int:
+        """Blocks an admission of `tokens` tokens would need beyond the free ones (0: it would
+        be granted); nothing changes (see `grow_shortfall`)."""
+        return max(0, self._blocks(tokens, 0) - self.free_blocks())
+
     def grow_shortfall(self, rid: int, n: int, in_flight: int = 0) -> int:
         """Blocks `grow(rid, n, in_flight)` would need beyond the free ones (0: it would be
         granted); nothing changes. A coordinator of several pools (`static-partition`) asks

@@ -246,15 +246,17 @@ class StaticPartitionAllocator(Allocator):
         if state is not None and state.held >= state.num_blocks:
             reason = Reason.TOO_LARGE if state.num_blocks == 0 else Reason.OUT_OF_MEMORY
             return Refusal(rid, reason, state.page, self.free_bytes(), "no free state block")
-        nbytes = 0
-        for i, p in enumerate(self.pools):
-            got = p.admit(req, tokens, decoding=False)
-            if isinstance(got, Refusal):
-                for q in self.pools[:i]:
-                    q.free(rid)
+        for t, p in zip(self.types, self.pools, strict=True):
+            if p.admit_shortfall(tokens) > 0:  # (its refusal, which changes nothing)
+                got = p.admit(req, tokens, decoding=False)
+                assert isinstance(got, Refusal)
                 return Refusal(rid, got.reason, got.needed, self.free_bytes(),
-                               f"{self.types[i]} pool: {got.detail}".rstrip(": "))
-            nbytes += got.nbytes
+                               f"{t} pool: {got.detail}".rstrip(": "))
+        nbytes = 0
+        for p in self.pools:
+            granted = p.admit(req, tokens, decoding=False)
+            assert isinstance(granted, Grant)  # (its shortfall was 0)
+            nbytes += granted.nbytes
         if state is not None:
             state.held += 1
             nbytes += state.page
