@@ -93,6 +93,8 @@ def test_no_allocator_holds_less_than_the_floor(name, ops, asynchronous):
             req = Request(rid, prompt, output)
             first = prompt if flag else 1 + y % prompt  # whole, or a first chunk
             decoding = flag and output > 0
+            # the floor's admission figure (chunks in flight included) is vLLM's capped one at most
+            assert floor.bytes_for(req, prompt) <= others[0].bytes_for(req, prompt)
             for a in every:
                 assert a.admit(req, first, decoding=decoding)
             prompts[rid], last[rid] = prompt, first
