@@ -112,7 +112,7 @@ def row(
         held = [0] * len(eng.group_names)
         for g, blocks in enumerate(eng.alloc.group_blocks()):
             held[eng.group_of[g]] += blocks
-        rows.groups.append(held)
+        rows.groups.extend(held)
     if len(rows.t) == _ROWS_PER_CHUNK:
         rows.flush()
 
