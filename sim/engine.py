@@ -437,10 +437,10 @@ class Engine:
         """Preempt the newest requests until every decoder can store its next token."""
         alloc = self.alloc
         self.walked = False
-        if self.by_priority and alloc.n_decoding and alloc.steps_until_full() == 0:
+        if self.by_priority and alloc.n_decoding and not alloc.can_step():
             walk_decoders(self)
             return
-        while alloc.n_decoding and alloc.steps_until_full() == 0:
+        while alloc.n_decoding and not alloc.can_step():
             # The decoders before the shortage took every free block, idle cached ones
             # (evicted) included, before the victim's blocks come back.
             alloc.evict_idle()
@@ -575,8 +575,8 @@ class Engine:
         if cfg.batching == "static" and (self.running or self.batch_done):
             return used  # a static batch admits nobody until it has finished
         queue = self.queue
-        shrinks = self.alloc.steps_until_shrink() is not None
-        if queue and not shrinks and self.blocked_head == (queue[0].idx, *self._released()):
+        if (queue and self.blocked_head == (queue[0].idx, *self._released())
+                and self.alloc.steps_until_shrink() is None):
             return used  # FCFS head refused for memory and nothing was freed since
         self.head_reason = None
         i = 0

@@ -476,6 +476,12 @@ class Allocator(ABC):
         """Steps every decoder can take before an allocation fails (None: never)."""
         return None
 
+    def can_step(self) -> bool:
+        """Whether every decoder can store its next token (`steps_until_full()` is not 0):
+        what the engine asks before each iteration. An allocator whose look-ahead walks steps
+        may answer it for the next step alone."""
+        return self.steps_until_full() != 0
+
     def steps_until_shrink(self) -> int | None:
         """Steps until a step gives memory back without a free (None: steps never do)."""
         return None

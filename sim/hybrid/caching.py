@@ -706,6 +706,10 @@ class HybridPrefixCaching(HybridAllocator):
         self._ahead = (self._clock, self._version, full, shrink)
         return full, shrink
 
+    def can_step(self) -> bool:
+        """(`Allocator.can_step`: the look-ahead answers for the whole stretch at once.)"""
+        return self.steps_until_full() != 0
+
     def steps_until_full(self) -> int | None:
         full = self._look_ahead()[0]
         if full == 0:
