@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
+from typing import Final
 
 from kvfrag.sim.layers import ChunkedLocal, LayerStack, SlidingWindow
 from mypy_extensions import mypyc_attr
 
-#: A segment that never ends (a decoder past every sliding window, no chunked layers).
-NEVER = 1 << 62
+#: A segment that never ends (a decoder past every sliding window, no chunked layers). Final
+#: and below 2**62: compiled, an inlined native int (see `kvfrag.sim.hybrid.forms.NEVER`).
+NEVER: Final = (1 << 62) - 1
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)

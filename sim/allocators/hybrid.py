@@ -215,9 +215,16 @@ class HybridAllocator(Allocator):
         self._rank: dict[int, int] = {}  # rid -> its admission's rank (the running order)
         self._admissions = 0
         # `_integrals6`'s last answer: the engine asks the parts, then the waste, of a stretch
-        self._integrals_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
-        self._full_memo: tuple[int, int, int | None] | None = None
-        self._shrink_memo: tuple[int, int, int | None] | None = None
+        # (each key kept as plain attributes: a tuple made and compared per question cost
+        # about as much as a short answer)
+        self._integrals_clock = self._integrals_version = self._integrals_n = -1
+        self._integrals_w0 = self._integrals_w1 = 0.0
+        self._integrals_sums: list[float] = []
+        # `steps_until_full`'s and `steps_until_shrink`'s last answers (clock, version)
+        self._full_clock = self._full_version = -1
+        self._full_result: int | None = None
+        self._shrink_clock = self._shrink_version = -1
+        self._shrink_result: int | None = None
 
     # ------------------------------------------------------------- per request
     def _state(self, live: Live) -> tuple[int, int]:
@@ -566,21 +573,37 @@ class HybridAllocator(Allocator):
         return self._usable_free(None)
 
     def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
-        blocks, token_states, reserved, internal = self._totals()[:4]
-        usable = (self.num_blocks - blocks) * self.page
-        return (token_states, reserved, internal,
+        figures = self._totals()
+        usable = (self.num_blocks - figures[0]) * self.page
+        return (figures[1], figures[2], figures[3],
                 self.capacity - self.num_blocks * self.page, usable)
 
     # ------------------------------------------------------------ the cohort
     def steps_until_full(self) -> int | None:
-        memo = self._full_memo
-        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2]
+        if self._full_clock == self._clock and self._full_version == self._version:
+            return self._full_result
         done = self.steps_until_done()
         result = None if done is None else self._cohort.steps_until_full(
             self._clock, done, self.free_blocks(), self._rank.__getitem__)
-        self._full_memo = (self._clock, self._version, result)
+        self._full_clock, self._full_version, self._full_result = (
+            self._clock, self._version, result)
         return result
+
+    def can_step(self) -> bool:
+        """(`Allocator.can_step`.) Where the closed-form bound does not settle it, only the
+        next step is walked: the engine asks before each iteration, and asks the whole stretch
+        (`steps_until_full`) after the admissions that change the free pool."""
+        if self._full_clock == self._clock and self._full_version == self._version:
+            return self._full_result != 0
+        done = self.steps_until_done()
+        if done is None:
+            return True
+        got = self._cohort.steps_until_full(self._clock, done, self.free_blocks(),
+                                            self._rank.__getitem__, 1)
+        if got == 0 or got == done:  # (exact: `steps_until_full`'s answer)
+            self._full_clock, self._full_version, self._full_result = (
+                self._clock, self._version, got)
+        return got != 0
 
     def steps_until_shrink(self) -> int | None:
         """Steps until a decode step frees a block of a sliding or chunked group: a decoder's
@@ -591,11 +614,11 @@ class HybridAllocator(Allocator):
         at its final length, whose last step freed, is freed only at the iteration's end,
         after the admissions that its blocks may let in). Exact up to the first decoder's
         end; past it a lower bound, None when no decoder frees again (`sim.hybrid.cohort`)."""
-        memo = self._shrink_memo
-        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2]
+        if self._shrink_clock == self._clock and self._shrink_version == self._version:
+            return self._shrink_result
         result = self._cohort.steps_until_shrink(self._clock, self.steps_until_done())
-        self._shrink_memo = (self._clock, self._version, result)
+        self._shrink_clock, self._shrink_version, self._shrink_result = (
+            self._clock, self._version, result)
         return result
 
     def integrals(
@@ -611,14 +634,16 @@ class HybridAllocator(Allocator):
     def _integrals6(self, n: int, w0: float, w1: float) -> list[float]:
         """Weighted sums over the next n steps of the running totals' six figures (blocks,
         token_states, reserved, internal, padding, out_of_window), as `integrals` weighs."""
-        key = (self._clock, self._version, n, w0, w1)
-        memo = self._integrals_memo
-        if memo is not None and memo[0] == key:
-            return memo[1]
+        if (self._integrals_clock == self._clock and self._integrals_version == self._version
+                and self._integrals_n == n and self._integrals_w0 == w0
+                and self._integrals_w1 == w1):
+            return self._integrals_sums
         weight = n * w0 + w1 * n * (n - 1) / 2
         sums = (self._cohort.integrals(self._clock, n, w0, w1) if n and self._joined
                 else [0.0] * 6)
         for k in range(6):
             sums[k] = sums[k] + self._cohort.fixed[k] * weight
-        self._integrals_memo = (key, sums)
+        self._integrals_clock, self._integrals_version = self._clock, self._version
+        self._integrals_n, self._integrals_w0, self._integrals_w1 = n, w0, w1
+        self._integrals_sums = sums
         return sums

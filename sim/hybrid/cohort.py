@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from kvfrag.sim.floor_sum import FloorSum
+from kvfrag.sim.floor_sum import FloorSum, times
 from kvfrag.sim.hybrid import lookahead
 from kvfrag.sim.hybrid.forms import NEVER, Form, Forms
 from kvfrag.sim.hybrid.managers import Manager
@@ -110,14 +110,27 @@ class Cohort(Forms):
         rec.a[3] = rec.a[3] - d
         self.A[2] = self.A[2] + d
         self.A[3] = self.A[3] - d
-        self._changes += 1
+        self._moved(0)  # (reserved and internal move, the blocks stay)
         nxt, rec.light = self._next_event(rec.c + rec.event, rec.final)
         rec.event = NEVER if nxt == NEVER else nxt - rec.c
         if rec.event != NEVER:
             heapq.heappush(self.events, (rec.event, rid))
 
-    def _add(self, rid: int, rec: Form, sign: int) -> None:
+    def _moved(self, blocks: int) -> None:
+        """A change to the sums that moves the blocks at `_blocks_clock` by `blocks`:
+        `blocks_now`'s last answer, where valid, is kept so (most changes are decoders joining
+        and leaving, and the free pool is asked after each)."""
+        if self._blocks_changes == self._changes:
+            self._blocks_memo += blocks
+            self._blocks_changes += 1
         self._changes += 1
+
+    def _add(self, rid: int, rec: Form, sign: int) -> None:
+        if self._blocks_changes == self._changes:
+            b = self._rec_blocks(rec, self._blocks_clock)
+            self._moved(b if sign > 0 else -b)
+        else:
+            self._changes += 1
         self._terms += 1
         A, a = self.A, rec.a
         if sign > 0:
@@ -156,7 +169,7 @@ class Cohort(Forms):
                 if d:
                     s = self.slopes[sid]
                     for i in range(self.width):
-                        S[i] = S[i] + d * s[i]
+                        S[i] = S[i] + times(d, s[i])
                     counted[sid] = now[sid]
             self._S_ok = True
         return self.S
@@ -244,13 +257,13 @@ class Cohort(Forms):
             diff1 = self._shift(first, tokens - lag)  # (its first step's parts less its form's)
             if any(diff1):
                 self.first_next[rid] = (first, diff1)
-                self._changes += 1
+                self._moved(0)  # (counted from the next clock on)
                 corr = self.first_next_corr
                 for i in range(self.width):
                     corr[i] = corr[i] + diff1[i]
         if processed != formed:
             self.fresh[rid] = (processed, diff)
-            self._changes += 1
+            self._moved(diff[0] if self._blocks_clock == clock else 0)
             corr = self.fresh_corr
             for i in range(self.width):
                 corr[i] = corr[i] + diff[i]
@@ -260,7 +273,7 @@ class Cohort(Forms):
         rec = self.recs.pop(rid)
         self._add(rid, rec, -1)
         if self.fresh:
-            self._drop(self.fresh, self.fresh_corr, rid)
+            self._drop(self.fresh, self.fresh_corr, rid, self.fresh_clock)
         if self.prev_fresh:
             self.prev_fresh.pop(rid, None)
         if self.prev_first:
@@ -274,17 +287,18 @@ class Cohort(Forms):
         if self.freed_clock == clock:
             self.chunk_freed.discard(rid)
         if self.first_next:
-            self._drop(self.first_next, self.first_next_corr, rid)
+            self._drop(self.first_next, self.first_next_corr, rid, -1)
         if self.first_now:
-            self._drop(self.first_now, self.first_now_corr, rid)
+            self._drop(self.first_now, self.first_now_corr, rid, self.first_clock)
 
     def _drop(self, pending: dict[int, tuple[int, list[int]]], corr: list[int],
-              rid: int) -> None:
-        """Take a decoder's correction out of a pending one's, if it has one."""
+              rid: int, at: int) -> None:
+        """Take a decoder's correction out of a pending one's, if it has one (`at`: the clock
+        whose figures that one corrects; -1: a later clock's)."""
         got = pending.pop(rid, None)
         if got is not None:
-            self._changes += 1
             diff = got[1]
+            self._moved(-diff[0] if at == self._blocks_clock else 0)
             for i in range(self.width):
                 corr[i] = corr[i] - diff[i]
 
@@ -336,7 +350,7 @@ class Cohort(Forms):
                 for i in range(self.width):
                     memo[i] = memo[i] - parts[i]
         if self._blocks_changes == self._changes:
-            self._blocks_memo += sign * parts[0]
+            self._blocks_memo += times(sign, parts[0])
             self._blocks_changes += 1
         self._changes += 1
         if keep:
@@ -369,7 +383,7 @@ class Cohort(Forms):
     def totals(self, clock: int) -> list[int]:
         """The cohort's figures at `clock`."""
         S = self.slope_sum()
-        out = [self.A[i] + S[i] * clock for i in range(self.width)]
+        out = [self.A[i] + times(S[i], clock) for i in range(self.width)]
         vecs = self.vecs
         for k, fs in enumerate(self.sums):
             if fs.nonzero or fs.q:
@@ -377,7 +391,7 @@ class Cohort(Forms):
                 if val:
                     v = vecs[k]
                     for i in range(self.width):
-                        out[i] = out[i] + v[i] * val
+                        out[i] = out[i] + times(v[i], val)
         if self.fresh_clock == clock and self.fresh:
             corr = self.fresh_corr
             for i in range(self.width):
@@ -389,11 +403,11 @@ class Cohort(Forms):
         return out
 
     def blocks(self, clock: int) -> int:
-        total = self.A[0] + self.slope_sum()[0] * clock
+        total = self.A[0] + times(self.slope_sum()[0], clock)
         for k, fs in enumerate(self.sums):
             b = self.blocks_vec[k]
             if b and (fs.nonzero or fs.q):
-                total += b * fs.value(clock)
+                total += times(b, fs.value(clock))
         if self.fresh_clock == clock and self.fresh:
             total += self.fresh_corr[0]
         if self.first_clock == clock and self.first_now:
@@ -402,9 +416,9 @@ class Cohort(Forms):
 
     def _rec_blocks(self, rec: Form, clock: int) -> int:
         """Blocks by the record's form at `clock` (what the running sums count for it)."""
-        total = rec.a[0] + rec.s[0] * clock
+        total = rec.a[0] + times(rec.s[0], clock)
         for kind, x in rec.terms:
-            total += self.blocks_vec[kind] * ((x + clock) // self.mods[kind])
+            total += times(self.blocks_vec[kind], (x + clock) // self.mods[kind])
         return total
 
     def first_due(self) -> int:
@@ -485,9 +499,9 @@ class Cohort(Forms):
 
     # ------------------------------------------------------------------ look-ahead
     def steps_until_full(self, clock: int, done: int, free: int,
-                         order: Callable[[int], int]) -> int:
+                         order: Callable[[int], int], walk: int = NEVER) -> int:
         """(`kvfrag.sim.hybrid.lookahead.steps_until_full`)"""
-        return lookahead.steps_until_full(self, clock, done, free, order)
+        return lookahead.steps_until_full(self, clock, done, free, order, walk)
 
     def steps_until_shrink(self, clock: int, done: int | None) -> int | None:
         """(`kvfrag.sim.hybrid.lookahead.steps_until_shrink`)"""

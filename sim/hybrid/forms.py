@@ -27,13 +27,16 @@ decoder of L tokens has processed L - 1 - lag (the cohort's corrections handle i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
+from kvfrag.sim.floor_sum import times
 from kvfrag.sim.hybrid.managers import Manager
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
-#: No event (a decoder's form holds to its end).
-NEVER = 1 << 62
+#: No event (a decoder's form holds to its end). Final and below 2**62: compiled, a constant
+#: inlined and a native int (1 << 62 was a module lookup and a boxed int at each comparison).
+NEVER: Final = (1 << 62) - 1
 
 #: Manager classes whose skipped blocks the cohort computes itself (`Forms._skipped`).
 _CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
@@ -202,9 +205,9 @@ class Forms:
             d = self._skipped(i, processed) - self._skipped(i, other)  # blocks skipped more
             if d:
                 out[6 + i] = -d
-                blocks -= groups[i] * d
-                padding -= d * pads[i]
-                unread -= d * bss[i] * tbs[i]
+                blocks -= times(groups[i], d)  # (`times`: d < 0 is common)
+                padding -= times(d, pads[i])
+                unread -= times(d, bss[i] * tbs[i])
         out[0] = blocks
         out[3] = blocks * self.page
         out[4] = padding
@@ -257,7 +260,7 @@ class Forms:
             if q:
                 v = vecs[kind]
                 for i in range(self.width):
-                    out[i] = out[i] + v[i] * q
+                    out[i] = out[i] + times(v[i], q)  # (sliding kinds' v < 0)
         return out
 
     def _build(self, rid: int, c: int, final: int, clock: int,
@@ -297,7 +300,7 @@ class Forms:
         else:  # (a phase of one length: any slope, the constant makes it exact, and
             s = self.zeros  # the next event rebuilds it)
             light = False
-        rec = Form(c, final, terms, [now[i] - s[i] * clock - tv[i] for i in range(width)], s,
+        rec = Form(c, final, terms, [now[i] - times(s[i], clock) - tv[i] for i in range(width)], s,
                    sid)
         rec.light = light
         rec.event = NEVER if nxt == NEVER else nxt - c
@@ -365,7 +368,7 @@ class Forms:
         for i in range(len(bss)):
             b, tb = bss[i], tbs[i]
             if tb and final % b and final // b * b + 1 == length:
-                d += tb * (final - b * (final // b + 1))
+                d += times(tb, final - b * (final // b + 1))
         return d
 
     def _after_light(self, rec: Form) -> Form:

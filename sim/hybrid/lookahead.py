@@ -18,6 +18,7 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvfrag.sim.floor_sum import times
 from kvfrag.sim.hybrid.forms import NEVER, Form
 
 if TYPE_CHECKING:  # (cohort.py imports this module)
@@ -29,9 +30,11 @@ def _hit(co: Cohort, kind: int, clock: int) -> int:
     return 0 if group is None else len(group)
 
 def steps_until_full(co: Cohort, clock: int, done: int, free: int,
-                     order: Callable[[int], int]) -> int:
+                     order: Callable[[int], int], walk: int = NEVER) -> int:
     """Steps (at most `done`) the cohort can take before some decoder, in running order
-    (`order`: its rank), finds too few of the `free` blocks (free now)."""
+    (`order`: its rank), finds too few of the `free` blocks (free now). `walk`: the most
+    steps walked where the closed-form bound does not settle it (the answer is then `walk`
+    where the steps walked all fit: a lower bound)."""
     n_ceil, sums, bv = co.n_ceil, co.sums, co.blocks_vec
     lag = co.lag
     # blocks the ceil terms take over the whole stretch: frees only lower it (async: and
@@ -51,7 +54,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         ceil = 0
         for k in range(n_ceil):
             if bv[k]:
-                ceil += bv[k] * (sums[k].value(clock + done) - sums[k].value(clock))
+                ceil += times(bv[k], sums[k].value(clock + done) - sums[k].value(clock))
         co._taken = ceil
         co._taken_clock, co._taken_done, co._taken_terms = clock, done, co._terms
     taken += co._taken
@@ -70,6 +73,8 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     recs = co.recs
     cur = now
     for t in range(1, done + 1):
+        if t > walk:
+            return walk
         k1 = clock + t
         if t > horizon:
             horizon = done
@@ -85,12 +90,12 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
             rest = 0
             for k in range(n_ceil):
                 if bv[k]:
-                    rest += bv[k] * (sums[k].value(clock + done) - sums[k].value(k1 - 1))
+                    rest += times(bv[k], sums[k].value(clock + done) - sums[k].value(k1 - 1))
             if cur + rest <= limit:
                 return done
         delta = up + slope
         for k in range(n_ceil, len(co.mods)):
-            delta += bv[k] * _hit(co, k, k1)
+            delta += times(bv[k], _hit(co, k, k1))  # (sliding kinds' coefficient < 0)
         for rid in special:  # (their forms change within the stretch)
             rec = recs[rid]
             if rec.bev <= k1:  # (light events keep the blocks' form)
