@@ -249,7 +249,8 @@ class Cohort(Forms):
             now = held
         else:
             diff = self._shift(processed, max(0, formed))
-            now = tuple([held[i] - diff[i] for i in range(self.width)])
+            # (within the first window both skip nothing: its parts are its form's)
+            now = tuple([held[i] - diff[i] for i in range(self.width)]) if any(diff) else held
         rec = self._build(rid, c, final, clock, now)[0]
         self._enter(rid, rec)
         self.arrived.add(rid)
@@ -384,13 +385,13 @@ class Cohort(Forms):
         """The cohort's figures at `clock`."""
         S = self.slope_sum()
         out = [self.A[i] + times(S[i], clock) for i in range(self.width)]
-        vecs = self.vecs
+        vecs, moved = self.vecs, self.moved_ix
         for k, fs in enumerate(self.sums):
             if fs.nonzero or fs.q:
                 val = fs.value(clock)
                 if val:
                     v = vecs[k]
-                    for i in range(self.width):
+                    for i in moved[k]:
                         out[i] = out[i] + times(v[i], val)
         if self.fresh_clock == clock and self.fresh:
             corr = self.fresh_corr

@@ -123,6 +123,8 @@ class Forms:
         #: block sizes whose reserved slots stop at the final length's block
         self.reserving = tuple(sorted({m.block_size for m in self.managers if m.token_bytes}))
         self.blocks_vec = [v[0] for v in self.vecs]
+        # per term kind, the figures its vector moves (about half: the sums skip the rest)
+        self.moved_ix = [[i for i in range(width) if v[i]] for v in self.vecs]
         # Per manager, what `parts_of` reads for every request it counts (kept flat: an
         # attribute read per manager per figure cost about as much as the arithmetic)
         self.m_bs = [m.block_size for m in self.managers]
@@ -254,12 +256,12 @@ class Forms:
     def _term_value(self, terms: list[tuple[int, int]], k: int) -> list[int]:
         """Sum over these terms of v x floor((x + k) / mod)."""
         out = [0] * self.width
-        mods, vecs = self.mods, self.vecs
+        mods, vecs, moved = self.mods, self.vecs, self.moved_ix
         for kind, x in terms:
             q = (x + k) // mods[kind]
             if q:
                 v = vecs[kind]
-                for i in range(self.width):
+                for i in moved[kind]:
                     out[i] = out[i] + times(v[i], q)  # (sliding kinds' v < 0)
         return out
 
@@ -300,8 +302,9 @@ class Forms:
         else:  # (a phase of one length: any slope, the constant makes it exact, and
             s = self.zeros  # the next event rebuilds it)
             light = False
-        rec = Form(c, final, terms, [now[i] - times(s[i], clock) - tv[i] for i in range(width)], s,
-                   sid)
+        for i in range(width):  # (its constant, in the term values' list: one list less)
+            tv[i] = now[i] - times(s[i], clock) - tv[i]
+        rec = Form(c, final, terms, tv, s, sid)
         rec.light = light
         rec.event = NEVER if nxt == NEVER else nxt - c
         while light:  # (light events keep the blocks' form: the next one that moves them)
