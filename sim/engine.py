@@ -247,6 +247,7 @@ class Engine:
         kinds = allocator.group_kinds()
         self.group_names: list[str] = list(dict.fromkeys(kinds))
         self.group_of: list[int] = [self.group_names.index(k) for k in kinds]
+        self.rows.group_of = self.group_of
         self.prompt_lookups = 0  # tokens to prefill at every admission (resumptions too)
         self.prefix_hits = 0  # of them found in the prefix cache
         self.first_lookups = 0  # prompt tokens looked up at first admissions

@@ -108,11 +108,8 @@ def row(
     rows.p4.append(p4)
     rows.hole.append(largest_hole)
     rows.blocked.append(blocked)
-    if eng.group_of:
-        held = [0] * len(eng.group_names)
-        for g, blocks in enumerate(eng.alloc.group_blocks()):
-            held[eng.group_of[g]] += blocks
-        rows.groups.extend(held)
+    if eng.group_of:  # (per group: `_Rows.flush` sums them per kind)
+        rows.groups.extend(eng.alloc.group_blocks())
     if len(rows.t) == _ROWS_PER_CHUNK:
         rows.flush()
 

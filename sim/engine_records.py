@@ -97,9 +97,12 @@ class _Rows:
         self.p4: list[object] = []
         self.hole: list[int] = []
         self.blocked: list[bool] = []
-        # blocks per group kind (allocators with groups), row after row in one flat list:
-        # numpy reads a flat list of ints at a fraction of a list of lists' cost
+        # blocks per KV-cache group (allocators with groups), row after row in one flat list,
+        # summed per group kind (`group_of`: each group's kind) a chunk at a time by numpy: a
+        # row extends the list by the allocator's tuple, and numpy reads a flat list of ints
+        # at a fraction of a list of lists' cost
         self.groups: list[int] = []
+        self.group_of: list[int] = []
         self.group_chunks: list[np.ndarray] = []
         self.stretches = False  # a decode stretch's row is in this chunk: its parts are floats
         self.chunks: list[list[np.ndarray]] = [[] for _ in _SERIES]  # by column, converted
@@ -123,8 +126,11 @@ class _Rows:
         for chunks, column in zip(self.chunks, columns, strict=True):
             chunks.append(column)
         if self.groups:
-            flat = np.array(self.groups, dtype=np.int64)
-            self.group_chunks.append(flat.reshape(len(self.t), len(flat) // len(self.t)))
+            per_group = np.array(self.groups, dtype=np.int64).reshape(len(self.t), -1)
+            held = np.zeros((len(self.t), max(self.group_of) + 1), dtype=np.int64)
+            for g, kind in enumerate(self.group_of):
+                held[:, kind] += per_group[:, g]
+            self.group_chunks.append(held)
             self.groups.clear()
         for rows in self.columns():
             rows.clear()
