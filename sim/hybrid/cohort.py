@@ -169,7 +169,9 @@ class Cohort(Forms):
                 if d:
                     s = self.slopes[sid]
                     for i in range(self.width):
-                        S[i] = S[i] + times(d, s[i])
+                        si = s[i]
+                        if si:  # (a slope moves about half of the figures)
+                            S[i] = S[i] + times(d, si)
                     counted[sid] = now[sid]
             self._S_ok = True
         return self.S

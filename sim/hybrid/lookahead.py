@@ -67,7 +67,10 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     # walk often stops at its first steps)
     slope = co.slope_sum()[0]
     horizon = min(done, 32)
-    due = co.first_due()
+    # (the heap's top bounds `first_due` from below, stale entries included: the first due
+    # clock is looked up only once a step reaches that bound)
+    due = co.bevents[0][0] if co.bevents else NEVER
+    exact = False
     special: list[int] = []
     fetched = False
     recs = co.recs
@@ -79,6 +82,9 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         if t > horizon:
             horizon = done
             fetched = False
+        if not fetched and k1 >= due and not exact:
+            due = co.first_due()
+            exact = True
         if not fetched and k1 >= due:
             special = co._ending_by(clock + horizon, True)
             fetched = True
