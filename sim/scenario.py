@@ -202,10 +202,11 @@ class Scenario(_Frozen):
     @model_validator(mode="after")
     def _layout(self) -> Scenario:
         """A Mamba hybrid's state (a page per request, not per token) has a place only in the
-        layouts that lay out the model's layers themselves (the `hybrid` allocator, a pool per
-        layer type in `static-partition`, the `floor`'s exact need): vLLM cannot run such a
-        model without its hybrid KV-cache manager (a Mamba layer cannot be promoted to full
-        attention), and kvfrag does not price the state as per-token KV in the other layouts."""
+        layouts that lay out the model's layers themselves (the `hybrid` and `two-level`
+        allocators, a pool per layer type in `static-partition`, the `floor`'s exact need):
+        vLLM cannot run such a model without its hybrid KV-cache manager (a Mamba layer cannot
+        be promoted to full attention), and kvfrag does not price the state as per-token KV
+        in the other layouts."""
         stack = self.stack
         if stack is not None and stack.mamba_layers:
             for i, spec in enumerate(self.allocators):

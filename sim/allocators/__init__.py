@@ -25,6 +25,7 @@ from kvfrag.sim.allocators.prefix_caching import PrefixCachingAllocator
 from kvfrag.sim.allocators.slab import Reserve
 from kvfrag.sim.allocators.static_partition import StaticPartitionAllocator
 from kvfrag.sim.allocators.torch_caching import TorchCachingAllocator
+from kvfrag.sim.allocators.two_level import TwoLevelAllocator
 from kvfrag.sim.allocators.vattention import VAttentionAllocator
 from kvfrag.sim.geometry import KVGeometry
 
@@ -40,6 +41,7 @@ REGISTRY: dict[str, type[Allocator]] = {
         HybridAllocator,
         FloorAllocator,
         StaticPartitionAllocator,
+        TwoLevelAllocator,
     )
 }
 
@@ -65,9 +67,13 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "static-partition": (
         "block_size", "partition", "stack", "max_num_batched_tokens", "concurrent_batches",
     ),
+    "two-level": (
+        "block_size", "stack", "max_num_batched_tokens", "concurrent_batches", "prefix_caching",
+        "vllm_groups",
+    ),
 }
 #: Kinds whose constructor also takes the model's KV shape (`geometry=`).
-TAKES_GEOMETRY = frozenset({"vattention", "hybrid", "floor", "static-partition"})
+TAKES_GEOMETRY = frozenset({"vattention", "hybrid", "floor", "static-partition", "two-level"})
 
 
 def options_of(kind: str) -> list[str]:
@@ -141,6 +147,7 @@ __all__ = [
     "Reserve",
     "StaticPartitionAllocator",
     "TorchCachingAllocator",
+    "TwoLevelAllocator",
     "VAttentionAllocator",
     "allocator_class",
     "make_allocator",

@@ -1,0 +1,635 @@
+"""A Jenga-style two-level allocator for models with layer types (SOSP'25, arXiv 2503.18292;
+vLLM RFC vllm-project/vllm#11382): `two-level`.
+
+vLLM's hybrid manager (the `hybrid` allocator) makes every KV-cache group the same size,
+padding with empty layers, and gives every group one page size, growing attention blocks to
+it (Qwen3-Next: 544 tokens, a Mamba state's page). Here instead:
+
+- **one group per layer type, unpadded**: full attention, MLA, each sliding window W, each
+  chunk C and the Mamba state are a type each, holding all their layers. A type's *small page*
+  is block_size x its layers' bytes per token (Mamba: its layers' state per request, as is);
+- **two levels** (`kvfrag.sim.hybrid.two_level_pool`): the budget is cut into *large pages* of
+  the LCM of the small pages; a large page taken by a type is split into its small pages, and
+  goes back to the shared pool when all of them are free. Where the LCM is more than
+  `MAX_LCM_RATIO` times the largest small page, the large page is that largest small page and
+  each type's small page is padded up to large // floor(large / small) (counted as padding,
+  and what no slot fills of a large page as stranded: see below);
+- **request-aware placement**: a request's next small page of a type goes into the large page
+  of its last one of that type if it has room, else into a partly used large page of that
+  type, else a fresh one, so that large pages empty as requests finish.
+
+Freeing, admission and async scheduling are vLLM's, as the `hybrid` allocator has them (this
+class is its coordinator and managers, `kvfrag.sim.hybrid.managers`, over another plan and
+pool): sliding blocks freed as they leave the window on the tokens processed, chunked ones per
+chunk, Mamba state for the request's life (mode "none"), vLLM's admission gate with the
+sliding caps. No prefix caching yet (refused).
+
+`vllm_groups: true` plans as vLLM does (its groups with padding layers and one page size):
+the LCM is the page, a large page is one block id, and the records are the `hybrid`
+allocator's, exactly (tests/sim/test_two_level_vllm.py): what makes any gain of the default
+layout come from the layout alone.
+
+Accounting, exact to the byte. The cohort (`sim.hybrid.cohort`) counts every type's small pages
+in a unit of gcd(small pages) bytes (a type of k units is k "groups" of a manager), so that
+token_states (what each layer type needs: the hybrid allocator's definition), reserved and
+internal (out-of-window tokens, the fallback's padding, slots past the final length) are its
+closed forms. The new waste is *stranded* memory: free small pages inside large pages held by
+a type, which only more pages of that type can use; the next request, whose pages of every
+type must fit, cannot count on them, so they are **external**, not usable_free. So:
+usable_free = free large pages x large page; external = the rest of the budget (stranded
+slots, the remainder of budget // large page, vLLM's null block with `vllm_groups`).
+
+Decode steps: placement depends on the order of takes and frees, so the decoders' small pages
+are placed eagerly, at the steps where a decoder's counts may change (block boundaries, window
+and chunk edges: events, not tokens), in vLLM's order (step by step, decoders in admission
+order, each freeing then taking). `steps_until_full` and the integrals walk those events on
+the pool and undo them (the pool's journal); a stretch is walked twice (looked at, then
+taken). Cost: in proportion to the block-boundary events of the decoders, as a paged
+allocator's blocks, never to tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request, positive_int
+from kvfrag.sim.allocators.hybrid import HybridAllocator
+from kvfrag.sim.geometry import KVGeometry
+from kvfrag.sim.hybrid.cohort import Cohort
+from kvfrag.sim.hybrid.managers import (
+    ChunkedLocalManager,
+    MambaManager,
+    Manager,
+    SlidingWindowManager,
+)
+from kvfrag.sim.hybrid.two_level_pool import TwoLevelPool
+from kvfrag.sim.layers import MLA, ChunkedLocal, LayerStack, MambaState, SlidingWindow
+from kvfrag.sim.model_view import ModelView
+from mypy_extensions import mypyc_attr
+
+#: The most a large page may be, in largest small pages, before the fallback (see the module).
+MAX_LCM_RATIO = 64
+
+
+def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
+    """(kind, window or chunk (0: none), layer indices) per distinct layer type, in order of
+    first appearance."""
+    types: dict[tuple[str, int], list[int]] = {}
+    for i, layer in enumerate(stack.layers):
+        if isinstance(layer, SlidingWindow):
+            key = ("sliding_window", layer.window)
+        elif isinstance(layer, ChunkedLocal):
+            key = ("chunked_local", layer.chunk)
+        elif isinstance(layer, MLA):
+            key = ("mla", 0)
+        elif isinstance(layer, MambaState):
+            key = ("mamba", 0)
+        else:
+            key = ("full", 0)
+        types.setdefault(key, []).append(i)
+    return [(kind, window, layers) for (kind, window), layers in types.items()]
+
+
+def large_page(small: Sequence[int]) -> tuple[int, list[int], bool]:
+    """(large page bytes, small pages per large page per type, whether the fallback is used):
+    the LCM of the small pages, or where it exceeds MAX_LCM_RATIO x the largest small page,
+    that largest small page, each type fitting floor(large / small) padded pages."""
+    lcm = math.lcm(*small)
+    largest = max(small)
+    if lcm <= MAX_LCM_RATIO * largest:
+        return lcm, [lcm // s for s in small], False
+    return largest, [largest // s for s in small], True
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
+class TwoLevelAllocator(HybridAllocator):
+    """Large pages shared by the layer types, split into small pages per type (see the
+    module)."""
+
+    kind = "two-level"
+
+    def __init__(
+        self,
+        capacity: object,
+        bytes_per_token: object,
+        max_model_len: object,
+        block_size: object = 16,
+        stack: object = None,
+        max_num_batched_tokens: object = 8192,
+        concurrent_batches: object = 2,
+        prefix_caching: object = False,
+        vllm_groups: object = False,
+        geometry: KVGeometry | None = None,
+    ) -> None:
+        if prefix_caching is not False:
+            raise ValueError("prefix caching is not modelled for the two-level allocator yet "
+                             "(prefix_caching must be false)")
+        if not isinstance(vllm_groups, bool):
+            raise ValueError(f"vllm_groups must be true or false, not {vllm_groups!r}")
+        super().__init__(capacity, bytes_per_token, max_model_len, block_size, True, stack,
+                         max_num_batched_tokens, concurrent_batches, False, "none", 0,
+                         geometry)
+        self.vllm_groups = vllm_groups
+        self.fallback = False
+        if vllm_groups:  # vLLM's plan: one page, every group's block one large page
+            self.large = self.page
+            self.small_pages = [self.page]
+            self._ptype = [0] * len(self.managers)
+            self._lists = [m.groups for m in self.managers]
+            self.pool = TwoLevelPool(self.plan.num_blocks, [1], True)
+        else:
+            in_flight = positive_int("max_num_batched_tokens", max_num_batched_tokens)
+            self._plan_types(in_flight * positive_int("concurrent_batches", concurrent_batches))
+        self.num_large = self.pool.usable
+        # The decoders' next events: a heap of (clock, rank, rid), valid while `_ev_at` says
+        # that clock for the rid
+        self._events: list[tuple[int, int, int]] = []
+        self._ev_at: dict[int, int] = {}
+        self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
+        self._taken: list[int] = []  # small pages the last placement took
+        # the last look-ahead: (clock, version, horizon, steps that fit, [(clock, free
+        # large pages after its events)])
+        self._walk_memo: tuple[int, int, int, int, list[tuple[int, int]]] | None = None
+
+    def _plan_types(self, in_flight: int) -> None:
+        """One manager per layer type, its small page in gcd units (see the module);
+        `in_flight`: the tokens a step may have in flight (the sliding and chunked caps)."""
+        stack = self.stack
+        bs = self.block_size
+        types = layer_types(stack)
+        small: list[int] = []
+        tbs: list[int] = []
+        states: list[int] = []
+        for kind, _window, layers in types:
+            tb = sum(stack.layers[i].bytes_per_token for i in layers)
+            state = sum(layer.state_bytes for i in layers
+                        if isinstance(layer := stack.layers[i], MambaState))
+            tbs.append(tb)
+            states.append(state)
+            small.append(state if kind == "mamba" else bs * tb)
+        large, per, fallback = large_page(small)
+        padded = [large // p for p in per]  # (the small page itself, unless the fallback)
+        unit = math.gcd(*padded)
+        managers: list[Manager] = []
+        for (kind, window, _layers), tb, state, page in zip(types, tbs, states, padded,
+                                                            strict=True):
+            groups = page // unit
+            if kind == "sliding_window":
+                cap = -(-min(window - 1 + in_flight, self.max_model_len) // bs) + 1
+                managers.append(SlidingWindowManager(bs, window, groups, tb, cap))
+            elif kind == "chunked_local":
+                cap = -(-min(window + in_flight, self.max_model_len) // bs)
+                managers.append(ChunkedLocalManager(bs, window, groups, tb, cap))
+            elif kind == "mamba":
+                managers.append(MambaManager(self.max_model_len, 0, groups, 0, None, state))
+            else:
+                managers.append(Manager(bs, 0, groups, tb, None))
+        self.types = types
+        self.small_pages = padded
+        self.large = large
+        self.fallback = fallback
+        self.managers = tuple(managers)
+        self._manager_of = list(range(len(managers)))
+        self._ptype = list(range(len(managers)))
+        self._lists = [1] * len(managers)
+        self.page = self.block_bytes = unit
+        self.num_blocks = (self.capacity // large) * large // unit  # (units: a bound)
+        self._reads = [ModelView.of(LayerStack(stack.name,
+                                               tuple(stack.layers[i] for i in layers)))
+                       for _kind, _window, layers in types]
+        self._width = 6 + len(managers)
+        self._cohort = Cohort(self.managers, self._reads, unit, self.max_model_len)
+        self.pool = TwoLevelPool(self.capacity // large, per, False)
+
+    # ------------------------------------------------------------ placement
+    def _tables_of(self, rid: int) -> list[list[list[int]]]:
+        tables = self._tables.get(rid)
+        if tables is None:
+            tables = self._tables[rid] = [[[] for _ in range(n)] for n in self._lists]
+            self._named_start[rid] = [0] * len(self.managers)
+        return tables
+
+    def _place(self, rid: int, tokens: int, processed: int) -> bool:
+        """Bring the request's small pages to its counts at (tokens, processed): its skipped
+        ones given back, then new ones taken, manager by manager (vLLM's order). False, part
+        done, when a take finds no page (the caller undoes the trial)."""
+        tables = self._tables_of(rid)
+        starts = self._named_start[rid]
+        pool, journaling = self.pool, self.pool.journaling
+        for mi, m in enumerate(self.managers):
+            skip = m.skipped_blocks(processed)
+            drop = skip - starts[mi]
+            if drop > 0:
+                for gi, ids in enumerate(tables[mi]):
+                    gone = ids[:drop]
+                    del ids[:drop]
+                    pool.give(self._ptype[mi], gone)
+                    if journaling:
+                        self._tj.append((0, rid, mi, gi, gone))
+                if journaling:
+                    self._tj.append((1, rid, mi, starts[mi], []))
+                starts[mi] = skip
+        for mi, m in enumerate(self.managers):
+            want = m.held(tokens, processed)
+            t = self._ptype[mi]
+            for gi, ids in enumerate(tables[mi]):
+                take = want - len(ids)
+                if take > 0:
+                    if journaling:
+                        self._tj.append((2, rid, mi, gi, []))
+                    for _ in range(take):
+                        sid = pool.take(t, ids[-1] if ids else -1)
+                        if sid < 0:
+                            return False
+                        ids.append(sid)
+                        self._taken.append(sid)
+                        if journaling:
+                            self._tj[-1][4].append(sid)
+        return True
+
+    def _mark(self) -> tuple[int, int]:
+        return self.pool.mark(), len(self._tj)
+
+    def _undo(self, mark: tuple[int, int]) -> None:
+        pmark, tmark = mark
+        tj = self._tj
+        while len(tj) > tmark:
+            op, rid, mi, arg, ids = tj.pop()
+            tables = self._tables[rid]
+            if op == 0:  # ids given back from the head of table `arg`
+                tables[mi][arg][:0] = ids
+            elif op == 1:  # the start before
+                self._named_start[rid][mi] = arg
+            else:  # ids appended to table `arg`
+                if ids:
+                    del tables[mi][arg][-len(ids):]
+        self.pool.undo(pmark)
+        self._commit(mark)
+
+    def _commit(self, mark: tuple[int, int]) -> None:
+        self.pool.commit(mark[0])
+        if mark[0] == 0:
+            self._tj.clear()
+
+    def _try_place(self, rid: int, tokens: int, processed: int) -> bool:
+        """Place for real if it all fits; else leave everything as it was. The ids taken
+        are in `_taken`."""
+        self._taken = []
+        mark = self._mark()
+        ok = self._place(rid, tokens, processed)
+        if ok:
+            self._commit(mark)
+        else:
+            self._undo(mark)
+        return ok
+
+    # ------------------------------------------------------- decoders' events
+    def _state_at(self, live: Live, clock: int) -> tuple[int, int]:
+        """(tokens, processed) of a decoder at `clock` (`HybridAllocator._state`'s rule)."""
+        rid = live.req.rid
+        tokens = live.base + clock
+        joined = self._joined[rid]
+        if joined != clock:
+            if self._lag and joined == clock - 1:
+                return tokens, self._first[rid]
+            return tokens, tokens - 1 - self._lag
+        return tokens, self._proc[rid]
+
+    def _next_event(self, live: Live, clock: int) -> int:
+        """The next clock after `clock` at which the decoder's counts may change: every step
+        until its processed count follows its length, then the nearest block boundary of
+        its length, window edge or chunk start of its processed tokens."""
+        rid = live.req.rid
+        if clock < self._joined[rid] + 1 + self._lag:
+            return clock + 1
+        tokens = live.base + clock
+        processed = tokens - 1 - self._lag
+        step = 1 << 62
+        for m in self.managers:
+            bs = m.block_size
+            if bs < self.max_model_len:
+                step = min(step, -tokens % bs + 1)
+            if isinstance(m, SlidingWindowManager):
+                x = processed - m.window + 1
+                d = -x % bs or bs
+                if x + d < bs:
+                    d = bs - x
+                step = min(step, d)
+            elif isinstance(m, ChunkedLocalManager):
+                step = min(step, -processed % m.window or m.window)
+        return clock + step
+
+    def _push(self, live: Live, clock: int) -> None:
+        rid = live.req.rid
+        done = self._done_at.get(rid)
+        if done is not None and clock <= done:
+            self._ev_at[rid] = clock
+            heapq.heappush(self._events, (clock, self._rank[rid], rid))
+        else:
+            self._ev_at.pop(rid, None)
+
+    def _walk(self, limit: int, timeline: list[tuple[int, int]] | None) -> int:
+        """Apply the decoders' events up to clock `limit`, in order (step, then admission
+        order). Returns the clock of the first event that finds no page (-1: none); with a
+        `timeline`, appends (clock, free large pages) after each event clock."""
+        events = self._events
+        while events and events[0][0] <= limit:
+            clock, _rank, rid = heapq.heappop(events)
+            if self._ev_at.get(rid) != clock:
+                continue
+            live = self._live[rid]
+            if not self._place(rid, *self._state_at(live, clock)):
+                return clock
+            self._push(live, self._next_event(live, clock))
+            if timeline is not None:
+                if timeline and timeline[-1][0] == clock:
+                    timeline[-1] = (clock, self.pool.free_large_pages())
+                else:
+                    timeline.append((clock, self.pool.free_large_pages()))
+        return -1
+
+    def _look(self, horizon: int) -> tuple[int, list[tuple[int, int]]]:
+        """(steps that fit, at most `horizon`; timeline of free large pages) of the next
+        `horizon` decode steps, walked on the pool and undone."""
+        memo = self._walk_memo
+        if (memo is not None and memo[0] == self._clock and memo[1] == self._version
+                and (memo[2] >= horizon or memo[3] < memo[2])):
+            return min(memo[3], horizon), memo[4]
+        events, ev_at = list(self._events), dict(self._ev_at)
+        mark = self._mark()
+        timeline: list[tuple[int, int]] = []
+        failed = self._walk(self._clock + horizon, timeline)
+        self._undo(mark)
+        self._events, self._ev_at = events, ev_at
+        fit = horizon if failed < 0 else failed - self._clock - 1
+        self._walk_memo = (self._clock, self._version, horizon, fit, timeline)
+        return fit, timeline
+
+    # -------------------------------------------------------------- hooks
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
+        rid = live.req.rid
+        if live.req.n > 1:
+            raise ValueError(f"request {rid}: the two-level allocator does not model sample "
+                             "groups (n > 1) yet")
+        need = self._need(tokens, 0)
+        if self._large_for(need, empty=True) > self.num_large:
+            return Refusal(rid, Reason.TOO_LARGE, self._large_for(need, True) * self.large,
+                           self.free_bytes(), "needs more large pages than exist")
+        if not self._try_place(rid, tokens, 0):
+            del self._tables[rid], self._named_start[rid]
+            return Refusal(rid, Reason.OUT_OF_MEMORY, self._large_for(need) * self.large,
+                           self.free_bytes())
+        self._proc[rid] = 0
+        self._last_n[rid] = tokens
+        self._admissions += 1
+        self._rank[rid] = self._admissions
+        parts = self._parts_of(tokens, 0, live.final)
+        self._held[rid] = parts
+        self._add_fixed(parts, 1)
+        self._changed()
+        return Grant(rid, parts[0] * self.page, live.cap, blocks=self._new_ids())
+
+    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
+        rid = live.req.rid
+        held = self._held[rid]
+        proc = max(0, old - self.in_flight_now) if self._lag else old
+        if not self._try_place(rid, new, proc):
+            short = self._need(new, proc)  # (less what it holds: the pages it must take)
+            for mi, groups in enumerate(self._tables[rid]):
+                short[self._ptype[mi]] -= sum(len(ids) for ids in groups)
+            return Refusal(rid, Reason.OUT_OF_MEMORY,
+                           self.pool.large_needed([max(0, n) for n in short]) * self.large,
+                           self.free_bytes())
+        parts = self._parts_of(new, proc, live.final)
+        self._add_fixed(held, -1)
+        self._add_fixed(parts, 1)
+        self._held[rid] = parts
+        self._proc[rid] = proc
+        self._last_n[rid] = new - old
+        self._changed()
+        taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
+                    for m in self.managers)
+        return Grant(rid, taken * self.page, live.cap, blocks=self._new_ids())
+
+    def _release(self, live: Live) -> None:
+        rid = live.req.rid
+        tables = self._tables.pop(rid, None)
+        if tables is not None:
+            for mi, groups in enumerate(tables):
+                for ids in groups:
+                    self.pool.give(self._ptype[mi], ids)
+        self._named_start.pop(rid, None)
+        self._ev_at.pop(rid, None)
+        held = self._held.pop(rid, None)
+        if held is not None:
+            self._add_fixed(held, -1)
+        for d in (self._rank, self._proc, self._joined, self._last_n, self._first):
+            d.pop(rid, None)
+        self._changed()
+
+    def _cohort_changed(self, live: Live, decoding: bool) -> None:
+        super()._cohort_changed(live, decoding)
+        if decoding:
+            self._push(live, self._clock + 1)
+        else:
+            self._ev_at.pop(live.req.rid, None)
+
+    def _stepped(self) -> None:
+        super()._stepped()
+        failed = self._walk(self._clock, None)
+        assert failed < 0, "a decode step past steps_until_full"
+        self._changed()
+
+    def _new_ids(self) -> tuple[int, ...]:
+        """The small pages the last placement took, for the grant (none where the engine
+        defers block ids: they are placed all the same, the pool needs them)."""
+        return () if self._deferred else tuple(self._taken)
+
+    # ------------------------------------------------------------- queries
+    def _need(self, tokens: int, processed: int, capped: bool = False) -> list[int]:
+        """Small pages per pool type a request of `tokens` holds (capped: at the sliding
+        and chunked groups' admission caps)."""
+        need = [0] * len(self.pool.per)
+        for mi, m in enumerate(self.managers):
+            held = m.held(tokens, processed)
+            if capped and m.cap is not None:
+                held = min(held, m.cap)
+            need[self._ptype[mi]] += self._lists[mi] * held
+        return need
+
+    def _large_for(self, need: list[int], empty: bool = False) -> int:
+        if empty:
+            return sum(-(-n // per) for n, per in zip(need, self.pool.per, strict=True))
+        return self.pool.large_needed(need)
+
+    def free_blocks(self) -> int:
+        return self.pool.free_large_pages()
+
+    def _allocated_total(self) -> int:
+        return self.pool.used_large_pages() * self.large
+
+    def _usable_free(self, probe: Request | None) -> int:
+        return self.pool.free_large_pages() * self.large
+
+    def _largest_hole(self) -> int:
+        return self._usable_free(None)
+
+    def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
+        blocks, token_states, reserved, internal = self._totals()[:4]
+        usable = self.pool.free_large_pages() * self.large
+        external = self.capacity - blocks * self.page - usable
+        return token_states, reserved, internal, external, usable
+
+    def integrals(
+        self, n: int, probe: Request | None, w0: float, w1: float
+    ) -> tuple[float, float, float, float, float, float]:
+        if self.vllm_groups:  # (a large page is a block: the hybrid allocator's sums)
+            return super().integrals(n, probe, w0, w1)
+        weight = n * w0 + w1 * n * (n - 1) / 2
+        sums = self._integrals6(n, w0, w1)
+        free = float(self.pool.free_large_pages()) * weight
+        if n and self._ev_at:
+            free = self._free_integral(n, w0, w1)
+        usable = free * self.large
+        external = self.capacity * weight - sums[0] * self.page - usable
+        return (sums[1], sums[2], sums[3], external, usable, 0.0)
+
+    def _free_integral(self, n: int, w0: float, w1: float) -> float:
+        """Sum over steps j = 1..n of the free large pages after step j x (w0 + w1 (j - 1))."""
+        _fit, timeline = self._look(n)
+        total = 0.0
+        free = self.pool.free_large_pages()
+        j = 1  # the first step whose figure `free` is
+        for clock, after in timeline:
+            step = clock - self._clock
+            if step > n:
+                break
+            if step > j:  # steps j .. step - 1 at `free`
+                total += free * _weights(j, step - 1, w0, w1)
+            free, j = after, step
+        total += free * _weights(j, n, w0, w1)
+        return total
+
+    def steps_until_full(self) -> int | None:
+        """Exact: `done` at once where the decoders' most pages over the stretch fit
+        (`_most_extra`), else the stretch walked on the pool up to its first refusal."""
+        done = self.steps_until_done()
+        if done is None:
+            return None
+        memo = self._full_memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
+        if self.pool.large_needed(self._most_extra(done)) <= self.pool.free_large_pages():
+            fit = done
+        else:
+            fit = self._look(done)[0]
+        self._full_memo = (self._clock, self._version, fit)
+        return fit
+
+    def _most_extra(self, steps: int) -> list[int]:
+        """Per pool type, a bound on how many more small pages than now the decoders hold at
+        any moment of the next `steps` decode steps: each decoder's most per manager (its
+        length's blocks less those skipped now; a sliding or chunked one, past its first
+        steps, at most its window's) less what it holds. If fresh large pages for that many
+        fit, every step fits: a type takes a fresh large page only when its own are full, so
+        it never owns more than its most pages need (see the module)."""
+        extra = [0] * len(self.pool.per)
+        lag = self._lag
+        for rid in self._ev_at:
+            live = self._live[rid]
+            tokens = live.base + self._clock
+            settled = self._clock >= self._joined[rid] + 1 + lag
+            tables, starts = self._tables[rid], self._named_start[rid]
+            for mi, m in enumerate(self.managers):
+                if m.block_size >= self.max_model_len:
+                    continue  # (Mamba: one state page for its life)
+                bs = m.block_size
+                most = -(-(tokens + steps) // bs) - starts[mi]
+                if settled and isinstance(m, SlidingWindowManager):
+                    most = min(most, (m.window + lag + 2 * bs - 2) // bs)
+                elif settled and isinstance(m, ChunkedLocalManager):
+                    most = min(most, (m.window + 1 + lag) // bs + 2)
+                held = len(tables[mi][0])
+                if most > held:
+                    extra[self._ptype[mi]] += self._lists[mi] * (most - held)
+        return extra
+
+    def bytes_for(self, req: Request, tokens: int) -> int:
+        return self._large_for(self._need(tokens, 0, capped=True), empty=True) * self.large
+
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """vLLM's full-sequence gate, in large pages: the ones a fresh large page would have
+        to supply for every type's capped pages beyond its free small pages now, plus the
+        budget's whole large pages no request can take (the null block with vllm_groups)."""
+        tail = (self.capacity - self.num_large * self.large) // self.large
+        need = self._need(tokens, 0, capped=True)
+        return (self.pool.large_needed(need) + tail) * self.large
+
+    def watermark_bytes(self, fraction: float) -> int:
+        return int(fraction * self.num_large) * self.large
+
+    def too_large(self, req: Request) -> bool:
+        final = min(req.final, self.max_model_len)
+        lo = max(1, final - max(m.peak_span() for m in self.managers))
+        peak = max(self._large_for(self._need(t, max(0, t - 1 - self._lag)), empty=True)
+                   for t in range(lo, final + 1))
+        return peak > self.num_large
+
+    def summary_stats(self) -> dict[str, float | int]:
+        if self.vllm_groups:
+            return super().summary_stats()
+        return {
+            "two_level_types": len(self.managers),
+            "two_level_large_page_bytes": self.large,
+            "two_level_large_pages": self.num_large,
+            "two_level_fallback": int(self.fallback),
+        }
+
+    def group_kinds(self) -> tuple[str, ...]:
+        if self.vllm_groups:
+            return super().group_kinds()
+        return tuple(kind for kind, _window, _layers in self.types)
+
+    # ------------------------------------------------------------ block ids
+    def group_tables(self, rid: int) -> list[tuple[int, ...]]:
+        """Small page ids per group (vllm_groups: per planned group, block ids), 0 for each
+        skipped one with vllm_groups (vLLM's null block); without it, skipped ones left out
+        (no null page)."""
+        self._get(rid)
+        tables, starts = self._tables_of(rid), self._named_start[rid]
+        lead = 1 if self.vllm_groups else 0
+        return [(0,) * (starts[mi] * lead) + tuple(ids)
+                for mi in range(len(self.managers)) for ids in tables[mi]]
+
+    def block_table(self, rid: int) -> tuple[int, ...]:
+        self._get(rid)
+        return tuple(b for groups in self._tables_of(rid) for ids in groups for b in ids)
+
+    def check_pages(self) -> None:
+        """Every held small page once, inside a large page of its type (tests)."""
+        self.pool.check()
+        seen: set[tuple[int, int]] = set()
+        held = [0] * len(self.pool.per)
+        for rid, tables in self._tables.items():
+            assert rid in self._live
+            for mi, groups in enumerate(tables):
+                t = self._ptype[mi]
+                for ids in groups:
+                    for sid in ids:
+                        assert (t, sid) not in seen, (t, sid)
+                        seen.add((t, sid))
+                        assert self.pool.owner[sid // self.pool.per[t]] == t
+                        held[t] += 1
+        for t, per in enumerate(self.pool.per):
+            owned = sum(1 for o in self.pool.owner.values() if o == t)
+            assert owned * per - self.pool.free_small[t] == held[t]
+
+
+def _weights(a: int, b: int, w0: float, w1: float) -> float:
+    """Sum over j = a..b of w0 + w1 (j - 1)."""
+    if b < a:
+        return 0.0
+    n = b - a + 1
+    return n * w0 + w1 * (n * (a - 1) + n * (n - 1) / 2)
