@@ -11,9 +11,10 @@ it (Qwen3-Next: 544 tokens, a Mamba state's page). Here instead:
 - **two levels** (`kvfrag.sim.hybrid.two_level_pool`): the budget is cut into *large pages* of
   the LCM of the small pages; a large page taken by a type is split into its small pages, and
   goes back to the shared pool when all of them are free. Where the LCM is more than
-  `MAX_LCM_RATIO` times the largest small page, the large page is that largest small page and
-  each type's small page is padded up to large // floor(large / small) (counted as padding,
-  and what no slot fills of a large page as stranded: see below);
+  `MAX_LCM_RATIO` times the largest small page, or the budget holds fewer than
+  `MIN_LARGE_PAGES` of it, the large page is that largest small page and each type's small
+  page is padded up to large // floor(large / small) (counted as padding, and what no slot
+  fills of a large page as stranded: see below);
 - **request-aware placement**: a request's next small page of a type goes into the large page
   of its last one of that type if it has room, else into a partly used large page of that
   type, else a fresh one, so that large pages empty as requests finish.
@@ -71,6 +72,9 @@ from mypy_extensions import mypyc_attr
 
 #: The most a large page may be, in largest small pages, before the fallback (see the module).
 MAX_LCM_RATIO = 64
+#: The fewest large pages the budget must hold, else the fallback (a large page is at most
+#: this fraction of the budget: what one type strands stays small beside it).
+MIN_LARGE_PAGES = 64
 
 
 def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
@@ -92,13 +96,14 @@ def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
     return [(kind, window, layers) for (kind, window), layers in types.items()]
 
 
-def large_page(small: Sequence[int]) -> tuple[int, list[int], bool]:
+def large_page(small: Sequence[int], budget: int) -> tuple[int, list[int], bool]:
     """(large page bytes, small pages per large page per type, whether the fallback is used):
-    the LCM of the small pages, or where it exceeds MAX_LCM_RATIO x the largest small page,
-    that largest small page, each type fitting floor(large / small) padded pages."""
+    the LCM of the small pages, or where it exceeds MAX_LCM_RATIO x the largest small page or
+    budget / MIN_LARGE_PAGES, that largest small page, each type fitting floor(large /
+    small) padded pages."""
     lcm = math.lcm(*small)
     largest = max(small)
-    if lcm <= MAX_LCM_RATIO * largest:
+    if lcm <= MAX_LCM_RATIO * largest and lcm * MIN_LARGE_PAGES <= budget:
         return lcm, [lcm // s for s in small], False
     return largest, [largest // s for s in small], True
 
@@ -169,7 +174,7 @@ class TwoLevelAllocator(HybridAllocator):
             tbs.append(tb)
             states.append(state)
             small.append(state if kind == "mamba" else bs * tb)
-        large, per, fallback = large_page(small)
+        large, per, fallback = large_page(small, self.capacity)
         padded = [large // p for p in per]  # (the small page itself, unless the fallback)
         unit = math.gcd(*padded)
         managers: list[Manager] = []

@@ -626,7 +626,7 @@ def _hybrid_stacks():
 HYBRID_STACKS = _hybrid_stacks()
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "floor", "static-partition"])
+@pytest.mark.parametrize("kind", ["hybrid", "floor", "static-partition", "two-level"])
 @pytest.mark.parametrize("name", list(HYBRID_STACKS))
 def test_hybrid_lifecycle_identity_refusals_and_no_leak(name, kind):
     stack = HYBRID_STACKS[name]

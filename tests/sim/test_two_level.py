@@ -1,0 +1,244 @@
+"""The `two-level` allocator in its own layout (one unpadded group per layer type, large pages
+of the LCM of the small pages): its pool, and the accounting over random operations
+(identity to the byte, token_states as the model needs, no overlap, every small page inside a
+large page of its type, no leak, steps_until_full exact, integrals the step-by-step sums)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from kvfrag.sim.allocators import PARTS, Request, make_allocator
+from kvfrag.sim.allocators.paged import FreeIds
+from kvfrag.sim.allocators.two_level import (
+    MAX_LCM_RATIO,
+    MIN_LARGE_PAGES,
+    large_page,
+    layer_types,
+)
+from kvfrag.sim.hybrid.two_level_pool import TwoLevelPool
+from kvfrag.sim.hybrid_presets import STACKS
+from kvfrag.sim.layers import (
+    MLA,
+    ChunkedLocal,
+    FullAttention,
+    LayerStack,
+    MambaState,
+    SlidingWindow,
+)
+from kvfrag.sim.model_view import ModelView
+
+warnings.filterwarnings("ignore", message=".*pure-Python.*")
+
+MML = 160
+
+
+def _stack(pattern: str) -> LayerStack:
+    kinds = {"s": SlidingWindow(1, 4, 2, window=20), "f": FullAttention(1, 4, 2),
+             "c": ChunkedLocal(1, 4, 2, chunk=24), "m": MLA(6, 2, 2),
+             "g": MambaState(600, "gated_delta_net"), "w": SlidingWindow(1, 4, 2, window=6),
+             "F": FullAttention(2, 4, 2)}
+    return LayerStack(pattern, tuple(kinds[ch] for ch in pattern))
+
+
+PATTERNS = ["sssssfsssssf", "wfwfwf", "cccfcccf", "mmmf", "gggfgggf", "sssFw"]
+
+
+# ----------------------------------------------------------------------------- the pool
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 50)), max_size=80))
+def test_one_page_per_large_page_hands_out_ids_as_free_ids(ops):
+    """With vLLM's constraints (one small page per large page) the pool's ids come out in
+    the order of the hybrid allocator's FreeIds, under the same takes and gives."""
+    pool, ids = TwoLevelPool(40, [1], True), FreeIds(40)
+    ids.pop()
+    held: list[int] = []
+    for take, k in ops:
+        if take and len(ids):
+            sid = pool.take(0, -1)
+            assert sid == ids.pop()
+            held.append(sid)
+        elif held:
+            gone = held[k % len(held):]
+            del held[k % len(held):]
+            pool.give(0, gone)
+            ids.give(list(gone))
+    assert len(pool.free_large) == len(ids)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.booleans()), max_size=60),
+       st.integers(0, 60))
+def test_pool_undo_restores_the_state_and_its_placements(ops, cut):
+    """A trial undone leaves the pool as it was by value: the same ids come out after it."""
+    def run(pool: TwoLevelPool, held: list[list[int]], todo) -> list[int]:
+        out = []
+        for t, k, take in todo:
+            if take:
+                sid = pool.take(t, held[t][-1] if held[t] and k % 2 else -1)
+                out.append(sid)
+                if sid >= 0:
+                    held[t].append(sid)
+            elif held[t]:
+                gone = held[t][k % len(held[t]):]
+                del held[t][k % len(held[t]):]
+                pool.give(t, gone)
+        pool.check()
+        return out
+
+    pool, held = TwoLevelPool(12, [1, 3, 5], False), [[], [], []]
+    run(pool, held, ops[:cut])
+    later = copy.deepcopy((pool, held))
+    mark = pool.mark()
+    run(pool, [list(h) for h in held], ops[cut:])
+    pool.undo(mark)
+    pool.commit(mark)
+    pool.check()
+    assert (pool.owner, pool.mask, pool.used, pool.free_small, pool.partly) == (
+        later[0].owner, later[0].mask, later[0].used, later[0].free_small, later[0].partly)
+    assert run(pool, held, ops) == run(later[0], later[1], ops)
+
+
+def test_request_aware_placement_keeps_a_request_together():
+    """A request's pages of one type fill its own large page first, so large pages empty as
+    requests finish; fresh pages only when no large page of the type has room."""
+    pool = TwoLevelPool(10, [4], False)
+    a = [pool.take(0, -1)]
+    b = [pool.take(0, -1)]  # (into a's large page: the only one of the type with room)
+    for _ in range(5):
+        a.append(pool.take(0, a[-1]))
+    assert {x // 4 for x in a} == {0, 1} and pool.used_large_pages() == 2
+    pool.give(0, a)
+    assert pool.used_large_pages() == 1  # a's second large page went back; b's stays
+    pool.give(0, b)
+    assert pool.used_large_pages() == 0 and pool.free_small == [0]
+
+
+# ----------------------------------------------------------------------------- the plan
+def test_gemma_3_27b_types_and_pages():
+    """Gemma-3-27B: two types, no padding: 52 sliding layers (window 1,024) and 10 full,
+    each 16 KV heads x 128 x bf16 K and V = 8 KiB per token per layer; small pages of 16
+    tokens: 6.5 MiB and 1.25 MiB, large page their LCM, 6.5 MiB."""
+    stack = STACKS["gemma-3-27b"]
+    types = layer_types(stack)
+    assert [(k, w, len(ls)) for k, w, ls in types] == [("sliding_window", 1024, 52),
+                                                        ("full", 0, 10)]
+    small = [16 * 52 * 8192, 16 * 10 * 8192]
+    assert large_page(small, 18 << 30) == (52 * 16 * 8192 * 5, [5, 26], False)
+
+
+def test_an_absurd_lcm_falls_back_to_the_largest_small_page():
+    """Small pages whose LCM exceeds MAX_LCM_RATIO x the largest, or a budget that holds
+    fewer than MIN_LARGE_PAGES of it: the large page is the largest, each type fitting
+    floor(large / small) pages of it (padded)."""
+    budget = 10**9
+    assert math.lcm(1000, 999) > MAX_LCM_RATIO * 1000
+    assert large_page([1000, 999], budget) == (1000, [1, 1], True)
+    assert large_page([1000, 301], budget) == (1000, [1, 3], True)
+    assert large_page([1000, 250], budget) == (1000, [1, 4], False)
+    assert large_page([1000, 300], budget) == (3000, [3, 10], False)
+    assert large_page([1000, 300], 3000 * MIN_LARGE_PAGES - 1) == (1000, [1, 3], True)
+
+
+def test_bad_options_one_line():
+    stack = _stack("sf")
+    kw = dict(capacity=10**6, bytes_per_token=stack.full_bytes_per_token, max_model_len=MML,
+              stack=stack)
+    with pytest.raises(ValueError, match=r"^prefix caching is not modelled for the two-level"):
+        make_allocator("two-level", prefix_caching=True, **kw)
+    with pytest.raises(ValueError, match=r"^vllm_groups must be true or false"):
+        make_allocator("two-level", vllm_groups="yes", **kw)
+
+
+# ----------------------------------------------------------------- random operations
+def _need(stack: LayerStack, tokens: int) -> int:
+    """What the model needs of a request of `tokens`: every layer's window of them, and
+    its Mamba state (`ModelView`, the hybrid allocator's definition)."""
+    view = ModelView.of(stack)
+    out = 0 if view is None else view.out_of_window(tokens)
+    return tokens * stack.full_bytes_per_token - out + stack.state_bytes_per_request
+
+
+def _brute(a, n: int, w0: float, w1: float) -> dict[str, float]:
+    c = copy.deepcopy(a)
+    sums = dict.fromkeys(PARTS, 0.0)
+    for j in range(1, n + 1):
+        assert c.step(1)
+        for part, value in zip(PARTS, c.parts(None), strict=True):
+            sums[part] += value * (w0 + w1 * (j - 1))
+    return sums
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=30, deadline=None)
+@given(asynchronous=st.booleans(), pages=st.integers(1, 12), data=st.data())
+def test_random_operations_keep_the_accounting(pattern, asynchronous, pages, data):
+    stack = _stack(pattern)
+    b = stack.full_bytes_per_token
+    probe = make_allocator("two-level", capacity=10**9, bytes_per_token=b, max_model_len=MML,
+                           stack=stack)
+    # (vLLM's memory check, which the plan keeps: one request of max_model_len fits)
+    vllm = probe.plan
+    capacity = (vllm.max_request_blocks + 1) * vllm.page_bytes + probe.large * pages + 3
+    a = make_allocator("two-level", capacity=capacity, bytes_per_token=b, max_model_len=MML,
+                       stack=stack)
+    if asynchronous:
+        a.set_async()
+    fresh = a.parts(None)
+    rid, last, prompts = 0, {}, {}
+    for _ in range(data.draw(st.integers(1, 30), label="ops")):
+        op = data.draw(st.sampled_from(["admit", "admit", "grow", "step", "step", "free"]))
+        if op == "admit":
+            prompt, output = data.draw(st.integers(1, 90)), data.draw(st.integers(1, 70))
+            decoding = data.draw(st.booleans())
+            chunk = prompt if decoding else data.draw(st.integers(1, prompt))
+            got = a.admit(Request(rid, prompt, output), tokens=chunk, decoding=decoding)
+            event(f"admit {bool(got)}")
+            last[rid], prompts[rid] = chunk, prompt
+            rid += 1
+        elif op == "grow":
+            growing = [r for r in a.rids() if not a.is_decoding(r) and a.tokens(r) < prompts[r]]
+            if not growing:
+                continue
+            r = data.draw(st.sampled_from(growing))
+            n = data.draw(st.integers(1, prompts[r] - a.tokens(r)))
+            flight = data.draw(st.sampled_from([0, last[r]])) if asynchronous else 0
+            if a.grow(r, n, flight):
+                last[r] = n
+                if a.tokens(r) == prompts[r] and data.draw(st.booleans()):
+                    a.set_decoding(r, True)
+        elif op == "step":
+            done, full = a.steps_until_done(), a.steps_until_full()
+            if done is None:
+                continue
+            if full < done:  # exact: the step past it is refused, and changes nothing
+                c = copy.deepcopy(a)
+                assert c.step(full)
+                before = c.parts(None)
+                assert not c.step(1) and c.parts(None) == before
+                event("refused step")
+            n = data.draw(st.integers(0, full))
+            assert a.step(n)
+            while a.steps_until_done() == 0:
+                a.free(a.first_done())
+        elif op == "free" and a.rids():
+            a.free(data.draw(st.sampled_from(a.rids())))
+        acc = a.account()
+        acc.check()
+        assert acc.token_states == sum(_need(stack, a.tokens(r)) for r in a.rids())
+        a.check_pages()
+        done = a.steps_until_done()
+        if done:
+            n = data.draw(st.integers(0, min(done, a.steps_until_full(), 40)))
+            w0, w1 = data.draw(st.floats(0, 3)), data.draw(st.floats(-1, 1))
+            got, want = a.integrate(n, None, w0, w1), _brute(a, n, w0, w1)
+            scale = a.capacity * n * (w0 + abs(w1) * n + 1)
+            for part in PARTS:
+                assert got[part] == pytest.approx(want[part], rel=1e-9, abs=1e-12 * scale)
+    for r in a.rids():
+        a.free(r)
+    assert a.pool.used_large_pages() == 0 and a.parts(None) == fresh
