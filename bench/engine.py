@@ -16,7 +16,8 @@ The hybrid rows run vLLM's hybrid KV-cache manager on llama-3-8b (one full-atten
 on gemma-3-27b (52 sliding-window layers of 1,024 tokens in six groups, 10 full), the same
 workload and budget; the issue's target for the second is 2x paged-16 per event, as for the
 exact-need floor's row (`floor`, on gemma-3-27b) and a pool per layer type's
-(`static-partition`). The EAGLE row
+(`static-partition`), and for the two-level (Jenga-style) layout's (`two-level`, one group
+per layer type). The EAGLE row
 runs speculative decoding (3 drafts, 70 % acceptance) on paged-16: decode-only iterations join
 into stretches as plain decoding's do, each decoder's steps following its draws (ev/req shows
 how many events); the "2 req/s" rows run the same requests at a light load (a few decoding at
@@ -81,6 +82,9 @@ KINDS = (
     ("floor gemma-3-27b", "floor", {"model": "gemma-3-27b"}, "bench"),
     # one pool per layer type (a hybrid allocator each), at the default shares
     ("static-partition gemma-3-27b", "static-partition", {"model": "gemma-3-27b"}, "bench"),
+    # the two-level (Jenga-style) allocator on gemma-3-27b: one group per layer type, large
+    # pages of the LCM of their small pages
+    ("two-level gemma-3-27b", "two-level", {"block_size": 16, "model": "gemma-3-27b"}, "bench"),
     # speculative decoding (EAGLE, 3 drafts, 70 % acceptance), and both at a light load
     ("paged-16 EAGLE k3", "paged", {"block_size": 16, "speculative": SPEC}, "bench"),
     ("paged-16 2 req/s", "paged", {"block_size": 16}, "light"),
@@ -140,7 +144,7 @@ def _one(args: tuple) -> dict:
     if spec is not None:
         config = replace(config, speculative=spec)
     geo, stack = GEO, None
-    if kind in ("hybrid", "floor", "static-partition"):  # (the layers; the tokens in flight)
+    if kind in ("hybrid", "floor", "static-partition", "two-level"):  # (the layers; in flight)
         stack = layer_stack(opts.pop("model", GEO.name))
         assert stack is not None
         geo = stack.geometry()

@@ -58,6 +58,8 @@ HOT = (
     "hybrid/forms",
     "hybrid/cohort",
     "hybrid/lookahead",
+    "hybrid/two_level_pool",
+    "allocators/two_level",
     "model_view",
 )
 _NAMES = frozenset(f"{__package__}.{name.replace('/', '.')}" for name in HOT)

@@ -109,8 +109,9 @@ from kvfrag.sim.waiting import PriorityQueue
 _NEVER = {Reason.PROMPT_TOO_LONG, Reason.TOO_LARGE}
 #: Allocators speculative decoding is not modelled with: EAGLE's block hashes cover one token
 #: more (prefix caching), and vLLM's hybrid manager places draft layers in groups of their own
-#: (as the layouts by layer type would: the floor, static-partition).
-SPEC_NOT_MODELLED = frozenset({"prefix-caching", "hybrid", "floor", "static-partition"})
+#: (as the layouts by layer type would: the floor, static-partition, two-level).
+SPEC_NOT_MODELLED = frozenset({"prefix-caching", "hybrid", "floor", "static-partition",
+                               "two-level"})
 #: `run`'s progress callback is called at most once in this many turns of the serving loop
 #: (the wall clock is read no more often), and this many seconds of wall time apart.
 PROGRESS_TURNS = 256
@@ -773,9 +774,6 @@ class Engine:
             # admissions were skipped this iteration, or it freed memory and seats after
             # they were tried (async): the next one tries them
             n = 1
-        full = alloc.steps_until_full()
-        if full is not None:
-            n = min(n, 1 + full)
         shrink = alloc.steps_until_shrink() if self.queue else None
         if shrink is not None:  # memory comes back then: the queue head may fit
             n = min(n, shrink)
@@ -792,6 +790,10 @@ class Engine:
             horizon = min(horizon, self.cfg.max_time_s)
         if horizon < math.inf:
             n = _iterations_to_reach(horizon - self.now, w0, w1, n)
+        # (last, and no further than the stretch: the min commutes with the ones above)
+        full = alloc.steps_until_full_within(n - 1)
+        if full is not None:
+            n = min(n, 1 + full)
         return n, w0, w1, n * w0 + w1 * n * (n - 1) / 2
 
     # -------------------------------------------------------------- iteration end

@@ -65,6 +65,7 @@ NOT_MODELLED = {
     "hybrid": "the hybrid allocator with engine.speculative is not modelled yet",
     "floor": "floor with engine.speculative is not modelled yet",
     "static-partition": "static-partition with engine.speculative is not modelled yet",
+    "two-level": "the two-level allocator with engine.speculative is not modelled yet",
     "prefix-caching": "prefix caching with engine.speculative is not modelled yet (EAGLE's "
                       "block hashes cover one more token)",
 }

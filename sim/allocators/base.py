@@ -482,6 +482,12 @@ class Allocator(ABC):
         may answer it for the next step alone."""
         return self.steps_until_full() != 0
 
+    def steps_until_full_within(self, limit: int) -> int | None:
+        """min(steps_until_full(), limit): what the engine needs when it will not step past
+        `limit` anyway (an allocator that must walk the steps to answer walks no further)."""
+        full = self.steps_until_full()
+        return full if full is None or full < limit else limit
+
     def steps_until_shrink(self) -> int | None:
         """Steps until a step gives memory back without a free (None: steps never do)."""
         return None

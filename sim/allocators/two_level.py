@@ -138,6 +138,7 @@ class TwoLevelAllocator(HybridAllocator):
                          geometry)
         self.vllm_groups = vllm_groups
         self.fallback = False
+        self.types: list[tuple[str, int, list[int]]] = []
         if vllm_groups:  # vLLM's plan: one page, every group's block one large page
             self.large = self.page
             self.small_pages = [self.page]
@@ -154,6 +155,9 @@ class TwoLevelAllocator(HybridAllocator):
         self._ev_at: dict[int, int] = {}
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
         self._taken: list[int] = []  # small pages the last placement took
+        # decoders in their first steps (rid -> clock it joined), whose processed tokens do
+        # not follow their length yet (`_most_extra`)
+        self._fresh: dict[int, int] = {}
         # the last look-ahead: (clock, version, horizon, steps that fit, [(clock, free
         # large pages after its events)])
         self._walk_memo: tuple[int, int, int, int, list[tuple[int, int]]] | None = None
@@ -438,8 +442,10 @@ class TwoLevelAllocator(HybridAllocator):
         super()._cohort_changed(live, decoding)
         if decoding:
             self._push(live, self._clock + 1)
+            self._fresh[live.req.rid] = self._clock
         else:
             self._ev_at.pop(live.req.rid, None)
+            self._fresh.pop(live.req.rid, None)
 
     def _stepped(self) -> None:
         super()._stepped()
@@ -518,47 +524,65 @@ class TwoLevelAllocator(HybridAllocator):
         return total
 
     def steps_until_full(self) -> int | None:
-        """Exact: `done` at once where the decoders' most pages over the stretch fit
+        done = self.steps_until_done()
+        return None if done is None else self.steps_until_full_within(done)
+
+    def steps_until_full_within(self, limit: int) -> int | None:
+        """Exact up to `limit`: at once where the decoders' most pages over the stretch fit
         (`_most_extra`), else the stretch walked on the pool up to its first refusal."""
         done = self.steps_until_done()
         if done is None:
             return None
         memo = self._full_memo
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2]
-        if self.pool.large_needed(self._most_extra(done)) <= self.pool.free_large_pages():
-            fit = done
-        else:
-            fit = self._look(done)[0]
-        self._full_memo = (self._clock, self._version, fit)
+            return min(memo[2], limit)
+        horizon = min(limit, done)
+        if self.pool.large_needed(self._most_extra(horizon)) <= self.pool.free_large_pages():
+            return horizon
+        fit = self._look(horizon)[0]
+        if fit < horizon or horizon == done:  # (exact: memo it)
+            self._full_memo = (self._clock, self._version, fit)
         return fit
 
     def _most_extra(self, steps: int) -> list[int]:
         """Per pool type, a bound on how many more small pages than now the decoders hold at
-        any moment of the next `steps` decode steps: each decoder's most per manager (its
-        length's blocks less those skipped now; a sliding or chunked one, past its first
-        steps, at most its window's) less what it holds. If fresh large pages for that many
-        fit, every step fits: a type takes a fresh large page only when its own are full, so
-        it never owns more than its most pages need (see the module)."""
+        any moment of the next `steps` decode steps. If fresh large pages for that many fit,
+        every step fits: a type takes a fresh large page only when its own are full, so it
+        never owns more than its most pages need (see the module).
+
+        Per manager, the blocks its ceil terms take over the stretch (the cohort's sums:
+        every decoder's length's blocks, frees ignored); for a sliding or chunked manager at
+        most, besides, each settled decoder's room under its window's most blocks (cap less
+        what it holds: the decoders' held blocks are the cohort's figures) and each decoder
+        still in its first steps (`_fresh`, walked) its blocks taken."""
         extra = [0] * len(self.pool.per)
-        lag = self._lag
-        for rid in self._ev_at:
-            live = self._live[rid]
-            tokens = live.base + self._clock
-            settled = self._clock >= self._joined[rid] + 1 + lag
-            tables, starts = self._tables[rid], self._named_start[rid]
-            for mi, m in enumerate(self.managers):
-                if m.block_size >= self.max_model_len:
-                    continue  # (Mamba: one state page for its life)
-                bs = m.block_size
-                most = -(-(tokens + steps) // bs) - starts[mi]
-                if settled and isinstance(m, SlidingWindowManager):
-                    most = min(most, (m.window + lag + 2 * bs - 2) // bs)
-                elif settled and isinstance(m, ChunkedLocalManager):
-                    most = min(most, (m.window + 1 + lag) // bs + 2)
-                held = len(tables[mi][0])
-                if most > held:
-                    extra[self._ptype[mi]] += self._lists[mi] * (most - held)
+        co = self._cohort
+        clock, lag = self._clock, self._lag
+        figures = co.figures(clock)
+        fresh = self._fresh
+        for rid in [r for r, j in fresh.items() if clock >= j + 1 + lag]:
+            del fresh[rid]
+        n_dec = len(self._joined)
+        for mi, m in enumerate(self.managers):
+            bs = m.block_size
+            if bs >= self.max_model_len:
+                continue  # (Mamba: one state page for its life)
+            k = co.mods.index(bs)  # (its ceil term kind: the first of that block size)
+            taken = co.sums[k].value(clock + steps) - co.sums[k].value(clock)
+            if isinstance(m, (SlidingWindowManager, ChunkedLocalManager)):
+                cap = ((m.window + lag + 2 * bs - 2) // bs
+                       if isinstance(m, SlidingWindowManager)
+                       else (m.window + 1 + lag) // bs + 2)
+                held = figures[6 + mi] - co.fixed[6 + mi]  # (per group, over the decoders)
+                room = 0
+                for rid in fresh:
+                    tokens = self._live[rid].base + clock
+                    room += -(-(tokens + steps) // bs) - -(-tokens // bs)
+                    held -= len(self._tables[rid][mi][0])
+                room += (n_dec - len(fresh)) * cap - held
+                taken = min(taken, room)
+            if taken > 0:
+                extra[self._ptype[mi]] += self._lists[mi] * taken
         return extra
 
     def bytes_for(self, req: Request, tokens: int) -> int:

@@ -128,7 +128,7 @@ class TwoLevelPool:
                 self.partly[t].add(lid)
             else:
                 self.partly[t].discard(lid)
-                del self.owner[lid], self.mask[lid], self.used[lid]
+                self._drop(lid)
                 self.free_small[t] -= per
                 emptied.append(lid)
         if emptied:
@@ -170,7 +170,7 @@ class TwoLevelPool:
                 self._file(lid, t)
             else:  # _FRESH
                 t = arg
-                del self.owner[lid], self.mask[lid], self.used[lid]
+                self._drop(lid)
                 self.free_small[t] -= self.per[t]
                 self.partly[t].discard(lid)
                 self.free_large.give([lid])
@@ -180,6 +180,11 @@ class TwoLevelPool:
         if mark == 0:
             self.journal.clear()
             self.journaling = False
+
+    def _drop(self, lid: int) -> None:
+        del self.owner[lid]
+        del self.mask[lid]
+        del self.used[lid]
 
     def _file(self, lid: int, t: int) -> None:
         if self.used[lid] and self.mask[lid]:

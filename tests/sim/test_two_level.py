@@ -8,7 +8,11 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from pathlib import Path
+from runpy import run_path
 
+import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -20,6 +24,8 @@ from kvfrag.sim.allocators.two_level import (
     large_page,
     layer_types,
 )
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.hybrid.two_level_pool import TwoLevelPool
 from kvfrag.sim.hybrid_presets import STACKS
 from kvfrag.sim.layers import (
@@ -31,6 +37,7 @@ from kvfrag.sim.layers import (
     SlidingWindow,
 )
 from kvfrag.sim.model_view import ModelView
+from kvfrag.sim.reference import reference
 
 warnings.filterwarnings("ignore", message=".*pure-Python.*")
 
@@ -242,3 +249,40 @@ def test_random_operations_keep_the_accounting(pattern, asynchronous, pages, dat
     for r in a.rids():
         a.free(r)
     assert a.pool.used_large_pages() == 0 and a.parts(None) == fresh
+
+
+# ------------------------------------------------------------------- in the engine
+#: The fast engine held to the reference, request by request (tests/sim/agreement.py).
+AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equals_reference"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 20), pages=st.integers(0, 30),
+       chunked=st.booleans(), asynchronous=st.booleans())
+def test_fast_engine_matches_per_iteration_reference(pattern, seed, n, pages, chunked,
+                                                     asynchronous):
+    """The engine's decode stretches lean on steps_until_full(_within) and the integrals,
+    which the per-iteration reference (`sim.reference`) never calls: record for record the
+    same, in pools small enough to preempt."""
+    stack = _stack(pattern)
+    tokens = 40 if chunked else 160
+    b = stack.full_bytes_per_token
+
+    def make(capacity: int):
+        return make_allocator("two-level", capacity=capacity, bytes_per_token=b,
+                              max_model_len=MML, stack=stack, max_num_batched_tokens=tokens)
+
+    probe = make(10**9)
+    capacity = (probe.plan.max_request_blocks + 1) * probe.plan.page_bytes + probe.large * pages
+    rng = np.random.default_rng(seed)
+    wl = pd.DataFrame({"request_id": np.arange(n),
+                       "arrival_s": np.cumsum(rng.exponential(0.5, n)),
+                       "prompt_tokens": rng.integers(1, 101, n),
+                       "output_tokens": rng.integers(1, 81, n)})
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=tokens, chunked_prefill=chunked,
+                       async_scheduling=asynchronous, step_time=StepTime(0.05, 1e-3, 1e-4))
+    fast = run(wl, make(capacity), cfg)
+    slow = reference(wl, make(capacity), cfg)
+    AGREE(fast, slow, parts=[*PARTS, "internal_overreservation"])
+    event(f"preempted {fast.summary['preemptions'] > 0}")
