@@ -246,16 +246,14 @@ class TwoLevelAllocator(HybridAllocator):
             for gi, ids in enumerate(tables[mi]):
                 take = want - len(ids)
                 if take > 0:
+                    got: list[int] = []
+                    ok = pool.take_many(t, take, ids[-1] if ids else -1, got)
+                    ids.extend(got)
+                    self._taken.extend(got)
                     if journaling:
-                        self._tj.append((2, rid, mi, gi, []))
-                    for _ in range(take):
-                        sid = pool.take(t, ids[-1] if ids else -1)
-                        if sid < 0:
-                            return False
-                        ids.append(sid)
-                        self._taken.append(sid)
-                        if journaling:
-                            self._tj[-1][4].append(sid)
+                        self._tj.append((2, rid, mi, gi, got))
+                    if not ok:
+                        return False
         return True
 
     def _mark(self) -> tuple[int, int]:
@@ -535,7 +533,9 @@ class TwoLevelAllocator(HybridAllocator):
             return None
         memo = self._full_memo
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return min(memo[2], limit)
+            known = memo[2]
+            if known is not None:
+                return min(known, limit)
         horizon = min(limit, done)
         if self.pool.large_needed(self._most_extra(horizon)) <= self.pool.free_large_pages():
             return horizon

@@ -29,6 +29,7 @@ _FRESH = 0  # a fresh large page taken by type `arg`
 _TAKE = 1  # slot `arg` of the large page taken
 _GIVE = 2  # slot `arg` of the large page given back
 _EMPTY = 3  # the large page, all free, went back to the shared pool (arg: its type)
+_TAKEN = 4  # the slots of bit mask `arg` of the large page taken
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
@@ -111,6 +112,54 @@ class TwoLevelPool:
             self.journal.append((_TAKE, lid, slot))
         return lid * per + slot
 
+    def take_many(self, t: int, n: int, hint: int, out: list[int]) -> bool:
+        """`n` small pages of type t onto `out`, exactly as n `take`s in a row, each hinted
+        by the one before (`hint` first), but a large page at a time. False, part done, when
+        the pool runs short (the caller undoes its trial)."""
+        per = self.per[t]
+        full = (1 << per) - 1
+        while n > 0:
+            lid = -1
+            if hint >= 0:
+                h = hint // per
+                if self.mask.get(h, 0) and self.owner.get(h, -1) == t:
+                    lid = h
+            if lid < 0:
+                partly = self.partly[t]
+                if partly:
+                    lid = min(partly)
+                elif len(self.free_large):
+                    lid = self.free_large.pop()
+                    self.owner[lid] = t
+                    self.mask[lid] = full
+                    self.used[lid] = 0
+                    self.free_small[t] += per
+                    if self.journaling:
+                        self.journal.append((_FRESH, lid, t))
+                else:
+                    return False
+            mask = self.mask[lid]
+            taken = 0
+            base = lid * per
+            while n > 0 and mask:
+                bit = mask & -mask
+                mask ^= bit
+                taken |= bit
+                out.append(base + bit.bit_length() - 1)
+                n -= 1
+            count = bin(taken).count("1")
+            self.mask[lid] = mask
+            self.used[lid] += count
+            self.free_small[t] -= count
+            if mask:
+                self.partly[t].add(lid)
+            else:
+                self.partly[t].discard(lid)
+            if self.journaling:
+                self.journal.append((_TAKEN, lid, taken))
+            hint = out[-1]
+        return True
+
     def give(self, t: int, ids: list[int]) -> None:
         """Small pages of type t back; large pages left empty go back to the shared pool, in
         the order they empty (one `FreeIds.give`, as the hybrid allocator gives a list)."""
@@ -161,6 +210,13 @@ class TwoLevelPool:
                 self.mask[lid] &= ~(1 << arg)
                 self.used[lid] += 1
                 self.free_small[t] -= 1
+                self._file(lid, t)
+            elif op == _TAKEN:
+                t = self.owner[lid]
+                count = bin(arg).count("1")
+                self.mask[lid] |= arg
+                self.used[lid] -= count
+                self.free_small[t] += count
                 self._file(lid, t)
             elif op == _TAKE:
                 t = self.owner[lid]

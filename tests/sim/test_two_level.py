@@ -110,6 +110,42 @@ def test_pool_undo_restores_the_state_and_its_placements(ops, cut):
     assert run(pool, held, ops) == run(later[0], later[1], ops)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.booleans()), max_size=40))
+def test_take_many_is_takes_in_a_row(ops):
+    """`take_many` (a large page at a time) places exactly as `take` after `take`, each hinted
+    by the one before, and refuses where they run short; undone, the pool is as before."""
+    one, many = TwoLevelPool(9, [1, 3, 5], False), TwoLevelPool(9, [1, 3, 5], False)
+    held: list[list[int]] = [[], [], []]
+    for t, n, keep in ops:
+        want: list[int] = []
+        hint = held[t][-1] if held[t] else -1
+        for _ in range(n):
+            sid = one.take(t, hint)
+            if sid < 0:
+                break
+            want.append(sid)
+            hint = sid
+        got: list[int] = []
+        mark = many.mark()
+        ok = many.take_many(t, n, held[t][-1] if held[t] else -1, got)
+        assert ok == (len(want) == n) and got == want
+        if not ok:
+            one.give(t, want)
+            many.undo(mark)
+        else:
+            held[t].extend(got)
+        many.commit(mark)
+        if not keep and held[t]:
+            gone = held[t][len(held[t]) // 2:]
+            del held[t][len(held[t]) // 2:]
+            one.give(t, list(gone))
+            many.give(t, list(gone))
+        many.check()
+        assert (one.owner, one.mask, one.used, one.free_small) == (
+            many.owner, many.mask, many.used, many.free_small)
+
+
 def test_request_aware_placement_keeps_a_request_together():
     """A request's pages of one type fill its own large page first, so large pages empty as
     requests finish; fresh pages only when no large page of the type has room."""
