@@ -322,3 +322,18 @@ def test_fast_engine_matches_per_iteration_reference(pattern, seed, n, pages, ch
     slow = reference(wl, make(capacity), cfg)
     AGREE(fast, slow, parts=[*PARTS, "internal_overreservation"])
     event(f"preempted {fast.summary['preemptions'] > 0}")
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("vllm_groups: maybe", "vllm_groups must be true or false, not 'maybe'"),
+    ("prefix_caching: true", "prefix caching is not modelled for the two-level allocator yet"),
+    ("window: 3", "allocator 'two' (two-level) has no option 'window'"),
+])
+def test_scenario_refuses_bad_options_in_one_line(option, message):
+    from kvfrag.config import ScenarioError, load_scenario
+
+    with pytest.raises(ScenarioError) as err:
+        load_scenario("gemma3-27b-long-context",
+                      [f"allocators=[{{label: two, kind: two-level, {option}}}]"])
+    text = str(err.value)
+    assert message in text and "\n" not in text.strip()
