@@ -58,7 +58,7 @@ HOT = (
     "hybrid/forms",
     "hybrid/cohort",
     "hybrid/lookahead",
-    "hybrid/two_level_pool",
+    "allocators/two_level_pool",
     "allocators/two_level",
     "model_view",
 )

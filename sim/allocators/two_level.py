@@ -8,8 +8,8 @@ it (Qwen3-Next: 544 tokens, a Mamba state's page). Here instead:
 - **one group per layer type, unpadded**: full attention, MLA, each sliding window W, each
   chunk C and the Mamba state are a type each, holding all their layers. A type's *small page*
   is block_size x its layers' bytes per token (Mamba: its layers' state per request, as is);
-- **two levels** (`kvfrag.sim.hybrid.two_level_pool`): the budget is cut into *large pages* of
-  the LCM of the small pages; a large page taken by a type is split into its small pages, and
+- **two levels** (`kvfrag.sim.allocators.two_level_pool`): the budget is cut into *large
+  pages* of the LCM of the small pages; a large page taken by a type is split into its small pages, and
   goes back to the shared pool when all of them are free. Where the LCM is more than
   `MAX_LCM_RATIO` times the largest small page, or the budget holds fewer than
   `MIN_LARGE_PAGES` of it, the large page is that largest small page and each type's small
@@ -57,6 +57,7 @@ from collections.abc import Sequence
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request, positive_int
 from kvfrag.sim.allocators.hybrid import HybridAllocator
+from kvfrag.sim.allocators.two_level_pool import TwoLevelPool
 from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.cohort import Cohort
 from kvfrag.sim.hybrid.managers import (
@@ -65,7 +66,6 @@ from kvfrag.sim.hybrid.managers import (
     Manager,
     SlidingWindowManager,
 )
-from kvfrag.sim.hybrid.two_level_pool import TwoLevelPool
 from kvfrag.sim.layers import MLA, ChunkedLocal, LayerStack, MambaState, SlidingWindow
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr

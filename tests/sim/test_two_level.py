@@ -24,9 +24,9 @@ from kvfrag.sim.allocators.two_level import (
     large_page,
     layer_types,
 )
+from kvfrag.sim.allocators.two_level_pool import TwoLevelPool
 from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
-from kvfrag.sim.hybrid.two_level_pool import TwoLevelPool
 from kvfrag.sim.hybrid_presets import STACKS
 from kvfrag.sim.layers import (
     MLA,
