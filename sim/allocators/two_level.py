@@ -9,8 +9,8 @@ it (Qwen3-Next: 544 tokens, a Mamba state's page). Here instead:
   chunk C and the Mamba state are a type each, holding all their layers. A type's *small page*
   is block_size x its layers' bytes per token (Mamba: its layers' state per request, as is);
 - **two levels** (`kvfrag.sim.allocators.two_level_pool`): the budget is cut into *large
-  pages* of the LCM of the small pages; a large page taken by a type is split into its small pages, and
-  goes back to the shared pool when all of them are free. Where the LCM is more than
+  pages* of the LCM of the small pages; a large page taken by a type is split into its small
+  pages, and goes back to the shared pool when all of them are free. Where the LCM is more than
   `MAX_LCM_RATIO` times the largest small page, or the budget holds fewer than
   `MIN_LARGE_PAGES` of it, the large page is that largest small page and each type's small
   page is padded up to large // floor(large / small) (counted as padding, and what no slot
@@ -43,10 +43,12 @@ slots, the remainder of budget // large page, vLLM's null block with `vllm_group
 Decode steps: placement depends on the order of takes and frees, so the decoders' small pages
 are placed eagerly, at the steps where a decoder's counts may change (block boundaries, window
 and chunk edges: events, not tokens), in vLLM's order (step by step, decoders in admission
-order, each freeing then taking). `steps_until_full` and the integrals walk those events on
-the pool and undo them (the pool's journal); a stretch is walked twice (looked at, then
-taken). Cost: in proportion to the block-boundary events of the decoders, as a paged
-allocator's blocks, never to tokens.
+order, each freeing then taking). `steps_until_full_within(limit)` answers at once where a
+bound on the decoders' most pages over the stretch fits (`_most_extra`, from the cohort's
+sums), else walks those events on the pool, no further than `limit`, and undoes them (the
+pool's journal); the integrals (of the free large pages) walk the stretch likewise, so a
+stretch is walked about twice (looked at, then taken). Cost: in proportion to the decoders'
+block-boundary events, never to tokens; near fullness, to the events of the stretches walked.
 """
 
 from __future__ import annotations
