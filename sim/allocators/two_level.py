@@ -163,6 +163,8 @@ class TwoLevelAllocator(HybridAllocator):
         # the last look-ahead: (clock, version, horizon, steps that fit, [(clock, free
         # large pages after its events)])
         self._walk_memo: tuple[int, int, int, int, list[tuple[int, int]]] | None = None
+        # steps_until_full's exact answer: (clock, version, steps)
+        self._full_exact: tuple[int, int, int] | None = None
 
     def _plan_types(self, in_flight: int) -> None:
         """One manager per layer type, its small page in gcd units (see the module);
@@ -527,23 +529,26 @@ class TwoLevelAllocator(HybridAllocator):
         done = self.steps_until_done()
         return None if done is None else self.steps_until_full_within(done)
 
+    def can_step(self) -> bool:
+        """(`Allocator.can_step`: the next step alone, walked if the bound does not settle
+        it; the hybrid allocator's answer counts one pool of blocks.)"""
+        return self.steps_until_full_within(1) != 0
+
     def steps_until_full_within(self, limit: int) -> int | None:
         """Exact up to `limit`: at once where the decoders' most pages over the stretch fit
         (`_most_extra`), else the stretch walked on the pool up to its first refusal."""
         done = self.steps_until_done()
         if done is None:
             return None
-        memo = self._full_memo
+        memo = self._full_exact
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            known = memo[2]
-            if known is not None:
-                return min(known, limit)
+            return min(memo[2], limit)
         horizon = min(limit, done)
         if self.pool.large_needed(self._most_extra(horizon)) <= self.pool.free_large_pages():
             return horizon
         fit = self._look(horizon)[0]
         if fit < horizon or horizon == done:  # (exact: memo it)
-            self._full_memo = (self._clock, self._version, fit)
+            self._full_exact = (self._clock, self._version, fit)
         return fit
 
     def _most_extra(self, steps: int) -> list[int]:
@@ -586,6 +591,29 @@ class TwoLevelAllocator(HybridAllocator):
             if taken > 0:
                 extra[self._ptype[mi]] += self._lists[mi] * taken
         return extra
+
+    def admit_shortfall(self, tokens: int) -> int:
+        """Fresh large pages an admission of `tokens` would need beyond the free ones (0: it
+        would be granted); nothing changes."""
+        return max(0, self.pool.large_needed(self._need(tokens, 0))
+                   - self.pool.free_large_pages())
+
+    def grow_shortfall(self, rid: int, n: int, in_flight: int = 0) -> int:
+        """Fresh large pages `grow(rid, n, in_flight)` would need beyond the free ones (0: it
+        would be granted), tried on the pool and undone; nothing changes."""
+        live = self._get(rid)
+        old = self._tokens_of(live)
+        proc = max(0, old - in_flight) if self._lag else old
+        mark = self._mark()
+        ok = self._place(rid, old + n, proc)
+        self._undo(mark)
+        if ok:
+            return 0
+        short = self._need(old + n, proc)
+        for mi, groups in enumerate(self._tables[rid]):
+            short[self._ptype[mi]] -= sum(len(ids) for ids in groups)
+        return max(1, self.pool.large_needed([max(0, k) for k in short])
+                   - self.pool.free_large_pages())
 
     def bytes_for(self, req: Request, tokens: int) -> int:
         return self._large_for(self._need(tokens, 0, capped=True), empty=True) * self.large

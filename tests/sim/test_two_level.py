@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from kvfrag.sim.allocators import PARTS, Request, make_allocator
+from kvfrag.sim.allocators import PARTS, Reason, Request, make_allocator
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.allocators.two_level import (
     MAX_LCM_RATIO,
@@ -239,7 +239,9 @@ def test_random_operations_keep_the_accounting(pattern, asynchronous, pages, dat
             prompt, output = data.draw(st.integers(1, 90)), data.draw(st.integers(1, 70))
             decoding = data.draw(st.booleans())
             chunk = prompt if decoding else data.draw(st.integers(1, prompt))
+            short = a.admit_shortfall(chunk)
             got = a.admit(Request(rid, prompt, output), tokens=chunk, decoding=decoding)
+            assert bool(got) == (short == 0) or got.reason is Reason.TOO_LARGE
             event(f"admit {bool(got)}")
             last[rid], prompts[rid] = chunk, prompt
             rid += 1
@@ -250,7 +252,13 @@ def test_random_operations_keep_the_accounting(pattern, asynchronous, pages, dat
             r = data.draw(st.sampled_from(growing))
             n = data.draw(st.integers(1, prompts[r] - a.tokens(r)))
             flight = data.draw(st.sampled_from([0, last[r]])) if asynchronous else 0
-            if a.grow(r, n, flight):
+            short = a.grow_shortfall(r, n, flight)
+            before = a.parts(None)
+            granted = a.grow(r, n, flight)
+            assert bool(granted) == (short == 0)
+            if not granted:
+                assert a.parts(None) == before
+            else:
                 last[r] = n
                 if a.tokens(r) == prompts[r] and data.draw(st.booleans()):
                     a.set_decoding(r, True)
