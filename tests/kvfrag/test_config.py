@@ -78,7 +78,7 @@ def test_budget_units_and_gpu_budget(tmp_path):
          r"s.yaml:12: allocators\[1\]: .*no option 'blok_size'; did you mean 'block_size'"),
         (GOOD.replace("kind: paged,", "kind: pagd,"),
          r"s.yaml:12: allocators\[1\]\.kind: unknown allocator kind 'pagd' \(valid: buddy, "
-         r"contiguous, hybrid, paged"),
+         r"contiguous, floor, hybrid, paged"),
         (GOOD.replace("reserve: max_model_len", "reserve: max"),
          r"s.yaml:11: allocators\[0\]: allocator 'orca-max': unknown reservation policy 'max'"),
         (GOOD.replace("kv_budget: 12GiB", "kv_budget: 12 GiBs"), r"kv_budget: .*unknown unit"),
