@@ -50,25 +50,22 @@ from kvfrag.sim.allocators.base import (
 from kvfrag.sim.allocators.floor import stack_of
 from kvfrag.sim.allocators.hybrid import HybridAllocator
 from kvfrag.sim.geometry import KVGeometry
-from kvfrag.sim.hybrid.planner import plan
-from kvfrag.sim.layers import MLA, ChunkedLocal, LayerStack, MambaState, SlidingWindow
+from kvfrag.sim.hybrid.planner import layer_kind, plan
+from kvfrag.sim.layers import Layer, LayerStack
 from mypy_extensions import mypyc_attr
 
 #: The layer types a partition names, in the order pools are kept.
 TYPES = ("full", "sliding", "chunked", "mla", "mamba")
 
 
-def type_of(layer: object) -> str:
+#: A partition's name for each layer kind of vLLM's (`planner.layer_kind`).
+_NAMES = {"full": "full", "sliding_window": "sliding", "chunked_local": "chunked", "mla": "mla",
+          "mamba": "mamba"}
+
+
+def type_of(layer: Layer) -> str:
     """A layer's type in a partition."""
-    if isinstance(layer, SlidingWindow):
-        return "sliding"
-    if isinstance(layer, ChunkedLocal):
-        return "chunked"
-    if isinstance(layer, MLA):
-        return "mla"
-    if isinstance(layer, MambaState):
-        return "mamba"
-    return "full"
+    return _NAMES[layer_kind(layer)]
 
 
 def layers_by_type(stack: LayerStack) -> dict[str, LayerStack]:

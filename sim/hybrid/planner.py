@@ -137,7 +137,8 @@ class _Spec:
         return self.kind != "mamba"
 
 
-def _kind(layer: Layer) -> str:
+def layer_kind(layer: Layer) -> str:
+    """A layer's kind by vLLM's spec class (`KINDS`)."""
     if isinstance(layer, SlidingWindow):
         return "sliding_window"
     if isinstance(layer, ChunkedLocal):
@@ -409,7 +410,7 @@ def plan(
     # The layers' specs (each layer's get_kv_cache_spec).
     specs: list[_Spec] = []
     for layer in layers:
-        kind = _kind(layer)
+        kind = layer_kind(layer)
         if isinstance(layer, MambaState):
             assert mamba_block_size is not None
             page = mamba_page_padded if mamba_page_padded is not None else layer.state_bytes
