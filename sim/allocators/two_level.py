@@ -68,7 +68,8 @@ from kvfrag.sim.hybrid.managers import (
     Manager,
     SlidingWindowManager,
 )
-from kvfrag.sim.layers import MLA, ChunkedLocal, LayerStack, MambaState, SlidingWindow
+from kvfrag.sim.hybrid.planner import layer_kind, layer_window
+from kvfrag.sim.layers import LayerStack, MambaState
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
@@ -84,16 +85,7 @@ def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
     first appearance."""
     types: dict[tuple[str, int], list[int]] = {}
     for i, layer in enumerate(stack.layers):
-        if isinstance(layer, SlidingWindow):
-            key = ("sliding_window", layer.window)
-        elif isinstance(layer, ChunkedLocal):
-            key = ("chunked_local", layer.chunk)
-        elif isinstance(layer, MLA):
-            key = ("mla", 0)
-        elif isinstance(layer, MambaState):
-            key = ("mamba", 0)
-        else:
-            key = ("full", 0)
+        key = (layer_kind(layer), layer_window(layer) or 0)
         types.setdefault(key, []).append(i)
     return [(kind, window, layers) for (kind, window), layers in types.items()]
 

@@ -152,7 +152,8 @@ def layer_kind(layer: Layer) -> str:
     raise TypeError(f"not a layer type kvfrag knows: {layer!r}")
 
 
-def _window(layer: Layer) -> int | None:
+def layer_window(layer: Layer) -> int | None:
+    """A sliding layer's window, a chunked-local layer's chunk; None for the others."""
     if isinstance(layer, SlidingWindow):
         return layer.window
     if isinstance(layer, ChunkedLocal):
@@ -417,7 +418,7 @@ def plan(
             specs.append(_Spec(kind, layer, mamba_block_size, page))
         else:
             page = block_size * layer.bytes_per_token
-            specs.append(_Spec(kind, layer, block_size, page, _window(layer)))
+            specs.append(_Spec(kind, layer, block_size, page, layer_window(layer)))
 
     if not hybrid_manager:
         specs = _promote_local(specs)  # unify_hybrid_kv_cache_specs
