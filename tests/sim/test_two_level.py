@@ -197,6 +197,43 @@ def test_bad_options_one_line():
         make_allocator("two-level", vllm_groups="yes", **kw)
 
 
+# ------------------------------------------------------- where it differs from vLLM on purpose
+def test_async_frees_by_the_tokens_computed_unlike_vllm():
+    """Async scheduling: two-level frees a window's blocks by the tokens computed before the
+    allocation, as without async scheduling (the GPU runs the step that still reads them
+    first); vLLM, and two-level with `vllm_groups`, by the tokens processed, a step later. A
+    second chunk of 20 tokens after 20 with window 6 and blocks of 2: two-level frees the
+    floor((20 - 6 + 1) / 2) = 7 blocks out of the window at once, vLLM none of them yet."""
+    stack = _stack("wfwfwf")
+    held = {}
+    for kind, vllm_groups in (("two-level", False), ("two-level", True), ("hybrid", None)):
+        kw: dict = dict(capacity=10**6, bytes_per_token=stack.full_bytes_per_token,
+                        max_model_len=MML, stack=stack, block_size=2)
+        if vllm_groups is not None:
+            kw["vllm_groups"] = vllm_groups
+        a = make_allocator(kind, **kw)
+        a.set_async()
+        assert a.admit(Request(0, 40, 10), tokens=20, decoding=False)
+        assert a.grow(0, 20, 20)
+        assert a.group_kinds() == ("sliding_window", "full")
+        held[kind, vllm_groups] = [len(t) for t in a.group_tables(0)]
+    assert held["two-level", False] == [20 - 7, 20]
+    assert held["two-level", True] == held["hybrid", None] == [20, 20]
+
+
+def test_admission_caps_allow_one_batch_in_flight_unlike_vllm():
+    """Freeing by the tokens computed, a sliding group never holds more than W - 1 tokens
+    before a chunk and the chunk: two-level's admission cap counts one batch in flight, where
+    vLLM's (and two-level's with `vllm_groups`) counts `concurrent_batches` of them."""
+    stack = _stack("wfwfwf")
+    kw: dict = dict(capacity=10**6, bytes_per_token=stack.full_bytes_per_token,
+                    max_model_len=MML, stack=stack, block_size=2, max_num_batched_tokens=20,
+                    concurrent_batches=2)
+    caps = {vg: make_allocator("two-level", vllm_groups=vg, **kw).managers[0].cap
+            for vg in (False, True)}
+    assert caps == {False: -(-(6 - 1 + 20) // 2) + 1, True: -(-(6 - 1 + 2 * 20) // 2) + 1}
+
+
 # ----------------------------------------------------------------- random operations
 def _need(stack: LayerStack, tokens: int) -> int:
     """What the model needs of a request of `tokens`: every layer's window of them, and
