@@ -28,7 +28,7 @@ step in flight reads is held one more step, and its sliding caps allow `concurre
 chunks in flight; two-level frees by the tokens *computed* before the allocation, as without
 async scheduling (a step that reads a freed block is ahead of the step that takes it, and the
 GPU runs them in that order), and caps at one chunk in flight. On Gemma-3-27B at 32K this
-is what brings it from 85 % to 99 % of the floor's capacity (`bench/layouts.py`). No prefix
+is the difference between 85 % and 99 % of the floor's capacity (`bench/layouts.py`). No prefix
 caching yet (refused).
 
 `vllm_groups: true` plans as vLLM does (its groups with padding layers and one page size):
