@@ -13,18 +13,24 @@ memory moves between types as the requests' needs do, without one page size for 
   bit mask, the lowest free slot taken first.
 - Placement (`take`, request-aware): into the large page of the request's own last small page
   of that type when it has a free slot; else the lowest-numbered large page of that type with
-  a free slot (whoever holds the rest); else a fresh large page. Every choice is a function of
-  the pool's state by value (no insertion order), so that `undo` restores a state that
-  places exactly as before: the allocator tries a step, an admission or a stretch of decode
-  steps, and takes it back (`mark` / `undo`).
+  a free slot (whoever holds the rest: a heap per type); else a fresh large page. Every choice
+  is a function of the pool's state by value (no insertion order, whatever the heaps hold), so
+  that `undo` restores a state that places exactly as before: the allocator tries a step, an
+  admission or a stretch of decode steps, and takes it back (`mark` / `undo`).
+- So a take of type t uses a free slot of its type while there is one (`free_small[t]`), else a
+  fresh large page: how many fresh pages n takes need is a count (`large_needed`), whatever
+  the order.
 """
 
 from __future__ import annotations
 
+import heapq
+
 from kvfrag.sim.allocators.paged import FreeIds
 from mypy_extensions import mypyc_attr
 
-# Journal entries: (op, large page, slot or type); ops below.
+# Journal entries: op, large page, slot or type (three ints in a row of one flat list: no
+# object per entry); ops below.
 _FRESH = 0  # a fresh large page taken by type `arg`
 _TAKE = 1  # slot `arg` of the large page taken
 _GIVE = 2  # slot `arg` of the large page given back
@@ -43,12 +49,19 @@ class TwoLevelPool:
         if null_page:  # (vLLM's null block: the hybrid allocator's block 0)
             self.free_large.pop()
         self.usable = len(self.free_large)
-        self.owner: dict[int, int] = {}  # large page -> its type (absent: in the shared pool)
-        self.mask: dict[int, int] = {}  # large page -> bit mask of its free slots
-        self.used: dict[int, int] = {}  # large page -> its small pages held
-        self.partly: list[set[int]] = [set() for _ in per]  # per type: used, with a free slot
+        # Per large page id, for the ids handed out so far (FreeIds hands out the lowest
+        # first: the lists grow with the pages in use, not with the budget): its type (-1: in
+        # the shared pool), the bit mask of its free slots, its small pages held
+        self.owner: list[int] = []
+        self.mask: list[int] = []
+        self.used: list[int] = []
+        # Per type, a heap holding every large page of it used and with a free slot ("partly"
+        # used), and maybe pages no longer so, dropped when they come to the top: the lowest
+        # partly used page at the cost of a heap, where a set's min would visit them all
+        self.partly: list[list[int]] = [[] for _ in per]
+        self.owned = [0] * len(per)  # per type: large pages it holds (the heaps' compaction)
         self.free_small = [0] * len(per)  # per type: free small pages in its large pages
-        self.journal: list[tuple[int, int, int]] = []
+        self.journal: list[int] = []  # (op, large page, arg) after (op, large page, arg)
         self.journaling = False
 
     # ----------------------------------------------------------------- queries
@@ -63,7 +76,8 @@ class TwoLevelPool:
         return self.large_needed(need) <= len(self.free_large)
 
     def large_needed(self, need: list[int]) -> int:
-        """Fresh large pages `need[t]` more small pages of each type would take."""
+        """Fresh large pages `need[t]` more small pages of each type would take (a take uses
+        a free slot of its type while there is one: see `take`)."""
         total = 0
         for t, n in enumerate(need):
             short = n - self.free_small[t]
@@ -72,91 +86,104 @@ class TwoLevelPool:
                 total += (short + per - 1) // per
         return total
 
+    def is_partly(self, lid: int, t: int) -> bool:
+        """Whether large page `lid` is type t's, used, with a free slot."""
+        return self.owner[lid] == t and self.used[lid] > 0 and self.mask[lid] != 0
+
+    def lowest_partly(self, t: int) -> int:
+        """The lowest-numbered partly used large page of type t (-1: none)."""
+        heap = self.partly[t]
+        owner, used, mask = self.owner, self.used, self.mask
+        while heap:
+            lid = heap[0]
+            if owner[lid] == t and used[lid] > 0 and mask[lid] != 0:
+                return lid
+            heapq.heappop(heap)
+        return -1
+
+    def state(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], list[int],
+                             list[set[int]]]:
+        """The pool by value (tests): per large page held its type, free slots' mask and
+        small pages held; per type its free small pages and its partly used large pages."""
+        held = [lid for lid, t in enumerate(self.owner) if t >= 0]
+        return ({lid: self.owner[lid] for lid in held}, {lid: self.mask[lid] for lid in held},
+                {lid: self.used[lid] for lid in held}, list(self.free_small),
+                [{lid for lid in held if self.is_partly(lid, t)} for t in range(len(self.per))])
+
     # ------------------------------------------------------------------ changes
     def take(self, t: int, hint: int) -> int:
         """One small page of type t (request-aware: `hint`, the small page id of the
         request's last page of this type, or -1); -1 when none is free."""
         per = self.per[t]
         lid = -1
+        fresh = False
         if hint >= 0:
             h = hint // per
-            if self.mask.get(h, 0) and self.owner.get(h, -1) == t:
+            if self.owner[h] == t and self.mask[h] != 0:
                 lid = h
         if lid < 0:
-            partly = self.partly[t]
-            if partly:
-                lid = min(partly)
-            elif len(self.free_large):
-                lid = self.free_large.pop()
-                self.owner[lid] = t
-                self.mask[lid] = (1 << per) - 1
-                self.used[lid] = 0
-                self.free_small[t] += per
-                if self.journaling:
-                    self.journal.append((_FRESH, lid, t))
-            else:
-                return -1
+            lid = self.lowest_partly(t)
+            if lid < 0:
+                if not len(self.free_large):
+                    return -1
+                lid = self._fresh(t)
+                fresh = True
         mask = self.mask[lid]
         bit = mask & -mask
         slot = bit.bit_length() - 1
         mask ^= bit
         self.mask[lid] = mask
-        used = self.used[lid] + 1
-        self.used[lid] = used
+        self.used[lid] += 1
         self.free_small[t] -= 1
-        if mask:
-            self.partly[t].add(lid)
-        else:
-            self.partly[t].discard(lid)
+        if fresh and mask:
+            self._push(t, lid)
         if self.journaling:
-            self.journal.append((_TAKE, lid, slot))
+            self._log(_TAKE, lid, slot)
         return lid * per + slot
 
     def take_many(self, t: int, n: int, hint: int, out: list[int]) -> bool:
-        """`n` small pages of type t onto `out`, exactly as n `take`s in a row, each hinted
-        by the one before (`hint` first), but a large page at a time. False, part done, when
-        the pool runs short (the caller undoes its trial)."""
+        """`n` small pages of type t onto `out`, each into the large page of the one before
+        (`hint` first) if it has a free slot, else the lowest-numbered partly used page of the
+        type, else a fresh one, the lowest free slot first; a large page at a time. False,
+        part done, when the pool runs short (the caller undoes its trial)."""
         per = self.per[t]
-        full = (1 << per) - 1
+        owner, mask_of, used_of = self.owner, self.mask, self.used
         while n > 0:
             lid = -1
+            fresh = False
             if hint >= 0:
                 h = hint // per
-                if self.mask.get(h, 0) and self.owner.get(h, -1) == t:
+                if owner[h] == t and mask_of[h] != 0:
                     lid = h
             if lid < 0:
-                partly = self.partly[t]
-                if partly:
-                    lid = min(partly)
-                elif len(self.free_large):
-                    lid = self.free_large.pop()
-                    self.owner[lid] = t
-                    self.mask[lid] = full
-                    self.used[lid] = 0
-                    self.free_small[t] += per
-                    if self.journaling:
-                        self.journal.append((_FRESH, lid, t))
-                else:
-                    return False
-            mask = self.mask[lid]
-            taken = 0
+                lid = self.lowest_partly(t)
+                if lid < 0:
+                    if not len(self.free_large):
+                        return False
+                    lid = self._fresh(t)
+                    fresh = True
+            mask = mask_of[lid]
             base = lid * per
-            while n > 0 and mask:
-                bit = mask & -mask
-                mask ^= bit
-                taken |= bit
-                out.append(base + bit.bit_length() - 1)
-                n -= 1
-            count = bin(taken).count("1")
-            self.mask[lid] = mask
-            self.used[lid] += count
-            self.free_small[t] -= count
-            if mask:
-                self.partly[t].add(lid)
+            if fresh and n >= per:  # (the whole page, its slots in order)
+                out.extend(range(base, base + per))
+                taken, count, mask = mask, per, 0
             else:
-                self.partly[t].discard(lid)
+                taken = 0
+                count = 0
+                while n > count and mask:
+                    bit = mask & -mask
+                    mask ^= bit
+                    taken |= bit
+                    out.append(base + bit.bit_length() - 1)
+                    count += 1
+            n -= count
+            mask_of[lid] = mask
+            used_of[lid] += count
+            self.free_small[t] -= count
+            if fresh and mask:
+                self._push(t, lid)
             if self.journaling:
-                self.journal.append((_TAKEN, lid, taken))
+                self._log(_TAKEN, lid, taken)
             hint = out[-1]
         return True
 
@@ -164,26 +191,30 @@ class TwoLevelPool:
         """Small pages of type t back; large pages left empty go back to the shared pool, in
         the order they empty (one `FreeIds.give`, as the hybrid allocator gives a list)."""
         per = self.per[t]
+        mask_of, used_of = self.mask, self.used
         emptied: list[int] = []
+        journaling = self.journaling
         for sid in ids:
-            lid, slot = divmod(sid, per)
-            self.mask[lid] |= 1 << slot
-            used = self.used[lid] - 1
-            self.used[lid] = used
-            self.free_small[t] += 1
-            if self.journaling:
-                self.journal.append((_GIVE, lid, slot))
+            lid = sid // per
+            slot = sid - lid * per
+            before = mask_of[lid]
+            mask_of[lid] = before | (1 << slot)
+            used = used_of[lid] - 1
+            used_of[lid] = used
+            if journaling:
+                self._log(_GIVE, lid, slot)
             if used:
-                self.partly[t].add(lid)
+                self.free_small[t] += 1
+                if not before:  # (it was full: partly used now)
+                    self._push(t, lid)
             else:
-                self.partly[t].discard(lid)
-                self._drop(lid)
-                self.free_small[t] -= per
+                self._drop(lid, t)
+                self.free_small[t] -= per - 1
                 emptied.append(lid)
         if emptied:
-            if self.journaling:  # (undone last first: popped in the order given)
+            if journaling:  # (undone last first: popped in the order given)
                 for lid in reversed(emptied):
-                    self.journal.append((_EMPTY, lid, t))
+                    self._log(_EMPTY, lid, t)
             self.free_large.give(emptied)
 
     # ---------------------------------------------------------------- trials
@@ -195,41 +226,36 @@ class TwoLevelPool:
     def undo(self, mark: int) -> None:
         """Take back every change since `mark`, restoring the state by value."""
         journal = self.journal
+        owner, mask_of, used_of = self.owner, self.mask, self.used
         while len(journal) > mark:
-            op, lid, arg = journal.pop()
+            arg = journal.pop()
+            lid = journal.pop()
+            op = journal.pop()
             if op == _EMPTY:
                 t = arg
                 back = self.free_large.pop()
                 assert back == lid, (back, lid)
-                self.owner[lid] = t
-                self.mask[lid] = (1 << self.per[t]) - 1
-                self.used[lid] = 0
-                self.free_small[t] += self.per[t]
-            elif op == _GIVE:
-                t = self.owner[lid]
-                self.mask[lid] &= ~(1 << arg)
-                self.used[lid] += 1
-                self.free_small[t] -= 1
-                self._file(lid, t)
-            elif op == _TAKEN:
-                t = self.owner[lid]
-                count = bin(arg).count("1")
-                self.mask[lid] |= arg
-                self.used[lid] -= count
-                self.free_small[t] += count
-                self._file(lid, t)
-            elif op == _TAKE:
-                t = self.owner[lid]
-                self.mask[lid] |= 1 << arg
-                self.used[lid] -= 1
-                self.free_small[t] += 1
-                self._file(lid, t)
-            else:  # _FRESH
+                self._own(lid, t)
+            elif op == _FRESH:
                 t = arg
-                self._drop(lid)
+                self._drop(lid, t)
                 self.free_small[t] -= self.per[t]
-                self.partly[t].discard(lid)
                 self.free_large.give([lid])
+            else:
+                t = owner[lid]
+                was = used_of[lid] > 0 and mask_of[lid] != 0
+                if op == _GIVE:
+                    mask_of[lid] &= ~(1 << arg)
+                    used_of[lid] += 1
+                    self.free_small[t] -= 1
+                else:  # _TAKEN, _TAKE
+                    bits = arg if op == _TAKEN else 1 << arg
+                    count = bits.bit_count()
+                    mask_of[lid] |= bits
+                    used_of[lid] -= count
+                    self.free_small[t] += count
+                if not was and used_of[lid] > 0 and mask_of[lid] != 0:
+                    self._push(t, lid)
 
     def commit(self, mark: int) -> None:
         """Keep the changes since `mark` (the outermost trial ends journaling)."""
@@ -237,28 +263,66 @@ class TwoLevelPool:
             self.journal.clear()
             self.journaling = False
 
-    def _drop(self, lid: int) -> None:
-        del self.owner[lid]
-        del self.mask[lid]
-        del self.used[lid]
+    def _log(self, op: int, lid: int, arg: int) -> None:
+        journal = self.journal
+        journal.append(op)
+        journal.append(lid)
+        journal.append(arg)
 
-    def _file(self, lid: int, t: int) -> None:
-        if self.used[lid] and self.mask[lid]:
-            self.partly[t].add(lid)
-        else:
-            self.partly[t].discard(lid)
+    def _fresh(self, t: int) -> int:
+        """A fresh large page from the shared pool for type t (all its slots free)."""
+        lid = self.free_large.pop()
+        while lid >= len(self.owner):
+            self.owner.append(-1)
+            self.mask.append(0)
+            self.used.append(0)
+        self._own(lid, t)
+        if self.journaling:
+            self._log(_FRESH, lid, t)
+        return lid
+
+    def _own(self, lid: int, t: int) -> None:
+        per = self.per[t]
+        self.owner[lid] = t
+        self.mask[lid] = (1 << per) - 1
+        self.used[lid] = 0
+        self.free_small[t] += per
+        self.owned[t] += 1
+
+    def _drop(self, lid: int, t: int) -> None:
+        self.owner[lid] = -1
+        self.mask[lid] = 0
+        self.used[lid] = 0
+        self.owned[t] -= 1
+
+    def _push(self, t: int, lid: int) -> None:
+        """Large page `lid` became partly used: onto its type's heap (rebuilt from the pages
+        still partly used when stale entries outnumber the pages it could hold)."""
+        heap = self.partly[t]
+        heapq.heappush(heap, lid)
+        if len(heap) > 2 * self.owned[t] + 64:
+            heap[:] = sorted({x for x in heap if self.is_partly(x, t)})
 
     # ----------------------------------------------------------------- checks
     def check(self) -> None:
-        """The pool's own invariants (tests): counts agree with the masks."""
+        """The pool's own invariants (tests): counts agree with the masks, every partly used
+        page is on its type's heap."""
         free_small = [0] * len(self.per)
-        for lid, t in self.owner.items():
+        owned = [0] * len(self.per)
+        for lid, t in enumerate(self.owner):
+            if t < 0:
+                assert self.mask[lid] == 0 and self.used[lid] == 0
+                continue
             per = self.per[t]
             mask = self.mask[lid]
             assert 0 < self.used[lid] <= per or self.journaling
-            assert bin(mask).count("1") + self.used[lid] == per
+            assert mask.bit_count() + self.used[lid] == per
             free_small[t] += per - self.used[lid]
-            assert (lid in self.partly[t]) == bool(self.used[lid] and mask)
+            owned[t] += 1
+            if self.is_partly(lid, t):
+                assert lid in self.partly[t], (lid, t)
         assert free_small == self.free_small, (free_small, self.free_small)
-        assert len(self.owner) + len(self.free_large) == self.usable
-        assert not set(self.owner) & set(self.free_large)
+        assert owned == self.owned, (owned, self.owned)
+        held = {lid for lid, t in enumerate(self.owner) if t >= 0}
+        assert len(held) + len(self.free_large) == self.usable
+        assert not held & set(self.free_large)

@@ -105,8 +105,7 @@ def test_pool_undo_restores_the_state_and_its_placements(ops, cut):
     pool.undo(mark)
     pool.commit(mark)
     pool.check()
-    assert (pool.owner, pool.mask, pool.used, pool.free_small, pool.partly) == (
-        later[0].owner, later[0].mask, later[0].used, later[0].free_small, later[0].partly)
+    assert pool.state() == later[0].state()
     assert run(pool, held, ops) == run(later[0], later[1], ops)
 
 
@@ -142,8 +141,7 @@ def test_take_many_is_takes_in_a_row(ops):
             one.give(t, list(gone))
             many.give(t, list(gone))
         many.check()
-        assert (one.owner, one.mask, one.used, one.free_small) == (
-            many.owner, many.mask, many.used, many.free_small)
+        assert one.state() == many.state()
 
 
 def test_request_aware_placement_keeps_a_request_together():
