@@ -89,9 +89,40 @@ from mypy_extensions import mypyc_attr
 
 #: The most a large page may be, in largest small pages, before the fallback (see the module).
 MAX_LCM_RATIO = 64
+#: The decoders' event keys: clock << RANK_BITS | admission rank (`_walk`).
+RANK_BITS = 32
+RANK_MASK = (1 << RANK_BITS) - 1
 #: The fewest large pages the budget must hold, else the fallback (a large page is at most
 #: this fraction of the budget: what one type strands stays small beside it).
 MIN_LARGE_PAGES = 64
+
+
+#: Manager kinds as codes (`manager_code`).
+FULL, SLIDING, CHUNKED, MAMBA = 0, 1, 2, 3
+
+
+def manager_code(m: Manager) -> int:
+    """The kind of a manager (`sim.hybrid.managers`' four classes) as a code."""
+    if isinstance(m, SlidingWindowManager):
+        return SLIDING
+    if isinstance(m, ChunkedLocalManager):
+        return CHUNKED
+    if isinstance(m, MambaManager):
+        return MAMBA
+    assert type(m) is Manager, type(m)
+    return FULL
+
+
+def skipped_blocks(kind: int, bs: int, window: int, processed: int) -> int:
+    """`Manager.skipped_blocks` of a manager of that kind, block size and window: its
+    formulas, on plain ints (tests/sim/test_two_level_walk.py checks them the same)."""
+    if kind == SLIDING:
+        return max(0, processed - window + 1) // bs
+    if kind == CHUNKED:
+        return processed // window * window // bs
+    if kind == MAMBA:
+        return max(0, processed - 1) // bs
+    return 0
 
 
 def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
@@ -158,10 +189,18 @@ class TwoLevelAllocator(HybridAllocator):
             positive_int("concurrent_batches", concurrent_batches)
             self._plan_types(in_flight)
         self.num_large = self.pool.usable
-        # The decoders' next events: a heap of (clock, rank, rid), valid while `_ev_at` says
-        # that clock for the rid
-        self._events: list[tuple[int, int, int]] = []
+        # Each manager's kind (FULL...MAMBA), block size and window as plain ints: the walk's
+        # hot path (`_place`, `_next_event`) reads no attribute and calls no method of the
+        # managers (dataclasses the compiler leaves interpreted)
+        self._mkind = [manager_code(m) for m in self.managers]
+        self._mbs = [m.block_size for m in self.managers]
+        self._mwin = [m.window for m in self.managers]
+        # The decoders' next events: a heap of keys clock << RANK_BITS | rank (one int: no
+        # tuple made and compared per event), valid while `_ev_at` says that clock for the
+        # rank's rid (`_rid_of`)
+        self._events: list[int] = []
         self._ev_at: dict[int, int] = {}
+        self._rid_of: dict[int, int] = {}  # rank -> rid, for the live requests
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
         self._taken: list[int] = []  # small pages the last placement took
         # decoders in their first steps (rid -> clock it joined), whose processed tokens do
@@ -248,8 +287,9 @@ class TwoLevelAllocator(HybridAllocator):
         tables = self._tables_of(rid)
         starts = self._named_start[rid]
         pool, journaling = self.pool, self.pool.journaling
-        for mi, m in enumerate(self.managers):
-            skip = m.skipped_blocks(processed)
+        kinds, sizes, windows = self._mkind, self._mbs, self._mwin
+        for mi in range(len(kinds)):
+            skip = skipped_blocks(kinds[mi], sizes[mi], windows[mi], processed)
             drop = skip - starts[mi]
             if drop > 0:
                 for gi, ids in enumerate(tables[mi]):
@@ -261,8 +301,9 @@ class TwoLevelAllocator(HybridAllocator):
                 if journaling:
                     self._tj.append((1, rid, mi, starts[mi], []))
                 starts[mi] = skip
-        for mi, m in enumerate(self.managers):
-            want = m.held(tokens, processed)
+        for mi in range(len(kinds)):
+            bs = sizes[mi]
+            want = -(-tokens // bs) - skipped_blocks(kinds[mi], bs, windows[mi], processed)
             t = self._ptype[mi]
             for gi, ids in enumerate(tables[mi]):
                 take = want - len(ids)
@@ -335,18 +376,19 @@ class TwoLevelAllocator(HybridAllocator):
         tokens = live.base + clock
         processed = tokens - 1 - self._lag
         step = 1 << 62
-        for m in self.managers:
-            bs = m.block_size
+        kinds, sizes, windows = self._mkind, self._mbs, self._mwin
+        for mi in range(len(kinds)):
+            bs, kind, window = sizes[mi], kinds[mi], windows[mi]
             if bs < self.max_model_len:
                 step = min(step, -tokens % bs + 1)
-            if isinstance(m, SlidingWindowManager):
-                x = processed - m.window + 1
+            if kind == SLIDING:
+                x = processed - window + 1
                 d = -x % bs or bs
                 if x + d < bs:
                     d = bs - x
                 step = min(step, d)
-            elif isinstance(m, ChunkedLocalManager):
-                step = min(step, -processed % m.window or m.window)
+            elif kind == CHUNKED:
+                step = min(step, -processed % window or window)
         return clock + step
 
     def _push(self, live: Live, clock: int) -> None:
@@ -354,7 +396,7 @@ class TwoLevelAllocator(HybridAllocator):
         done = self._done_at.get(rid)
         if done is not None and clock <= done:
             self._ev_at[rid] = clock
-            heapq.heappush(self._events, (clock, self._rank[rid], rid))
+            heapq.heappush(self._events, clock << RANK_BITS | self._rank[rid])
         else:
             self._ev_at.pop(rid, None)
 
@@ -363,12 +405,16 @@ class TwoLevelAllocator(HybridAllocator):
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
         events = self._events
-        while events and events[0][0] <= limit:
-            clock, _rank, rid = heapq.heappop(events)
-            if self._ev_at.get(rid) != clock:
+        end = (limit + 1) << RANK_BITS  # (the first key past `limit`)
+        while events and events[0] < end:
+            key = heapq.heappop(events)
+            clock = key >> RANK_BITS
+            rid = self._rid_of.get(key & RANK_MASK, -1)
+            if self._ev_at.get(rid, -1) != clock:
                 continue
             live = self._live[rid]
-            if not self._place(rid, *self._state_at(live, clock)):
+            tokens, processed = self._state_at(live, clock)
+            if not self._place(rid, tokens, processed):
                 return clock
             self._push(live, self._next_event(live, clock))
             if timeline is not None:
@@ -405,14 +451,19 @@ class TwoLevelAllocator(HybridAllocator):
         if self._large_for(need, empty=True) > self.num_large:
             return Refusal(rid, Reason.TOO_LARGE, self._large_for(need, True) * self.large,
                            self.free_bytes(), "needs more large pages than exist")
-        if not self._try_place(rid, tokens, 0):
-            del self._tables[rid], self._named_start[rid]
+        # (an admission only takes: it fits exactly when the fresh large pages it needs do)
+        if (self.pool.large_needed(need) > self.pool.free_large_pages()
+                or not self._try_place(rid, tokens, 0)):
+            self._tables.pop(rid, None)
+            self._named_start.pop(rid, None)
             return Refusal(rid, Reason.OUT_OF_MEMORY, self._large_for(need) * self.large,
                            self.free_bytes())
         self._proc[rid] = 0
         self._last_n[rid] = tokens
         self._admissions += 1
+        assert self._admissions <= RANK_MASK, "more admissions than event keys order"
         self._rank[rid] = self._admissions
+        self._rid_of[self._admissions] = rid
         parts = self._parts_of(tokens, 0, live.final)
         self._held[rid] = parts
         self._add_fixed(parts, 1)
@@ -453,6 +504,9 @@ class TwoLevelAllocator(HybridAllocator):
         held = self._held.pop(rid, None)
         if held is not None:
             self._add_fixed(held, -1)
+        rank = self._rank.get(rid)
+        if rank is not None:
+            self._rid_of.pop(rank, None)
         for d in (self._rank, self._proc, self._joined, self._last_n, self._first):
             d.pop(rid, None)
         self._changed()
@@ -699,8 +753,7 @@ class TwoLevelAllocator(HybridAllocator):
                         assert self.pool.owner[sid // self.pool.per[t]] == t
                         held[t] += 1
         for t, per in enumerate(self.pool.per):
-            owned = sum(1 for o in self.pool.owner.values() if o == t)
-            assert owned * per - self.pool.free_small[t] == held[t]
+            assert self.pool.owned[t] * per - self.pool.free_small[t] == held[t]
 
 
 def _weights(a: int, b: int, w0: float, w1: float) -> float:
