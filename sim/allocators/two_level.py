@@ -202,7 +202,8 @@ class TwoLevelAllocator(HybridAllocator):
         self._ev_at: dict[int, int] = {}
         self._rid_of: dict[int, int] = {}  # rank -> rid, for the live requests
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
-        self._taken: list[int] = []  # small pages the last placement took
+        self._taken: list[int] = []  # small pages the last placement took (`_try_place`)
+        self._collect = False  # whether `_place` keeps them (not in the walks)
         # decoders in their first steps (rid -> clock it joined), whose processed tokens do
         # not follow their length yet (`_most_extra`)
         self._fresh: dict[int, int] = {}
@@ -311,7 +312,8 @@ class TwoLevelAllocator(HybridAllocator):
                     got: list[int] = []
                     ok = pool.take_many(t, take, ids[-1] if ids else -1, got)
                     ids.extend(got)
-                    self._taken.extend(got)
+                    if self._collect:
+                        self._taken.extend(got)
                     if journaling:
                         self._tj.append((2, rid, mi, gi, got))
                     if not ok:
@@ -347,7 +349,9 @@ class TwoLevelAllocator(HybridAllocator):
         are in `_taken`."""
         self._taken = []
         mark = self._mark()
+        self._collect = True
         ok = self._place(rid, tokens, processed)
+        self._collect = False
         if ok:
             self._commit(mark)
         else:
@@ -641,16 +645,15 @@ class TwoLevelAllocator(HybridAllocator):
         for rid in [r for r, j in fresh.items() if clock >= j + 1 + lag]:
             del fresh[rid]
         n_dec = len(self._joined)
-        for mi, m in enumerate(self.managers):
-            bs = m.block_size
+        for mi in range(len(self._mkind)):
+            kind, bs, window = self._mkind[mi], self._mbs[mi], self._mwin[mi]
             if bs >= self.max_model_len:
                 continue  # (Mamba: one state page for its life)
             k = co.mods.index(bs)  # (its ceil term kind: the first of that block size)
             taken = co.sums[k].value(clock + steps) - co.sums[k].value(clock)
-            if isinstance(m, (SlidingWindowManager, ChunkedLocalManager)):
-                cap = ((m.window + lag + 2 * bs - 2) // bs
-                       if isinstance(m, SlidingWindowManager)
-                       else (m.window + 1 + lag) // bs + 2)
+            if kind in (SLIDING, CHUNKED):
+                cap = ((window + lag + 2 * bs - 2) // bs if kind == SLIDING
+                       else (window + 1 + lag) // bs + 2)
                 held = figures[6 + mi] - co.fixed[6 + mi]  # (per group, over the decoders)
                 room = 0
                 for rid in fresh:

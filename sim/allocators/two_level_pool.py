@@ -33,7 +33,7 @@ from mypy_extensions import mypyc_attr
 # object per entry); ops below.
 _FRESH = 0  # a fresh large page taken by type `arg`
 _TAKE = 1  # slot `arg` of the large page taken
-_GIVE = 2  # slot `arg` of the large page given back
+_GIVE = 2  # the slots of bit mask `arg` of the large page given back
 _EMPTY = 3  # the large page, all free, went back to the shared pool (arg: its type)
 _TAKEN = 4  # the slots of bit mask `arg` of the large page taken
 
@@ -194,22 +194,31 @@ class TwoLevelPool:
         mask_of, used_of = self.mask, self.used
         emptied: list[int] = []
         journaling = self.journaling
-        for sid in ids:
-            lid = sid // per
-            slot = sid - lid * per
+        # a run of ids in one large page at a time (a table's ids mostly are: placement keeps
+        # a request's pages together), as slot by slot
+        i, n = 0, len(ids)
+        while i < n:
+            lid = ids[i] // per
+            base = lid * per
+            bits = 0
+            count = 0
+            while i < n and base <= ids[i] < base + per:
+                bits |= 1 << (ids[i] - base)
+                count += 1
+                i += 1
             before = mask_of[lid]
-            mask_of[lid] = before | (1 << slot)
-            used = used_of[lid] - 1
+            mask_of[lid] = before | bits
+            used = used_of[lid] - count
             used_of[lid] = used
             if journaling:
-                self._log(_GIVE, lid, slot)
+                self._log(_GIVE, lid, bits)
+            self.free_small[t] += count
             if used:
-                self.free_small[t] += 1
                 if not before:  # (it was full: partly used now)
                     self._push(t, lid)
             else:
                 self._drop(lid, t)
-                self.free_small[t] -= per - 1
+                self.free_small[t] -= per
                 emptied.append(lid)
         if emptied:
             if journaling:  # (undone last first: popped in the order given)
@@ -245,9 +254,10 @@ class TwoLevelPool:
                 t = owner[lid]
                 was = used_of[lid] > 0 and mask_of[lid] != 0
                 if op == _GIVE:
-                    mask_of[lid] &= ~(1 << arg)
-                    used_of[lid] += 1
-                    self.free_small[t] -= 1
+                    count = arg.bit_count()
+                    mask_of[lid] &= ~arg
+                    used_of[lid] += count
+                    self.free_small[t] -= count
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
                     count = bits.bit_count()
