@@ -309,13 +309,12 @@ class TwoLevelAllocator(HybridAllocator):
             for gi, ids in enumerate(tables[mi]):
                 take = want - len(ids)
                 if take > 0:
-                    got: list[int] = []
-                    ok = pool.take_many(t, take, ids[-1] if ids else -1, got)
-                    ids.extend(got)
+                    n0 = len(ids)
+                    ok = pool.take_many(t, take, ids[-1] if ids else -1, ids)
                     if self._collect:
-                        self._taken.extend(got)
+                        self._taken.extend(ids[n0:])
                     if journaling:
-                        self._tj.append((2, rid, mi, gi, got))
+                        self._tj.append((2, rid, mi, gi, ids[n0:]))
                     if not ok:
                         return False
         return True
