@@ -59,6 +59,7 @@ HOT = (
     "hybrid/cohort",
     "hybrid/lookahead",
     "allocators/two_level_pool",
+    "allocators/two_level_plan",
     "allocators/two_level",
     "model_view",
 )

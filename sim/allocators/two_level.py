@@ -12,9 +12,9 @@ it (Qwen3-Next: 544 tokens, a Mamba state's page). Here instead:
   pages* of the LCM of the small pages; a large page taken by a type is split into its small
   pages, and goes back to the shared pool when all of them are free. Where the LCM is more than
   `MAX_LCM_RATIO` times the largest small page, or the budget holds fewer than
-  `MIN_LARGE_PAGES` of it, the large page is that largest small page and each type's small
-  page is padded up to large // floor(large / small) (counted as padding, and what no slot
-  fills of a large page as stranded: see below);
+  `MIN_LARGE_PAGES` of it (`two_level_plan`), the large page is that largest small page and
+  each type's small page is padded up to large // floor(large / small) (counted as padding,
+  and what no slot fills of a large page as stranded: see below);
 - **request-aware placement**: a request's next small page of a type goes into the large page
   of its last one of that type if it has room, else into a partly used large page of that
   type, else a fresh one, so that large pages empty as requests finish.
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
 
 from kvfrag.sim.allocators.base import (
     Allocator,
@@ -73,6 +72,14 @@ from kvfrag.sim.allocators.base import (
     positive_int,
 )
 from kvfrag.sim.allocators.hybrid import HybridAllocator
+from kvfrag.sim.allocators.two_level_plan import (
+    CHUNKED,
+    SLIDING,
+    large_page,
+    layer_types,
+    manager_code,
+    skipped_blocks,
+)
 from kvfrag.sim.allocators.two_level_pool import TwoLevelPool
 from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.cohort import Cohort
@@ -82,69 +89,13 @@ from kvfrag.sim.hybrid.managers import (
     Manager,
     SlidingWindowManager,
 )
-from kvfrag.sim.hybrid.planner import layer_kind, layer_window
 from kvfrag.sim.layers import LayerStack, MambaState
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
-#: The most a large page may be, in largest small pages, before the fallback (see the module).
-MAX_LCM_RATIO = 64
 #: The decoders' event keys: clock << RANK_BITS | admission rank (`_walk`).
 RANK_BITS = 32
 RANK_MASK = (1 << RANK_BITS) - 1
-#: The fewest large pages the budget must hold, else the fallback (a large page is at most
-#: this fraction of the budget: what one type strands stays small beside it).
-MIN_LARGE_PAGES = 64
-
-
-#: Manager kinds as codes (`manager_code`).
-FULL, SLIDING, CHUNKED, MAMBA = 0, 1, 2, 3
-
-
-def manager_code(m: Manager) -> int:
-    """The kind of a manager (`sim.hybrid.managers`' four classes) as a code."""
-    if isinstance(m, SlidingWindowManager):
-        return SLIDING
-    if isinstance(m, ChunkedLocalManager):
-        return CHUNKED
-    if isinstance(m, MambaManager):
-        return MAMBA
-    assert type(m) is Manager, type(m)
-    return FULL
-
-
-def skipped_blocks(kind: int, bs: int, window: int, processed: int) -> int:
-    """`Manager.skipped_blocks` of a manager of that kind, block size and window: its
-    formulas, on plain ints (tests/sim/test_two_level_walk.py checks them the same)."""
-    if kind == SLIDING:
-        return max(0, processed - window + 1) // bs
-    if kind == CHUNKED:
-        return processed // window * window // bs
-    if kind == MAMBA:
-        return max(0, processed - 1) // bs
-    return 0
-
-
-def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
-    """(kind, window or chunk (0: none), layer indices) per distinct layer type, in order of
-    first appearance."""
-    types: dict[tuple[str, int], list[int]] = {}
-    for i, layer in enumerate(stack.layers):
-        key = (layer_kind(layer), layer_window(layer) or 0)
-        types.setdefault(key, []).append(i)
-    return [(kind, window, layers) for (kind, window), layers in types.items()]
-
-
-def large_page(small: Sequence[int], budget: int) -> tuple[int, list[int], bool]:
-    """(large page bytes, small pages per large page per type, whether the fallback is used):
-    the LCM of the small pages, or where it exceeds MAX_LCM_RATIO x the largest small page or
-    budget / MIN_LARGE_PAGES, that largest small page, each type fitting floor(large /
-    small) padded pages."""
-    lcm = math.lcm(*small)
-    largest = max(small)
-    if lcm <= MAX_LCM_RATIO * largest and lcm * MIN_LARGE_PAGES <= budget:
-        return lcm, [lcm // s for s in small], False
-    return largest, [largest // s for s in small], True
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)

@@ -18,7 +18,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import PARTS, Reason, Request, make_allocator
 from kvfrag.sim.allocators.paged import FreeIds
-from kvfrag.sim.allocators.two_level import (
+from kvfrag.sim.allocators.two_level_plan import (
     MAX_LCM_RATIO,
     MIN_LARGE_PAGES,
     large_page,

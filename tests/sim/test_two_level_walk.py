@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvfrag.sim.allocators.two_level import manager_code, skipped_blocks
+from kvfrag.sim.allocators.two_level_plan import manager_code, skipped_blocks
 from kvfrag.sim.hybrid.managers import (
     ChunkedLocalManager,
     MambaManager,

@@ -1,0 +1,72 @@
+"""The `two-level` allocator's plan (`kvfrag.sim.allocators.two_level`): its layer types, its
+large page, and its managers' kinds as plain ints for the walk's hot path."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvfrag.sim.hybrid.managers import (
+    ChunkedLocalManager,
+    MambaManager,
+    Manager,
+    SlidingWindowManager,
+)
+from kvfrag.sim.hybrid.planner import layer_kind, layer_window
+from kvfrag.sim.layers import LayerStack
+
+#: The most a large page may be, in largest small pages, before the fallback (see the module).
+MAX_LCM_RATIO = 64
+#: The fewest large pages the budget must hold, else the fallback (a large page is at most
+#: this fraction of the budget: what one type strands stays small beside it).
+MIN_LARGE_PAGES = 64
+
+
+#: Manager kinds as codes (`manager_code`).
+FULL, SLIDING, CHUNKED, MAMBA = 0, 1, 2, 3
+
+
+def manager_code(m: Manager) -> int:
+    """The kind of a manager (`sim.hybrid.managers`' four classes) as a code."""
+    if isinstance(m, SlidingWindowManager):
+        return SLIDING
+    if isinstance(m, ChunkedLocalManager):
+        return CHUNKED
+    if isinstance(m, MambaManager):
+        return MAMBA
+    assert type(m) is Manager, type(m)
+    return FULL
+
+
+def skipped_blocks(kind: int, bs: int, window: int, processed: int) -> int:
+    """`Manager.skipped_blocks` of a manager of that kind, block size and window: its
+    formulas, on plain ints (tests/sim/test_two_level_walk.py checks them the same)."""
+    if kind == SLIDING:
+        return max(0, processed - window + 1) // bs
+    if kind == CHUNKED:
+        return processed // window * window // bs
+    if kind == MAMBA:
+        return max(0, processed - 1) // bs
+    return 0
+
+
+def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
+    """(kind, window or chunk (0: none), layer indices) per distinct layer type, in order of
+    first appearance."""
+    types: dict[tuple[str, int], list[int]] = {}
+    for i, layer in enumerate(stack.layers):
+        key = (layer_kind(layer), layer_window(layer) or 0)
+        types.setdefault(key, []).append(i)
+    return [(kind, window, layers) for (kind, window), layers in types.items()]
+
+
+def large_page(small: Sequence[int], budget: int) -> tuple[int, list[int], bool]:
+    """(large page bytes, small pages per large page per type, whether the fallback is used):
+    the LCM of the small pages, or where it exceeds MAX_LCM_RATIO x the largest small page or
+    budget / MIN_LARGE_PAGES, that largest small page, each type fitting floor(large /
+    small) padded pages."""
+    lcm = math.lcm(*small)
+    largest = max(small)
+    if lcm <= MAX_LCM_RATIO * largest and lcm * MIN_LARGE_PAGES <= budget:
+        return lcm, [lcm // s for s in small], False
+    return largest, [largest // s for s in small], True
