@@ -1,0 +1,284 @@
+"""The two-level pool with prefix caching (`sim/allocators/two_level_cache_pool.py`): with one
+small page per large page it is vLLM's block pool (`sim.hybrid.prefix.BlockPool`) id for id;
+with several types, over random operations, its counts agree with its pages, no small page is
+lost or handed out twice, `large_needed` is exact, and the eviction order is the module's."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from runpy import run_path
+
+import pandas as pd
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from kvfrag.sim.allocators.two_level_cache_pool import TwoLevelCachePool
+from kvfrag.sim.engine import run
+from kvfrag.sim.engine_config import EngineConfig, StepTime
+from kvfrag.sim.hybrid.prefix import BlockPool
+
+warnings.filterwarnings("ignore", message=".*pure-Python.*")
+
+OPS = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 1 << 16)), max_size=120)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 12), ops=OPS)
+def test_one_small_page_per_large_page_is_vllms_block_pool(n, ops):
+    """Takes, frees (a table last first), hits and caching alike on both: the same ids, free
+    counts, lookups and evictions (the null block is large page 0)."""
+    ref, pool = BlockPool(n), TwoLevelCachePool(n + 1, [1], True)
+    tables: list[list[int]] = []
+    for op, x in ops:
+        if op == 0:  # a table of k new ids
+            k = x % 4 + 1
+            if k > ref.free_count():
+                assert not pool.fits([k])
+                continue
+            assert pool.fits([k])
+            got = ref.take(k)
+            out: list[int] = []
+            assert pool.take_many(0, k, -1, out)
+            assert out == got
+            tables.append(got)
+        elif op == 1 and tables:  # a table freed, last first
+            table = tables.pop(x % len(tables))
+            assert pool.free(0, table[::-1]) == ref.free(table[::-1])
+        elif op == 2 and tables:  # a held id cached under a key
+            table = tables[x % len(tables)]
+            b, key = table[x % len(table)], x % 7
+            ref.insert(key, b)
+            pool.insert(0, key, b)
+        elif op == 3:  # a hit on key x % 7
+            key = x % 7
+            b = ref.lookup(key)
+            assert pool.lookup(0, key) == (b or -1)
+            if b:
+                ref.touch([b])
+                pool.touch(0, [b])
+                tables.append([b])
+        assert pool.usable_large_pages() == ref.free_count()
+        assert pool.evictions == ref.evictions
+        assert [sid for _t, sid in pool.evicted] == ref.evicted
+        pool.check()
+
+
+def _random_ops(pool: TwoLevelCachePool, ops: list[tuple[int, int]],
+                tables: list[tuple[int, list[int]]]):
+    """Random takes (hinted by the table's last page), frees, caching and hits on `pool`,
+    `tables` kept as (type, small pages) per holder; yields after each."""
+    types = len(pool.per)
+    for op, x in ops:
+        t = x % types
+        if op == 0:
+            k = x // types % 5 + 1
+            own = [tb for tb in tables if tb[0] == t]
+            table = own[x % len(own)][1] if own and x % 3 else None
+            out: list[int] = []
+            ok = pool.take_many(t, k, table[-1] if table else -1, out)
+            if table is None:
+                tables.append((t, out))
+            else:
+                table.extend(out)
+            if not ok:
+                assert pool.usable_large_pages() == 0 and pool.local(t) == 0
+        elif op == 1 and tables:
+            tt, ids = tables.pop(x % len(tables))
+            pool.free(tt, ids[::-1])
+        elif op == 2 and tables:
+            tt, ids = tables[x % len(tables)]
+            if ids:
+                pool.insert(tt, ("k", x % 9), ids[x % len(ids)])
+        elif op == 3:
+            sid = pool.lookup(t, ("k", x % 9))
+            if sid >= 0:
+                pool.touch(t, [sid])
+                tables.append((t, [sid]))
+        elif op == 4 and tables:  # the head of a table freed (a window passing)
+            tt, ids = tables[x % len(tables)]
+            drop = x % (len(ids) + 1)
+            pool.free(tt, ids[:drop][::-1])
+            del ids[:drop]
+        yield
+
+
+def _check_tables(pool: TwoLevelCachePool, tables: list[tuple[int, list[int]]]) -> None:
+    """Every holder's small page held, counted once per holder, inside a large page of its
+    type; and the budget adds up: per type, its large pages' slots are held, free or idle."""
+    pool.check()
+    holders: dict[tuple[int, int], int] = {}
+    for t, ids in tables:
+        for sid in ids:
+            holders[t, sid] = holders.get((t, sid), 0) + 1
+            assert pool.owner[sid // pool.per[t]] == t
+    assert holders == {(t, sid): r for t in range(len(pool.per))
+                       for sid, r in pool.ref[t].items()}
+    for t, per in enumerate(pool.per):
+        owned = [lid for lid, o in pool.owner.items() if o == t]
+        idle = sum(bin(pool.idle_slots[lid]).count("1") for lid in owned)
+        free = sum(bin(pool.mask[lid]).count("1") for lid in owned)
+        assert len(owned) * per == len(pool.ref[t]) + idle + free
+
+
+PERS = st.lists(st.integers(1, 5), min_size=1, max_size=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(per=PERS, n=st.integers(1, 8), ops=OPS, need=st.lists(st.integers(0, 12), min_size=3,
+                                                               max_size=3), order=st.randoms())
+def test_random_operations_keep_the_pool_exact(per, n, ops, need, order):
+    """After every operation: the invariants; and `fits(need)` is whether takes of that many
+    pages per type, in any order of types, all succeed (tried on a copy)."""
+    pool = TwoLevelCachePool(n, per, False)
+    need = need[:len(per)]
+    tables: list[tuple[int, list[int]]] = []
+    for _ in _random_ops(pool, ops, tables):
+        _check_tables(pool, tables)
+        trial = pool.copy()
+        steps = [t for t, k in enumerate(need) for _ in range(k)]
+        order.shuffle(steps)
+        ok = all(trial.take(t, -1) >= 0 for t in steps)
+        assert ok == pool.fits(need), (need, pool.large_needed(need))
+    for t, ids in list(tables):  # no leak: everything freed, every large page usable again
+        pool.free(t, ids[::-1])
+    pool.check()
+    assert pool.usable_large_pages() == n
+    assert sum(len(r) for r in pool.ref) == 0
+
+
+def test_eviction_order():
+    """A type takes its free slots, then its idle pages in held large pages, then a spare
+    slot of its evictable large pages, then a fresh large page, and evicts a whole large page
+    (the least recently made evictable) last."""
+    pool = TwoLevelCachePool(3, [2, 1], False)
+    a = [pool.take(0, -1) for _ in range(4)]  # type 0: large pages 0 and 1, full
+    assert a == [0, 1, 2, 3]
+    for i, sid in enumerate(a):
+        pool.insert(0, i, sid)
+    pool.free(0, [a[1]])  # idle in held large page 0
+    pool.free(0, [a[3], a[2]])  # large page 1 evictable
+    assert pool.local(0) == 1 and pool.usable_large_pages() == 2
+    assert pool.take(0, -1) == a[1]  # its own idle page first (evicted)
+    assert pool.lookup(0, 1) == -1 and pool.evicted == [(0, 1)]
+    assert pool.take(1, -1) == 2  # type 1: the fresh large page 2
+    assert pool.take(1, -1) == 1  # then large page 1, evicted whole
+    assert pool.evicted == [(0, 1), (0, 2), (0, 3)]  # (a large page's in slot order)
+    assert pool.lookup(0, 2) == pool.lookup(0, 3) == -1 and pool.take(1, -1) == -1
+    pool.free(1, [1])
+    pool.check()
+    assert pool.free_large_pages() == 1  # (uncached: straight back to the shared pool)
+
+
+def test_a_hit_on_an_evictable_page_holds_its_large_page_again():
+    pool = TwoLevelCachePool(2, [3], False)
+    ids: list[int] = []
+    assert pool.take_many(0, 2, -1, ids) and ids == [0, 1]
+    pool.insert(0, "x", 0)
+    pool.insert(0, "y", 1)
+    pool.free(0, [1, 0])
+    assert pool.usable_large_pages() == 2 and pool.local(0) == 0
+    pool.touch(0, [pool.lookup(0, "y")])
+    assert pool.usable_large_pages() == 1 and pool.local(0) == 2  # (a free slot, idle "x")
+    pool.check()
+    assert pool.take(0, 1) == 2  # the free slot beside it, then "x" evicted
+    assert pool.take(0, 2) == 0 and pool.lookup(0, "x") == -1
+    pool.check()
+
+
+# --------------------------------------------------- in vLLM's place, in the engine
+class _AsBlockPool:
+    """`BlockPool`'s interface over a `TwoLevelCachePool` of one type and one small page per
+    large page (large page 0 the null block): what `HybridPrefixCaching` calls on its pool."""
+
+    def __init__(self, n: int, pool: TwoLevelCachePool | None = None,
+                 light: bool = False) -> None:
+        self.n = n
+        self.p = pool if pool is not None else TwoLevelCachePool(n + 1, [1], True)
+        self.light = light
+
+    @property
+    def cache(self):
+        return None if self.light else self.p.cache[0]
+
+    @property
+    def ref(self):
+        ref = self.p.ref[0]
+
+        class _Ref:
+            def __getitem__(self, b: int) -> int:
+                return ref.get(b, 0)
+        return _Ref()
+
+    @property
+    def keys(self):
+        return self.p.keys[0]
+
+    @property
+    def idle(self):
+        return self.p.stamp[0]
+
+    @property
+    def evictions(self) -> int:
+        return self.p.evictions
+
+    @property
+    def evicted(self) -> list[int]:
+        return [sid for _t, sid in self.p.evicted]
+
+    @evicted.setter
+    def evicted(self, ids: list[int]) -> None:
+        assert not ids
+        self.p.evicted = []
+
+    def light_copy(self) -> _AsBlockPool:
+        return _AsBlockPool(self.n, self.p.copy(), True)
+
+    def free_count(self) -> int:
+        return self.p.usable_large_pages()
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        assert self.p.take_many(0, n, -1, out)
+        return out
+
+    def free(self, blocks: list[int]) -> int:
+        return self.p.free(0, blocks)
+
+    def touch(self, blocks: list[int]) -> None:
+        self.p.touch(0, [b for b in blocks if b])
+
+    def lookup(self, key) -> int:
+        return max(self.p.lookup(0, key), 0)
+
+    def insert(self, key, b: int) -> None:
+        self.p.insert(0, key, b)
+
+
+_HP = run_path(str(Path(__file__).with_name("test_hybrid_prefix.py")))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), which=st.sampled_from(range(len(_HP["STACKS"]))),
+       extra_blocks=st.sampled_from([0, 3, 10, 40]), chunked=st.booleans())
+def test_in_place_of_vllms_block_pool_the_engine_records_are_the_same(seed, which,
+                                                                       extra_blocks, chunked):
+    """The hybrid allocator with prefix caching on shared-prefix traffic, its block pool
+    replaced by the two-level cache pool (one small page per large page): the same summary,
+    time series and requests (small pools: evictions and preemptions)."""
+    stack = _HP["STACKS"][which]
+    tokens = 40 if chunked else _HP["MML"]
+    probe = _HP["make"](stack, 10**9, tokens=tokens)
+    capacity = (probe.plan.max_request_blocks + 1 + extra_blocks) * probe.page + 37
+    wl = _HP["shared"](seed, 20, 100, 60)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=tokens, chunked_prefill=chunked,
+                       step_time=StepTime(0.05, 1e-3, 1e-4))
+    vllm = _HP["make"](stack, capacity, tokens=tokens)
+    ours = _HP["make"](stack, capacity, tokens=tokens)
+    ours._st.pool = _AsBlockPool(ours.num_blocks)
+    a, b = run(wl, vllm, cfg), run(wl, ours, cfg)
+    assert a.summary == b.summary
+    event(f"evictions {min(a.summary['prefix_evictions'], 1)}, "
+          f"preemptions {min(int(a.requests['preemptions'].sum()), 1)}")
+    pd.testing.assert_frame_equal(a.timeseries, b.timeseries)
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    assert ours._st.pool.p.usable_large_pages() == ours.num_blocks  # (nothing held at the end)
