@@ -36,7 +36,7 @@ usable free memory (any type of the next request can have it whole); free slots 
 cached pages inside held large pages are usable by their type alone, so external, as the
 stranded slots of `TwoLevelPool`.
 
-No journal: a look-ahead works on a `copy` (as `HybridPrefixCaching` copies its state).
+No journal: a look-ahead works on a `light_copy` (as `HybridPrefixCaching` copies its state).
 """
 
 from __future__ import annotations
@@ -76,14 +76,35 @@ class TwoLevelCachePool:
         self.ref: list[dict[int, int]] = [{} for _ in per]  # small page -> holders (held ones)
         self.stamp: list[dict[int, int]] = [{} for _ in per]  # idle small page -> when freed
         self.keys: list[dict[int, list[Hashable]]] = [{} for _ in per]  # cached page -> keys
-        self.cache: list[dict[Hashable, dict[int, None]]] = [{} for _ in per]
+        # per type: key -> small pages cached under it, oldest first (None: `light_copy`)
+        self.cache: list[dict[Hashable, dict[int, None]]] | None = [{} for _ in per]
         self.clock = 0  # stamps
         self.evictions = 0
         self.evicted: list[tuple[int, int]] = []  # (type, small page) evicted, oldest first
 
     def copy(self) -> TwoLevelCachePool:
-        """An independent copy (a look-ahead)."""
+        """An independent copy."""
         return copy.deepcopy(self)
+
+    def light_copy(self) -> TwoLevelCachePool:
+        """A copy that takes, frees and evicts as this pool does but keeps no cache (`cache`
+        None: nothing is looked up or inserted in it): what a look-ahead needs, at the cost
+        of copying the pages' states, not the keys' tables."""
+        other = TwoLevelCachePool.__new__(TwoLevelCachePool)
+        other.__dict__.update(self.__dict__)
+        other.free_large = copy.copy(self.free_large)
+        # (every chunk copied: `FreeIds.give` trims the top chunk in place)
+        other.free_large.chunks = [list(c) for c in self.free_large.chunks]
+        for name in ("owner", "mask", "held", "idle_slots", "evictable"):
+            setattr(other, name, dict(getattr(self, name)))
+        for name in ("ref", "stamp", "keys"):
+            setattr(other, name, [dict(d) for d in getattr(self, name)])
+        other.partly = [set(s) for s in self.partly]
+        other.spare = [set(s) for s in self.spare]
+        other.pinned = [list(h) for h in self.pinned]
+        other.free_small, other.npinned = list(self.free_small), list(self.npinned)
+        other.cache, other.evicted = None, []
+        return other
 
     # ----------------------------------------------------------------- queries
     def free_large_pages(self) -> int:
@@ -121,6 +142,7 @@ class TwoLevelCachePool:
 
     def lookup(self, t: int, key: Hashable) -> int:
         """The oldest small page of type t cached under `key`, or -1."""
+        assert self.cache is not None
         ids = self.cache[t].get(key)
         return next(iter(ids)) if ids else -1
 
@@ -259,6 +281,7 @@ class TwoLevelCachePool:
     def insert(self, t: int, key: Hashable, sid: int) -> None:
         """Cache small page `sid` of type t (held) under `key`."""
         assert sid in self.ref[t], ("only a held page is cached", t, sid)
+        assert self.cache is not None
         ids = self.cache[t].setdefault(key, {})
         if sid not in ids:
             ids[sid] = None
@@ -328,8 +351,11 @@ class TwoLevelCachePool:
         self._drop(lid)
 
     def _uncache(self, t: int, sid: int) -> None:
+        keys = self.keys[t].pop(sid, ())
+        if self.cache is None:
+            return
         cache = self.cache[t]
-        for key in self.keys[t].pop(sid, ()):
+        for key in keys:
             ids = cache[key]
             del ids[sid]
             if not ids:
@@ -376,9 +402,12 @@ class TwoLevelCachePool:
         for t in range(n):
             for sid in self.ref[t]:
                 assert self.ref[t][sid] > 0 and self.owner.get(sid // self.per[t]) == t
+            for sid in self.keys[t]:
+                assert sid in self.ref[t] or sid in self.stamp[t]
+            if self.cache is None:
+                continue
             for key, ids in self.cache[t].items():
                 for sid in ids:
                     assert key in self.keys[t][sid]
             for sid, keys in self.keys[t].items():
-                assert sid in self.ref[t] or sid in self.stamp[t]
                 assert all(sid in self.cache[t][k] for k in keys)

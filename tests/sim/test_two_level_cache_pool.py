@@ -5,19 +5,10 @@ lost or handed out twice, `large_needed` is exact, and the eviction order is the
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
-from runpy import run_path
-
-import pandas as pd
-from hypothesis import event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators.two_level_cache_pool import TwoLevelCachePool
-from kvfrag.sim.engine import run
-from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.hybrid.prefix import BlockPool
-
-warnings.filterwarnings("ignore", message=".*pure-Python.*")
 
 OPS = st.lists(st.tuples(st.integers(0, 4), st.integers(0, 1 << 16)), max_size=120)
 
@@ -134,11 +125,20 @@ def test_random_operations_keep_the_pool_exact(per, n, ops, need, order):
     tables: list[tuple[int, list[int]]] = []
     for _ in _random_ops(pool, ops, tables):
         _check_tables(pool, tables)
-        trial = pool.copy()
+        trial, light = pool.copy(), pool.light_copy()
+        free_large = list(pool.free_large)
         steps = [t for t, k in enumerate(need) for _ in range(k)]
         order.shuffle(steps)
-        ok = all(trial.take(t, -1) >= 0 for t in steps)
-        assert ok == pool.fits(need), (need, pool.large_needed(need))
+        got = [trial.take(t, -1) for t in steps]
+        assert (min(got, default=0) >= 0) == pool.fits(need), (need, pool.large_needed(need))
+        assert [light.take(t, -1) for t in steps] == got  # (a look-ahead's copy alike)
+        assert light.evicted == trial.evicted[len(pool.evicted):]
+        light.check()
+        for t, sid in zip(steps, got, strict=True):  # (the copy's frees leave the pool be)
+            if sid >= 0:
+                light.free(t, [sid])
+        light.check()
+        assert list(pool.free_large) == free_large
     for t, ids in list(tables):  # no leak: everything freed, every large page usable again
         pool.free(t, ids[::-1])
     pool.check()
@@ -185,100 +185,21 @@ def test_a_hit_on_an_evictable_page_holds_its_large_page_again():
     pool.check()
 
 
-# --------------------------------------------------- in vLLM's place, in the engine
-class _AsBlockPool:
-    """`BlockPool`'s interface over a `TwoLevelCachePool` of one type and one small page per
-    large page (large page 0 the null block): what `HybridPrefixCaching` calls on its pool."""
 
-    def __init__(self, n: int, pool: TwoLevelCachePool | None = None,
-                 light: bool = False) -> None:
-        self.n = n
-        self.p = pool if pool is not None else TwoLevelCachePool(n + 1, [1], True)
-        self.light = light
-
-    @property
-    def cache(self):
-        return None if self.light else self.p.cache[0]
-
-    @property
-    def ref(self):
-        ref = self.p.ref[0]
-
-        class _Ref:
-            def __getitem__(self, b: int) -> int:
-                return ref.get(b, 0)
-        return _Ref()
-
-    @property
-    def keys(self):
-        return self.p.keys[0]
-
-    @property
-    def idle(self):
-        return self.p.stamp[0]
-
-    @property
-    def evictions(self) -> int:
-        return self.p.evictions
-
-    @property
-    def evicted(self) -> list[int]:
-        return [sid for _t, sid in self.p.evicted]
-
-    @evicted.setter
-    def evicted(self, ids: list[int]) -> None:
-        assert not ids
-        self.p.evicted = []
-
-    def light_copy(self) -> _AsBlockPool:
-        return _AsBlockPool(self.n, self.p.copy(), True)
-
-    def free_count(self) -> int:
-        return self.p.usable_large_pages()
-
-    def take(self, n: int) -> list[int]:
-        out: list[int] = []
-        assert self.p.take_many(0, n, -1, out)
-        return out
-
-    def free(self, blocks: list[int]) -> int:
-        return self.p.free(0, blocks)
-
-    def touch(self, blocks: list[int]) -> None:
-        self.p.touch(0, [b for b in blocks if b])
-
-    def lookup(self, key) -> int:
-        return max(self.p.lookup(0, key), 0)
-
-    def insert(self, key, b: int) -> None:
-        self.p.insert(0, key, b)
-
-
-_HP = run_path(str(Path(__file__).with_name("test_hybrid_prefix.py")))
-
-
-@settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), which=st.sampled_from(range(len(_HP["STACKS"]))),
-       extra_blocks=st.sampled_from([0, 3, 10, 40]), chunked=st.booleans())
-def test_in_place_of_vllms_block_pool_the_engine_records_are_the_same(seed, which,
-                                                                       extra_blocks, chunked):
-    """The hybrid allocator with prefix caching on shared-prefix traffic, its block pool
-    replaced by the two-level cache pool (one small page per large page): the same summary,
-    time series and requests (small pools: evictions and preemptions)."""
-    stack = _HP["STACKS"][which]
-    tokens = 40 if chunked else _HP["MML"]
-    probe = _HP["make"](stack, 10**9, tokens=tokens)
-    capacity = (probe.plan.max_request_blocks + 1 + extra_blocks) * probe.page + 37
-    wl = _HP["shared"](seed, 20, 100, 60)
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=tokens, chunked_prefill=chunked,
-                       step_time=StepTime(0.05, 1e-3, 1e-4))
-    vllm = _HP["make"](stack, capacity, tokens=tokens)
-    ours = _HP["make"](stack, capacity, tokens=tokens)
-    ours._st.pool = _AsBlockPool(ours.num_blocks)
-    a, b = run(wl, vllm, cfg), run(wl, ours, cfg)
-    assert a.summary == b.summary
-    event(f"evictions {min(a.summary['prefix_evictions'], 1)}, "
-          f"preemptions {min(int(a.requests['preemptions'].sum()), 1)}")
-    pd.testing.assert_frame_equal(a.timeseries, b.timeseries)
-    pd.testing.assert_frame_equal(a.requests, b.requests)
-    assert ours._st.pool.p.usable_large_pages() == ours.num_blocks  # (nothing held at the end)
+def test_a_light_copy_leaves_the_pool_be():
+    """Takes and frees on a look-ahead's copy change nothing of the pool (nor its shared
+    pool's stack of freed large pages), and it finds nothing cached."""
+    pool = TwoLevelCachePool(4, [1], False)
+    ids: list[int] = []
+    assert pool.take_many(0, 3, -1, ids)
+    pool.insert(0, "x", ids[0])
+    pool.free(0, ids[::-1])  # (large pages 2 and 1 back in one chunk, 0 idle)
+    before = (list(pool.free_large), pool.usable_large_pages(), dict(pool.stamp[0]))
+    light = pool.light_copy()
+    got = [light.take(0, -1) for _ in range(4)]
+    assert got == [2, 1, 3, 0] and light.evictions == 1 and light.cache is None
+    light.free(0, got[:1])
+    light.check()
+    pool.check()
+    assert (list(pool.free_large), pool.usable_large_pages(), dict(pool.stamp[0])) == before
+    assert pool.lookup(0, "x") == 0 and pool.evictions == 0
