@@ -123,6 +123,12 @@ def make_allocator(
         from kvfrag.sim.hybrid.caching import HybridPrefixCaching
 
         cls = HybridPrefixCaching
+    if (cls is TwoLevelAllocator and options.get("prefix_caching") is True
+            and options.get("vllm_groups") is True):
+        # (vLLM's caching on the two-level cache pool: `two_level_caching`)
+        from kvfrag.sim.allocators.two_level_caching import TwoLevelVllmCaching
+
+        cls = TwoLevelVllmCaching
     return cls(capacity, bytes_per_token, max_model_len, **options)
 
 

@@ -28,8 +28,9 @@ step in flight reads is held one more step, and its sliding caps allow `concurre
 chunks in flight; two-level frees by the tokens *computed* before the allocation, as without
 async scheduling (a step that reads a freed block is ahead of the step that takes it, and the
 GPU runs them in that order), and caps at one chunk in flight. On Gemma-3-27B at 32K this
-is the difference between 85 % and 99 % of the floor's capacity (`bench/layouts.py`). No prefix
-caching yet (refused).
+is the difference between 85 % and 99 % of the floor's capacity (`bench/layouts.py`). Prefix
+caching: only with `vllm_groups` (`two_level_caching`: vLLM's, on the two-level cache pool);
+with this layout, refused.
 
 `vllm_groups: true` plans as vLLM does (its groups with padding layers and one page size):
 the LCM is the page, a large page is one block id, and the records are the `hybrid`
@@ -118,11 +119,13 @@ class TwoLevelAllocator(HybridAllocator):
         vllm_groups: object = False,
         geometry: KVGeometry | None = None,
     ) -> None:
-        if prefix_caching is not False:
-            raise ValueError("prefix caching is not modelled for the two-level allocator yet "
-                             "(prefix_caching must be false)")
         if not isinstance(vllm_groups, bool):
             raise ValueError(f"vllm_groups must be true or false, not {vllm_groups!r}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be true or false, not {prefix_caching!r}")
+        if prefix_caching:  # (with vllm_groups: `two_level_caching`, built by make_allocator)
+            raise ValueError("prefix caching is not modelled for the two-level allocator's own "
+                             "layout yet (prefix_caching needs vllm_groups: true)")
         super().__init__(capacity, bytes_per_token, max_model_len, block_size, True, stack,
                          max_num_batched_tokens, concurrent_batches, False, "none", 0,
                          geometry)

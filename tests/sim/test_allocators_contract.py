@@ -626,13 +626,17 @@ def _hybrid_stacks():
 HYBRID_STACKS = _hybrid_stacks()
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "floor", "static-partition", "two-level"])
+@pytest.mark.parametrize("kind", ["hybrid", "floor", "static-partition", "two-level",
+                                  "two-level-vllm-caching"])
 @pytest.mark.parametrize("name", list(HYBRID_STACKS))
 def test_hybrid_lifecycle_identity_refusals_and_no_leak(name, kind):
     stack = HYBRID_STACKS[name]
     b, mml = stack.full_bytes_per_token, 64
+    opts: dict[str, object] = {}
+    if kind == "two-level-vllm-caching":  # (vLLM's prefix caching on two-level's cache pool)
+        kind, opts = "two-level", {"vllm_groups": True, "prefix_caching": True}
     a = make_allocator(kind, capacity=40_000, bytes_per_token=b, max_model_len=mml,
-                       stack=stack)
+                       stack=stack, **opts)
     checked(a)
     fresh = copy.deepcopy(a)
     rids, refusal = fill(a, lambda rid: Request(rid, 20 + rid % 7, 30), Request(99, 5, 5))

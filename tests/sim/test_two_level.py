@@ -369,7 +369,8 @@ def test_fast_engine_matches_per_iteration_reference(pattern, seed, n, pages, ch
 
 @pytest.mark.parametrize(("option", "message"), [
     ("vllm_groups: maybe", "vllm_groups must be true or false, not 'maybe'"),
-    ("prefix_caching: true", "prefix caching is not modelled for the two-level allocator yet"),
+    ("prefix_caching: true",
+     "prefix caching is not modelled for the two-level allocator's own layout yet"),
     ("window: 3", "allocator 'two' (two-level) has no option 'window'"),
 ])
 def test_scenario_refuses_bad_options_in_one_line(option, message):
