@@ -73,13 +73,13 @@ SCENARIOS = [
 def test_shipped_scenarios_with_a_shared_prefix_match_hybrid(name, count):
     """Shipped hybrid scenarios, cut to their first requests and to short prompts (vLLM's
     caching is modelled block by block: long prompts cost seconds), each behind one of two
-    system prompts of 2,048 tokens: the same summary (but for its label and kind), time
+    system prompts of 1,024 tokens: the same summary (but for its label and kind), time
     series and requests as the hybrid allocator with prefix caching, hits included."""
     scenario = load_scenario(name, [
         f"workload.transforms.first_n={count}",
-        "workload.synthetic.shared_prefix={tokens: 2048, groups: 2, chunk_tokens: 16}",
-        "workload.synthetic.prompt={kind: uniform, low: 256, high: 1024}",
-        "workload.synthetic.output={kind: uniform, low: 16, high: 200}",
+        "workload.synthetic.shared_prefix={tokens: 1024, groups: 2, chunk_tokens: 16}",
+        "workload.synthetic.prompt={kind: uniform, low: 64, high: 512}",
+        "workload.synthetic.output={kind: uniform, low: 16, high: 100}",
         "allocators=[{label: hybrid, kind: hybrid, prefix_caching: true}, "
         "{label: vllm, kind: two-level, vllm_groups: true, prefix_caching: true}]",
     ]).scenario
