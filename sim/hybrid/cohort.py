@@ -146,17 +146,18 @@ class Cohort(Forms):
         for kind, x in rec.terms:
             sums[kind].add(x, sign)
             r = x % mods[kind]
-            group = members[kind].get(r)
+            held = members[kind]
+            group = held.get(r)
             if sign > 0:
                 if group is None:
-                    members[kind][r] = {rid}
+                    held[r] = {rid}
                 else:
                     group.add(rid)
             else:
                 assert group is not None
                 group.discard(rid)
                 if not group:
-                    del members[kind][r]
+                    del held[r]
 
     def slope_sum(self) -> list[int]:
         """The sum of the decoders' slopes: per slope, the change in its decoders' count
@@ -341,17 +342,22 @@ class Cohort(Forms):
         keep = self._memo_changes == self._changes  # (the figures just before: kept valid)
         memo = self._memo
         if sign > 0:
-            for i in range(self.width):
-                f[i] = f[i] + parts[i]
             if keep:
                 for i in range(self.width):
-                    memo[i] = memo[i] + parts[i]
+                    p = parts[i]
+                    f[i] = f[i] + p
+                    memo[i] = memo[i] + p
+            else:
+                for i in range(self.width):
+                    f[i] = f[i] + parts[i]
+        elif keep:
+            for i in range(self.width):
+                p = parts[i]
+                f[i] = f[i] - p
+                memo[i] = memo[i] - p
         else:
             for i in range(self.width):
                 f[i] = f[i] - parts[i]
-            if keep:
-                for i in range(self.width):
-                    memo[i] = memo[i] - parts[i]
         if self._blocks_changes == self._changes:
             self._blocks_memo += times(sign, parts[0])
             self._blocks_changes += 1
@@ -363,10 +369,7 @@ class Cohort(Forms):
         """Every live request's figures at `clock`: the cohort's and the others'."""
         if self._memo_clock == clock and self._memo_changes == self._changes:
             return self._memo
-        out = self.totals(clock)
-        f = self.fixed
-        for i in range(self.width):
-            out[i] = out[i] + f[i]
+        out = self.totals(clock, self.fixed)
         self._memo = out
         self._memo_clock = clock
         self._memo_changes = self._changes
@@ -383,26 +386,33 @@ class Cohort(Forms):
             self._blocks_changes = self._changes
         return self._blocks_memo
 
-    def totals(self, clock: int) -> list[int]:
-        """The cohort's figures at `clock`."""
-        S = self.slope_sum()
-        out = [self.A[i] + times(S[i], clock) for i in range(self.width)]
-        vecs, moved = self.vecs, self.moved_ix
-        for k, fs in enumerate(self.sums):
-            if fs.nonzero or fs.q:
-                val = fs.value(clock)
+    def totals(self, clock: int, plus: list[int] | None = None) -> list[int]:
+        """The cohort's figures at `clock` (plus `plus`, where given). Each figure is summed
+        in one pass and stored once: compiled, every store into a list makes an int object,
+        and adding the terms, the corrections and `plus` figure after figure made several."""
+        S, A, vecs = self.slope_sum(), self.A, self.vecs
+        vals: list[int] = []  # per term kind, its value now
+        for fs in self.sums:
+            vals.append(fs.value(clock) if fs.nonzero or fs.q else 0)
+        fresh = self.fresh_corr if self.fresh_clock == clock and self.fresh else None
+        first = self.first_now_corr if self.first_clock == clock and self.first_now else None
+        width = self.width
+        out = [0] * width
+        for i in range(width):
+            x = A[i] + times(S[i], clock)
+            for k in range(len(vals)):
+                val = vals[k]
                 if val:
-                    v = vecs[k]
-                    for i in moved[k]:
-                        out[i] = out[i] + times(v[i], val)
-        if self.fresh_clock == clock and self.fresh:
-            corr = self.fresh_corr
-            for i in range(self.width):
-                out[i] = out[i] + corr[i]
-        if self.first_clock == clock and self.first_now:
-            corr = self.first_now_corr
-            for i in range(self.width):
-                out[i] = out[i] + corr[i]
+                    c = vecs[k][i]
+                    if c:
+                        x += times(c, val)  # (sliding kinds' c < 0)
+            if plus is not None:
+                x += plus[i]
+            if fresh is not None:
+                x += fresh[i]
+            if first is not None:
+                x += first[i]
+            out[i] = x
         return out
 
     def blocks(self, clock: int) -> int:

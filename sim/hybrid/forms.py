@@ -230,7 +230,7 @@ class Forms:
         rounding (slots past F)."""
         blocks = token_states = reserved = padding = out = 0
         n = len(self.m_bs)
-        per_manager = [0] * n
+        got = [0] * (6 + n)  # (each manager's held blocks from 6 on; the six figures last)
         bss, tbs, groups, states = self.m_bs, self.m_tb, self.m_groups, self.m_state
         pads, views = self.m_pad, self.views
         for i in range(n):
@@ -238,7 +238,7 @@ class Forms:
             ceil = -(-tokens // bs)
             skipped = self._skipped(i, processed)
             held = ceil - skipped  # (`m.held`)
-            per_manager[i] = held
+            got[6 + i] = held
             blocks += groups[i] * held
             # tokens its layers read: all, less those out of their window (`needed` for the
             # manager's own kind; promoted layers by their real kind)
@@ -250,8 +250,10 @@ class Forms:
                 reserved += ((final if final < slots else slots) - tokens) * tb
             padding += held * pads[i] - states[i]
             out += unread - skipped * bs * tb
-        internal = blocks * self.page - token_states - reserved
-        return (blocks, token_states, reserved, internal, padding, out, *per_manager)
+        got[0], got[1], got[2] = blocks, token_states, reserved
+        got[3] = blocks * self.page - token_states - reserved  # internal
+        got[4], got[5] = padding, out
+        return tuple(got)
 
     def _term_value(self, terms: list[tuple[int, int]], k: int) -> list[int]:
         """Sum over these terms of v x floor((x + k) / mod)."""
@@ -280,7 +282,6 @@ class Forms:
         width = self.width
         if now is None:
             now = self.parts_of(tokens, max(0, tokens - 1 - lag), final)
-        tv = self._term_value(terms, clock)
         # The slope depends only on the windows passed (out-of-window tokens grow by their
         # layers' bytes per token; every other figure moves by terms or stays): measured once,
         # and the running sums count decoders per slope (`slope_sum`), not add them.
@@ -293,6 +294,7 @@ class Forms:
             s = self.slopes[sid]
         elif nxt > tokens + 1 and tokens < final:
             after = self.parts_of(tokens + 1, tokens - lag, final)
+            tv = self._term_value(terms, clock)
             tv1 = self._term_value(terms, clock + 1)
             s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
             sid = self._slopes[passed] = len(self.slopes)
@@ -302,9 +304,25 @@ class Forms:
         else:  # (a phase of one length: any slope, the constant makes it exact, and
             s = self.zeros  # the next event rebuilds it)
             light = False
-        for i in range(width):  # (its constant, in the term values' list: one list less)
-            tv[i] = now[i] - times(s[i], clock) - tv[i]
-        rec = Form(c, final, terms, tv, s, sid)
+        # Its constant: its parts now less the slope's and the terms' values now, each
+        # figure summed in one pass and stored once (see `Cohort.totals`)
+        kinds: list[int] = []
+        qs: list[int] = []
+        for kind, x in terms:
+            kinds.append(kind)
+            qs.append((x + clock) // mods[kind])
+        vecs = self.vecs
+        a = [0] * width
+        for i in range(width):
+            y = now[i] - times(s[i], clock)
+            for j in range(len(qs)):
+                q = qs[j]
+                if q:
+                    v = vecs[kinds[j]][i]
+                    if v:
+                        y -= times(v, q)
+            a[i] = y
+        rec = Form(c, final, terms, a, s, sid)
         rec.light = light
         rec.event = NEVER if nxt == NEVER else nxt - c
         while light:  # (light events keep the blocks' form: the next one that moves them)

@@ -223,7 +223,9 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
             if tokens < co.recs[rid].final and co._frees_between(wix, tokens - lag, p):
                 return 1
     if fresh or first_next:
-        for rid in set(fresh) | set(first_next):
+        both = list(fresh)  # (those in either, once each)
+        both.extend([rid for rid in first_next if rid not in fresh])
+        for rid in both:
             rec = co.recs[rid]
             tokens = rec.c + clock
             got = fresh.get(rid)
