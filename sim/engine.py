@@ -261,6 +261,11 @@ class Engine:
         self.head_reason: Reason | None = None
         # (request, frees, evictions) at a memory refusal of the FCFS head
         self.blocked_head: tuple[int, int, int] | None = None
+        # The last memory refusal's request, its (tokens, whole sequence, cached, kept free,
+        # gated) and the free bytes then, where `Allocator.refusal_by_free` (`_try_admit`)
+        self.refused: _Req | None = None
+        self.refused_key: tuple[int, int, int, int, bool] = (0, 0, 0, 0, False)
+        self.refused_free = 0
         self.groups = self.inputs.groups
         self.stopped = False
         # every allocation, for `validate` (sim/engine_log.py); None unless asked
@@ -679,19 +684,33 @@ class Engine:
         # watermark kept free while anybody else runs, even when only a first chunk is taken
         # (`reserve_full_isl`; off, only the first chunk and the watermark must fit).
         keep = alloc.watermark_bytes(cfg.watermark) if cfg.watermark and self.running else 0
-        if cfg.chunked_prefill or keep or self.long_cap:
+        gated = bool(cfg.chunked_prefill or keep or self.long_cap)
+        full = r.prefill + r.lead if cfg.reserve_full_isl else tokens
+        # Refused for memory with as many bytes free or more: refused again (a hybrid model's
+        # head is tried at every step that frees a block of a window, most of them too few)
+        key = (tokens, full, hit, keep, gated)
+        by_free = alloc.refusal_by_free
+        if (by_free and self.refused is r and self.refused_key == key
+                and alloc.free_bytes() <= self.refused_free):
+            return Reason.OUT_OF_MEMORY
+        if gated:
             pool = alloc.pool_bytes()  # (all of it a request can take)
             if alloc.too_large(r.req) or alloc.bytes_for(r.req, r.prefill + r.lead) > pool:
                 return Reason.TOO_LARGE  # (beams hold more at their fork than at their end)
-            full = r.prefill + r.lead if cfg.reserve_full_isl else tokens
             need = alloc.admission_bytes(r.req, full, hit)
             if need + keep > alloc.free_bytes():
+                if by_free:
+                    self.refused, self.refused_key = r, key
+                    self.refused_free = alloc.free_bytes()
                 return Reason.OUT_OF_MEMORY
         grant = alloc.admit(r.req, tokens, decoding=False)
         self._apply_moves()
         if isinstance(grant, Refusal):
             if grant.reason is Reason.FRAGMENTED:
                 r.frag_refused = True
+            elif by_free and grant.reason is Reason.OUT_OF_MEMORY:
+                self.refused, self.refused_key = r, key
+                self.refused_free = alloc.free_bytes()
             return grant.reason
         if self.chunk_cost:
             self.prefill_attn_s += self.st.prefill_s(chunk, hit)

@@ -341,6 +341,10 @@ class Allocator(ABC):
         #: Whether `waste_parts` / `waste_integrals` can be other than 0 (the engine asks them
         #: only then: full-attention runs pay nothing for the split).
         self.waste_split = False
+        #: Whether a memory refusal of an admission holds, for the same request and tokens,
+        #: while the free bytes do not grow (a pool of interchangeable blocks, nothing cached):
+        #: the engine then asks again only once they have (`Engine._try_admit`).
+        self.refusal_by_free = False
 
     # ----------------------------------------------------------------- queries
     @property

@@ -225,6 +225,9 @@ class HybridAllocator(Allocator):
         self._full_result: int | None = None
         self._shrink_clock = self._shrink_version = -1
         self._shrink_result: int | None = None
+        # (an admission is refused only for more blocks than are free: `Allocator`'s flag;
+        # not so for the subclasses that cache prefixes or place large pages)
+        self.refusal_by_free = type(self) is HybridAllocator
 
     # ------------------------------------------------------------- per request
     def _state(self, live: Live) -> tuple[int, int]:
