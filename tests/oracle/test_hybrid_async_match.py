@@ -12,7 +12,8 @@ takes no time). Every one must agree exactly: tokens scheduled, requests running
 preemptions, admissions, free blocks and blocks in use per KV-cache group (prefix caching:
 tokens found cached, evictions, idle cached blocks); and every request its first-token and
 finish times and its preemptions; the fast engine the reference's every request. Each case
-prints its iterations compared and preemptions (`pytest -s`).
+prints its iterations compared and preemptions
+(`pytest -s -n 0`: in one process, so that the prints show).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ request sampling tokens of its own); the comparison is its `run_both` / `first_d
 every iteration's tokens scheduled, running and waiting, preemptions, admissions, blocks in
 use per KV-cache group, free blocks, prefix-hit tokens, evictions and idle cached blocks, then
 every request's first-token and finishing step and preemptions, and the fast engine against
-the per-iteration reference. Each case prints its figures (`pytest -s`).
+the per-iteration reference. Each case prints its figures
+(`pytest -s -n 0`: in one process, so that the prints show).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ cases: shared system prompts, repeated questions) also the tokens found cached, 
 cached blocks evicted and those left idle, and each request's hits. Mamba hybrids
 (Qwen3-Next, Jamba) run in mamba_cache_mode "none", the mode vLLM 0.33 uses without prefix
 caching (with it, "align": test_hybrid_mamba_align.py, on this module's `run_both`). Each case
-prints
-its iterations compared, preemptions, prefix-hit tokens and evictions (`pytest -s`).
+prints its iterations compared, preemptions, prefix-hit tokens and evictions
+(`pytest -s -n 0`: in one process, so that the prints show).
 """
 
 from __future__ import annotations
