@@ -42,6 +42,7 @@ HOT = (
     "engine_walk",
     "engine_recording",
     "spec_steps",
+    "allocators/values",
     "allocators/base",
     "allocators/slab",
     "allocators/contiguous",
