@@ -689,8 +689,7 @@ class Engine:
         # Refused for memory with as many bytes free or more: refused again (a hybrid model's
         # head is tried at every step that frees a block of a window, most of them too few)
         key = (tokens, full, hit, keep, gated)
-        by_free = alloc.refusal_by_free
-        if (by_free and self.refused is r and self.refused_key == key
+        if (alloc.refusal_by_free and self.refused is r and self.refused_key == key
                 and alloc.free_bytes() <= self.refused_free):
             return Reason.OUT_OF_MEMORY
         if gated:
@@ -699,18 +698,14 @@ class Engine:
                 return Reason.TOO_LARGE  # (beams hold more at their fork than at their end)
             need = alloc.admission_bytes(r.req, full, hit)
             if need + keep > alloc.free_bytes():
-                if by_free:
-                    self.refused, self.refused_key = r, key
-                    self.refused_free = alloc.free_bytes()
-                return Reason.OUT_OF_MEMORY
+                return self._refused_for_memory(r, key)
         grant = alloc.admit(r.req, tokens, decoding=False)
         self._apply_moves()
         if isinstance(grant, Refusal):
+            if grant.reason is Reason.OUT_OF_MEMORY:
+                return self._refused_for_memory(r, key)
             if grant.reason is Reason.FRAGMENTED:
                 r.frag_refused = True
-            elif by_free and grant.reason is Reason.OUT_OF_MEMORY:
-                self.refused, self.refused_key = r, key
-                self.refused_free = alloc.free_bytes()
             return grant.reason
         if self.chunk_cost:
             self.prefill_attn_s += self.st.prefill_s(chunk, hit)
@@ -743,6 +738,14 @@ class Engine:
         self.max_running = max(self.max_running, len(self.running))
         (self.prefilled if whole else self.prefilling).append(r)
         return None
+
+    def _refused_for_memory(self, r: _Req, key: tuple[int, int, int, int, bool]) -> Reason:
+        """An admission refused for memory; where `Allocator.refusal_by_free`, remembered, so
+        that the same ask is not made again before more bytes are free (`_try_admit`)."""
+        if self.alloc.refusal_by_free:
+            self.refused, self.refused_key = r, key
+            self.refused_free = self.alloc.free_bytes()
+        return Reason.OUT_OF_MEMORY
 
     def _reject(self, r: _Req, reason: str) -> None:
         r.status = "rejected"

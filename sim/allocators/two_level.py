@@ -139,9 +139,8 @@ class TwoLevelAllocator(HybridAllocator):
             self._lists = [m.groups for m in self.managers]
             self.pool = TwoLevelPool(self.plan.num_blocks, [1], True)
         else:
-            in_flight = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-            positive_int("concurrent_batches", concurrent_batches)
-            self._plan_types(in_flight)
+            # (one chunk in flight, whatever concurrent_batches: see `set_async`)
+            self._plan_types(positive_int("max_num_batched_tokens", max_num_batched_tokens))
         self.num_large = self.pool.usable
         # Each manager's kind (FULL...MAMBA), block size and window as plain ints: the walk's
         # hot path (`_place`, `_next_event`) reads no attribute and calls no method of the
