@@ -275,3 +275,98 @@ def unmap_free_pages(items: list[list[int]], page: int) -> tuple[list[list[int]]
                 kept += segment
             seg_start = i
     return kept, unmapped
+
+
+def whole_pages(block: Block, start: int) -> int:
+    """Bytes of whole pages of an expandable free block from `start` to its end."""
+    seg = block.seg
+    assert seg is not None
+    first = -(-(start - seg.ptr) // seg.page)
+    last = (block.ptr + block.size - seg.ptr) // seg.page
+    return max(0, last - first) * seg.page
+
+def expandable_units(
+    pool: Pool, other: Pool, s: int, g: int, cap: int, reserved: int, next_addr: int,
+    max_split_size: int | None,
+) -> int | None:
+    """Probe units with expandable segments: the malloc path replayed on a light copy of
+    the pool's segments (address-ordered [kind, ptr, size, segment ptr] items), in bulk.
+
+    With no max_split_size every free block >= s serves floor(B/s) first (best fit takes
+    them all before anything is mapped), leaving B mod s at its end. Then each
+    alloc_block: the cap check (reserved + g <= cap, else release_cached_blocks unmaps
+    whole free pages in both pools and the check is retried once, failing -> OOM), the
+    first hole (by address) whose run from its free predecessor holds s, pages mapped
+    from the hole's start until the merged block reaches s, and that block serves
+    floor(C/s) with C mod s left free before the rest of the hole. With s <= page every
+    map is one page in the same hole, so a hole is mapped as far as the headroom allows
+    in one go. max_split_size changes none of this unless get_free_block could meet a block
+    it refuses: an initial free block >= M (s < M) or >= s + 20 MiB (s >= M), or a mapped
+    block's leftover (< s + page) reaching M; then the probe allocations are replayed one
+    by one on a copy of the pools instead (exact, linear in their number): None says so, and
+    the allocator replays (`TorchCachingAllocator._units_by_replay`). `cap`, `reserved` and
+    `next_addr` are the allocator's capacity, reserved bytes and next segment address."""
+    page = kSmallBuffer if pool.is_small else kLargeBuffer
+    M = max_split_size
+    if M is not None:
+        largest = pool.blocks[-1].size if pool.blocks else 0
+        if (s < M and (s + page > M or largest >= M)) or (
+            s >= M and largest >= s + kLargeBuffer
+        ):
+            return None
+    units = 0
+    items: list[list[int]] = []
+    for it in expandable_items(pool):
+        if it[0] == FREE and it[2] >= s:
+            k, rem = divmod(it[2], s)
+            units += k
+            items.append([ALLOC, it[1], k * s, it[3]])
+            if rem:
+                items.append([FREE, it[1] + k * s, rem, it[3]])
+        else:
+            items.append(it)
+    other_pages = sum(whole_pages(b, b.ptr) for b in other.blocks)
+    start = 0  # holes before this index lack space (until pages are unmapped)
+    while True:
+        if reserved + g > cap:  # the OOM path: release_cached_blocks, then one retry
+            items, unmapped = unmap_free_pages(items, page)
+            reserved -= unmapped + other_pages
+            other_pages, start = 0, 0
+            if reserved + g > cap:
+                return units
+        pos = find_expandable(items, start, s)
+        if pos is None:  # a new segment
+            size = -(-(cap + cap // 8) // page) * page
+            ptr, next_addr = next_addr, -(-(next_addr + size) // SEGMENT_ALIGN) * SEGMENT_ALIGN
+            pos = len(items) + 1
+            items += [[SEP, ptr, 0, ptr], [UNMAPPED, ptr, size, ptr]]
+        start = pos
+        base, segptr = items[pos][1], items[pos][3]
+        j, cur = pos, 0
+        if items[j][0] == FREE:
+            cur, j = items[j][2], j + 1
+        rest = None
+        while True:
+            hole = items[j]
+            assert hole[0] == UNMAPPED
+            # s <= page: one page per malloc, while the cap check passes
+            n = (cap - reserved - g) // page + 1 if s <= page else -(-(s - cur) // page)
+            m = min(n * page, hole[2])
+            reserved += m
+            cur += m
+            j += 1
+            if m < hole[2]:
+                rest = [UNMAPPED, hole[1] + m, hole[2] - m, segptr]
+                break
+            if j < len(items) and items[j][0] == FREE:  # merges with the next free block
+                cur, j = cur + items[j][2], j + 1
+            if cur >= s:
+                break
+        k, rem = divmod(cur, s)
+        units += k
+        new = [[ALLOC, base, k * s, segptr]]
+        if rem:
+            new.append([FREE, base + k * s, rem, segptr])
+        if rest is not None:
+            new.append(rest)
+        items[pos:j] = new

@@ -75,20 +75,15 @@ from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.slab import Reserve, SlabAllocator
 from kvfrag.sim.allocators.torch_blocks import (
     ADDRESS_BASE,
-    ALLOC,
-    FREE,
     POOL_NAMES,
     SEGMENT_ALIGN,
-    SEP,
     STAT_NAMES,
-    UNMAPPED,
     Block,
     ExpandableSegment,
     MiB,
     Pool,
     Stat,
-    expandable_items,
-    find_expandable,
+    expandable_units,
     get_allocation_size,
     is_small,
     kLargeBuffer,
@@ -96,8 +91,8 @@ from kvfrag.sim.allocators.torch_blocks import (
     kSmallBuffer,
     kSmallSize,
     round_size,
-    unmap_free_pages,
 )
+from kvfrag.sim.allocators.torch_verify import verify
 from mypy_extensions import mypyc_attr
 
 
@@ -611,81 +606,9 @@ class TorchCachingAllocator(SlabAllocator):
         )
 
     def verify(self) -> None:
-        """Check the structures against each other and the stats; raise AssertionError."""
-        blocks = self.all_blocks()
-        by_pool = {self.small_pool.name: 0, self.large_pool.name: 0}
-        for a, b in itertools.pairwise(blocks):
-            assert a.ptr + a.size <= b.ptr, f"overlap: {a} {b}"
-        for b in blocks:
-            assert b.size > 0 and b.ptr % kMinBlockSize == 0 and b.size % kMinBlockSize == 0
-            if b.next is not None:
-                assert b.next.prev is b and b.ptr + b.size == b.next.ptr, f"broken chain at {b}"
-                if not b.allocated and not b.next.allocated:
-                    assert b.mapped != b.next.mapped, f"unmerged free neighbours {b} {b.next}"
-            if b.prev is not None:
-                assert b.prev.next is b
-            if b.allocated:
-                assert self._active[b.ptr] is b and b.mapped
-            else:
-                assert b.requested == 0
-                assert b in (b.pool.blocks if b.mapped else b.pool.unmapped)
-        free_in_pools = sum(
-            len(p.blocks) + len(p.unmapped) for p in (self.small_pool, self.large_pool)
-        )
-        assert free_in_pools + len(self._active) == len(blocks)
-        # segments tile exactly
-        reserved = 0
-        for ptr, (size, pool) in self._segments.items():
-            members = [b for b in blocks if ptr <= b.ptr < ptr + size]
-            assert members and members[0].ptr == ptr and members[0].prev is None
-            assert members[-1].next is None and sum(b.size for b in members) == size
-            assert all(b.pool is pool and b.seg is None for b in members)
-            reserved += size
-            by_pool[pool.name] += size
-        for seg in self._expandable:
-            members = [b for b in blocks if b.seg is seg]
-            assert members[0].ptr == seg.ptr and members[0].prev is None
-            assert sum(b.size for b in members) == seg.size
-            for b in members:
-                if b.mapped:
-                    reserved += b.size
-                    by_pool[b.pool.name] += b.size
-                    assert (b.ptr - seg.ptr) % seg.page == 0 or b.prev is not None
-                else:
-                    assert (b.ptr - seg.ptr) % seg.page == 0 and b.size % seg.page == 0
-        st = self._stats
-        assert st["reserved_bytes", "all"].current == reserved
-        for name, value in by_pool.items():
-            assert st["reserved_bytes", name].current == value
-        allocated = sum(b.size for b in self._active.values())
-        assert st["allocated_bytes", "all"].current == allocated
-        assert st["active_bytes", "all"].current == allocated
-        assert st["allocation", "all"].current == len(self._active)
-        assert st["requested_bytes", "all"].current == sum(
-            b.requested for b in self._active.values()
-        )
-        assert st["segment", "all"].current == len(self._segments)
-        split_free = [b for b in blocks if not b.allocated and b.seg is None and b.is_split()]
-        assert st["inactive_split", "all"].current == len(split_free)
-        assert st["inactive_split_bytes", "all"].current == sum(b.size for b in split_free)
-        if not self.expandable_segments:
-            # torch's self-check: reserved = active + inactive_split + whole free segments
-            assert reserved == (
-                allocated
-                + st["inactive_split_bytes", "all"].current
-                + self.whole_free_segment_bytes()
-            )
-        # the pools' running counts of what their free blocks serve
-        for pool in (self.small_pool, self.large_pool):
-            if pool.unit:
-                tally = Pool(pool.is_small)
-                for b in pool.blocks:
-                    tally.blocks.add(b)
-                tally.count_units(pool.unit, self.units)
-                assert (pool.served, pool.whole_serving) == (tally.served, tally.whole_serving)
-        # live requests hold exactly their blocks
-        for live in self._live.values():
-            assert self._active[live.offset].size == live.nbytes
+        """Check the structures against each other and the stats; raise AssertionError
+        (`torch_verify`: a check for tests, kept out of the compiled allocator)."""
+        verify(self)
 
     # ------------------------------------------------------------ free-space view
     def units(self, block_size: int, rounded: int, fresh: bool = False) -> int:
@@ -716,7 +639,11 @@ class TorchCachingAllocator(SlabAllocator):
         other = self.large_pool if pool is self.small_pool else self.small_pool
         g = get_allocation_size(s)
         if self.expandable_segments:
-            usable = self._usable_expandable(pool, other, s, g) * s
+            units = expandable_units(
+                pool, other, s, g, self.capacity, self.reserved_bytes, self._next_addr,
+                self.max_split_size,
+            )
+            usable = (self._units_by_replay(s) if units is None else units) * s
         else:
             # What the pool's free blocks serve is kept as they change (`Pool.count_units`);
             # the whole free segments that serve none (cudaFree'd first on the OOM path) are
@@ -741,99 +668,6 @@ class TorchCachingAllocator(SlabAllocator):
             - stats["allocated_bytes", pool.name].current
             - stats["inactive_split_bytes", pool.name].current
         )
-
-    @staticmethod
-    def _whole_pages(block: Block, start: int) -> int:
-        """Bytes of whole pages of an expandable free block from `start` to its end."""
-        seg = block.seg
-        assert seg is not None
-        first = -(-(start - seg.ptr) // seg.page)
-        last = (block.ptr + block.size - seg.ptr) // seg.page
-        return max(0, last - first) * seg.page
-
-    def _usable_expandable(self, pool: Pool, other: Pool, s: int, g: int) -> int:
-        """Probe units with expandable segments: the malloc path replayed on a light copy of
-        the pool's segments (address-ordered [kind, ptr, size, segment ptr] items), in bulk.
-
-        With no max_split_size every free block >= s serves floor(B/s) first (best fit takes
-        them all before anything is mapped), leaving B mod s at its end. Then each
-        alloc_block: the cap check (reserved + g <= cap, else release_cached_blocks unmaps
-        whole free pages in both pools and the check is retried once, failing -> OOM), the
-        first hole (by address) whose run from its free predecessor holds s, pages mapped
-        from the hole's start until the merged block reaches s, and that block serves
-        floor(C/s) with C mod s left free before the rest of the hole. With s <= page every
-        map is one page in the same hole, so a hole is mapped as far as the headroom allows
-        in one go. max_split_size changes none of this unless get_free_block could meet a block
-        it refuses: an initial free block >= M (s < M) or >= s + 20 MiB (s >= M), or a mapped
-        block's leftover (< s + page) reaching M; then the probe allocations are replayed one
-        by one on a copy of the pools instead (exact, linear in their number)."""
-        page = kSmallBuffer if pool.is_small else kLargeBuffer
-        M = self.max_split_size
-        if M is not None:
-            largest = pool.blocks[-1].size if pool.blocks else 0
-            if (s < M and (s + page > M or largest >= M)) or (
-                s >= M and largest >= s + kLargeBuffer
-            ):
-                return self._units_by_replay(s)
-        cap = self.capacity
-        units = 0
-        items: list[list[int]] = []
-        for it in expandable_items(pool):
-            if it[0] == FREE and it[2] >= s:
-                k, rem = divmod(it[2], s)
-                units += k
-                items.append([ALLOC, it[1], k * s, it[3]])
-                if rem:
-                    items.append([FREE, it[1] + k * s, rem, it[3]])
-            else:
-                items.append(it)
-        reserved = self.reserved_bytes
-        other_pages = sum(self._whole_pages(b, b.ptr) for b in other.blocks)
-        next_addr = self._next_addr
-        start = 0  # holes before this index lack space (until pages are unmapped)
-        while True:
-            if reserved + g > cap:  # the OOM path: release_cached_blocks, then one retry
-                items, unmapped = unmap_free_pages(items, page)
-                reserved -= unmapped + other_pages
-                other_pages, start = 0, 0
-                if reserved + g > cap:
-                    return units
-            pos = find_expandable(items, start, s)
-            if pos is None:  # a new segment
-                size = -(-(cap + cap // 8) // page) * page
-                ptr, next_addr = next_addr, -(-(next_addr + size) // SEGMENT_ALIGN) * SEGMENT_ALIGN
-                pos = len(items) + 1
-                items += [[SEP, ptr, 0, ptr], [UNMAPPED, ptr, size, ptr]]
-            start = pos
-            base, segptr = items[pos][1], items[pos][3]
-            j, cur = pos, 0
-            if items[j][0] == FREE:
-                cur, j = items[j][2], j + 1
-            rest = None
-            while True:
-                hole = items[j]
-                assert hole[0] == UNMAPPED
-                # s <= page: one page per malloc, while the cap check passes
-                n = (cap - reserved - g) // page + 1 if s <= page else -(-(s - cur) // page)
-                m = min(n * page, hole[2])
-                reserved += m
-                cur += m
-                j += 1
-                if m < hole[2]:
-                    rest = [UNMAPPED, hole[1] + m, hole[2] - m, segptr]
-                    break
-                if j < len(items) and items[j][0] == FREE:  # merges with the next free block
-                    cur, j = cur + items[j][2], j + 1
-                if cur >= s:
-                    break
-            k, rem = divmod(cur, s)
-            units += k
-            new = [[ALLOC, base, k * s, segptr]]
-            if rem:
-                new.append([FREE, base + k * s, rem, segptr])
-            if rest is not None:
-                new.append(rest)
-            items[pos:j] = new
 
     def _units_by_replay(self, s: int) -> int:
         """Probe allocations of s bytes that succeed in a row, replayed on a copy of the
