@@ -103,6 +103,7 @@ from __future__ import annotations
 from collections import deque
 from typing import cast
 
+from kvfrag.sim.allocators import prefix_checks
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
 from kvfrag.sim.allocators.prefix_keys import Base, Key, Keys, Run, Seg, own_base, pack
@@ -521,51 +522,22 @@ class PrefixCachingAllocator(PagedAllocator):
                 self._runs = deque(r for r in self._runs if r.live())
                 self._dead = 0
 
+    # (the per-block maps, assembled for checks: `prefix_checks`)
     @property
     def _idle(self) -> dict[int, None]:
-        """The idle cached blocks in LRU order (assembled, for checks)."""
-        idle: dict[int, None] = {}
-        for run in self._runs:
-            pairs = run.keys.pairs()
-            for p in reversed(range(len(run.ids) - run.pos)):
-                if self._idle_at(run.ids[p], *pairs[p]) is run:
-                    idle[run.ids[p]] = None
-        return idle
+        return prefix_checks.idle(self)
 
     @property
     def _refs(self) -> dict[int, int]:
-        """id -> users of every cached block in use (assembled, for checks)."""
-        refs: dict[int, int] = {}
-        for held in self._held.values():
-            for block in held:
-                refs[block] = refs.get(block, 0) + 1
-        return refs
+        return prefix_checks.refs(self)
 
     @property
     def _cached(self) -> dict[Key, list[int]]:
-        """key -> every id cached under it, oldest first (assembled, for checks)."""
-        cached: dict[Key, list[int]] = {}
-        for base, seg in self._segs.items():
-            for i, b in enumerate(seg.ids):
-                if b != -1:
-                    key = pack(base, seg.lo + i)
-                    cached[key] = [b, *self._dups.get(key, ())]
-        return cached
+        return prefix_checks.cached(self)
 
     @property
     def _key(self) -> dict[int, Key]:
-        """id -> key of every cached block, in use or idle (assembled, for checks): a block
-        in use is at the same position in every table that holds it."""
-        keys: dict[int, Key] = {}
-        for rid, held in self._held.items():
-            named = self._keys_between(rid, self._keys_of[rid], 0, len(held)).listed()
-            keys.update(zip(held, named, strict=True))
-        for run in self._runs:
-            left = len(run.ids) - run.pos
-            for block, (base, j) in zip(run.ids[:left], run.keys.pairs()[:left], strict=True):
-                if self._idle_at(block, base, j) is run:
-                    keys[block] = pack(base, j)
-        return keys
+        return prefix_checks.keys(self)
 
     def _name(self, live: Live, k: int, private: int, tokens: int) -> tuple[int, ...]:
         """Block ids after `_evict`: the k named prompt blocks the request just filled join
