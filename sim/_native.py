@@ -40,6 +40,8 @@ HOT = (
     "engine_requests",
     "floor_sum",
     "engine_walk",
+    "engine_preempt",
+    "engine_timing",
     "engine_recording",
     "spec_steps",
     "allocators/values",

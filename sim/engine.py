@@ -83,8 +83,9 @@ import pandas as pd
 import simpy
 from kvfrag.sim.allocators.base import Allocator, Reason, Refusal, Request
 from kvfrag.sim.allocators.paged import PagedAllocator
-from kvfrag.sim.engine_config import EngineConfig, StepTime, async_modelled
+from kvfrag.sim.engine_config import EngineConfig, async_modelled
 from kvfrag.sim.engine_log import AllocationLog
+from kvfrag.sim.engine_preempt import preempt, release_held, rid_of, victim_of
 from kvfrag.sim.engine_recording import record, record_stretch, result
 from kvfrag.sim.engine_records import (
     TOO_MANY_SEQUENCES,
@@ -92,6 +93,7 @@ from kvfrag.sim.engine_records import (
     _Rows,
 )
 from kvfrag.sim.engine_requests import _Arrivals, _Inputs, _Outcomes, _Req
+from kvfrag.sim.engine_timing import iteration_time, stretch
 from kvfrag.sim.engine_walk import (
     continue_prefills,
     spec_schedule,
@@ -101,7 +103,7 @@ from kvfrag.sim.engine_walk import (
     walk_running,
 )
 from kvfrag.sim.interrupts import poll
-from kvfrag.sim.spec_steps import SpecSteps, kv_read_objects, verify_objects
+from kvfrag.sim.spec_steps import SpecSteps, verify_objects
 from kvfrag.sim.speculative import acceptance_for
 from kvfrag.sim.units import check_size
 from kvfrag.sim.waiting import PriorityQueue
@@ -390,7 +392,7 @@ class Engine:
             decoders -= self.dropped  # decoders a prefill chunk preempted take no token
             self.released_now = bool(self.held)
             if self.held:
-                self._release_held()  # (async: the previous iteration's output applied)
+                release_held(self)  # (async: the previous iteration's output applied)
             if self.specs is not None and self.asynchronous:
                 # (the previous step's rejected drafts, known now)
                 if self.specs.arrayed:
@@ -408,7 +410,7 @@ class Engine:
             if prefill_tokens or self.spec is not None:
                 # A compaction during admission stalls every running request. (Speculative
                 # decoding: decode-only iterations joined where nothing happens between them.)
-                dt, per_kv = self._iteration_time(decoders + prefill_tokens)
+                dt, per_kv = iteration_time(self, decoders + prefill_tokens)
                 dt += self.alloc.take_stall()
                 if not prefill_tokens and self.specs is not None and spec_stretch(self, dt, per_kv):
                     return
@@ -416,7 +418,7 @@ class Engine:
                 env.timeout(dt).callbacks.append(self._iterated)
                 return
             # Decode only: this iteration and as many more as nothing happens.
-            n, w0, w1, duration = self._stretch(decoders)
+            n, w0, w1, duration = stretch(self, decoders)
             record_stretch(self, n, w0, w1, duration)
             if n > 1:
                 self.alloc.advance(n - 1)  # n is within steps_until_done and _full
@@ -451,107 +453,7 @@ class Engine:
             # The decoders before the shortage took every free block, idle cached ones
             # (evicted) included, before the victim's blocks come back.
             alloc.evict_idle()
-            self._preempt(self._victim())
-
-    def _victim(self) -> _Req:
-        """Whom a shortage preempts: the newest running request (FCFS), or (policy priority)
-        the one with the largest (priority, arrival), the first of them in admission order,
-        as vLLM's max() over its running list. (Preempting them in that order until the
-        decoders fit is what vLLM's walk of its running list comes to: each refusal takes the
-        current largest, and one comes only while those left do not fit.)"""
-        if not self.by_priority:
-            return next(reversed(self.running))
-        return max(self.running, key=_victim_key)
-
-    def _in_flight(self, r: _Req) -> int:
-        """Async: `r`'s tokens scheduled in the previous iteration, its output not applied
-        yet (a decoder's token; a prompt's chunk); 0 when synchronous."""
-        if not self.asynchronous:
-            return 0
-        got = self.chunks_prev.get(r.req.rid)
-        if got is not None:
-            return got
-        return 1 if self._decodes(r) else 0
-
-    def _preempt(self, r: _Req, unstepped: int = 0, scheduled: bool = False) -> None:
-        """Free `r` and queue it first (policy priority: by its key); `unstepped`: tokens this
-        iteration gave it before vLLM would have (a decoder advanced before its turn came) or
-        that vLLM takes back (a prefill chunk scheduled before it was preempted); `scheduled`
-        (policy priority): vLLM had scheduled its token in this step, caching its blocks over
-        the tokens known then (async: one more than those processed before)."""
-        alloc, rid = self.alloc, r.req.rid
-        stored = alloc.tokens(rid) - unstepped
-        decoded = self._decodes(r)
-        st = r.spec
-        if st is not None:  # (its slots run ahead of its computed tokens; async: less those
-            stored = st.computed - st.rollback  # rejected in its step in flight)
-            st.computed = st.drafts = st.scheduled = st.rollback = 0
-            st.decoding = False
-        r.peak = max(r.peak, alloc.allocated_bytes(rid))
-        if r.status == "completed":  # async: done, its last token in flight
-            self._drop_held(r)
-            return
-        if decoded and self.asynchronous and r not in self.fresh:
-            self._log_free(r, stored - 1 + scheduled)
-            alloc.free_preempted(rid, stored - 1 + scheduled)  # (its last step in flight)
-        else:
-            self._log_free(r)
-            alloc.free(rid)
-        del self.running[r]
-        self.seqs -= r.req.n
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-        if self.cfg.batching == "static" and not self.running:
-            self._release_batch()  # its last running member left: the batch is over
-        r.recomputed += stored
-        r.preemptions += 1
-        self.recomputed += stored
-        self.preemptions += 1
-        self.preempted_now = True
-        # A decoder recomputes everything it stored and its last sampled token, which had no
-        # slot yet (a group's slots run one ahead: its stored tokens include it); a
-        # half-prefilled one starts its prefill over.
-        r.prefill = stored + 1 - r.lead if decoded else r.prefill
-        r.status = "waiting"
-        self.queue.appendleft(r)
-
-    def _drop_held(self, r: _Req) -> None:
-        """Async: preempt a done request that holds its memory until its last token's output
-        is applied (vLLM's victim is the newest running request, done or not). It is freed
-        now and counted as preempted; the token in flight still finishes it."""
-        alloc, rid = self.alloc, r.req.rid
-        if r.spec is not None:
-            r.spec.extra = False  # (not scheduled again)
-        if r in self.fresh:
-            self._log_free(r)
-            alloc.free(rid)
-        else:
-            self._log_free(r, alloc.tokens(rid) - 1)
-            alloc.free_preempted(rid, alloc.tokens(rid) - 1)
-        self.held.remove(r)
-        del self.running[r]
-        self.seqs -= r.req.n
-        r.preemptions += 1
-        self.preemptions += 1
-        self.preempted_now = True
-        r.released = self.now
-        self._retire(r)
-
-    def _release_held(self) -> None:
-        """Async: free the requests done at the last iteration's end, once this iteration is
-        scheduled (vLLM applies step k-1's output after scheduling step k), in rid order."""
-        alloc = self.alloc
-        for r in sorted(self.held, key=_rid_of):
-            rid = r.req.rid
-            r.peak = max(r.peak, alloc.allocated_bytes(rid))
-            r.released = self.now
-            self._log_free(r)
-            self._spec_leave(r)
-            alloc.free(rid)
-            del self.running[r]
-            self.seqs -= r.req.n
-            self._retire(r)
-        self.held.clear()
+            preempt(self, victim_of(self))
 
     def _spec_leave(self, r: _Req) -> None:
         """`r` is freed: its slot in the arrays (if it has one) goes back."""
@@ -755,69 +657,6 @@ class Engine:
             self._next_of(r, self.now)
         self._retire(r)
 
-    # ----------------------------------------------------------------- timing
-    def _kv_read_tokens(self) -> int:
-        if self.specs is not None:  # (slots run ahead of tokens: the contexts read)
-            if self.specs.arrayed:
-                return self.specs.kv_read(bool(self.chunk_cost))
-            return kv_read_objects(self.running, bool(self.chunk_cost))
-        if self.chunk_cost:
-            return self.alloc.decoding_sequence_tokens()
-        return self.alloc.sequence_tokens() - self.held_done_tokens
-
-    def _iteration_time(self, batched: int) -> tuple[float, float]:
-        """This iteration's seconds (its prefill chunks' attention is in prefill_attn_s), and
-        the step time's cost per KV token read (what a decode stretch grows by). Decoders
-        that took no token this iteration (`tokenless`) neither sample nor read."""
-        decoders = self.alloc.decoding_weight - self.tokenless
-        if self.spec is not None:  # (every token a decoder verifies is sampled)
-            decoders = self.spec_decode_tokens
-        # Sampled positions: one per decoding sequence and per prompt whose prefill ends now.
-        logits = min(decoders + len(self.prefilled), batched)
-        st = self.st
-        if isinstance(st, StepTime):  # (compiled: a direct call, not a Protocol's lookup)
-            base, per_kv = st.affine(batched, logits, decoders > 0)
-        else:
-            base, per_kv = st.affine(batched, logits, decoders > 0)
-        kv = self._kv_read_tokens()
-        if self.spec is None:
-            kv -= self.tokenless_kv  # (decoders that took no token read nothing)
-        return base + per_kv * kv + self.prefill_attn_s, per_kv
-
-    def _stretch(self, decoders: int) -> tuple[int, float, float, float]:
-        """How many decode-only iterations run before the next event, and their timing."""
-        alloc = self.alloc
-        w0, per_kv = self._iteration_time(decoders)
-        w1 = per_kv * decoders  # each iteration adds one token per decoding sequence
-        done = alloc.steps_until_done()
-        assert done is not None  # (a stretch has decoders)
-        n = 1 + done
-        if (self.preempted_now or self.released_now) and self.queue:
-            # admissions were skipped this iteration, or it freed memory and seats after
-            # they were tried (async): the next one tries them
-            n = 1
-        shrink = alloc.steps_until_shrink() if self.queue else None
-        if shrink is not None:  # memory comes back then: the queue head may fit
-            n = min(n, shrink)
-        evict = alloc.steps_until_evict() if self.queue and self.groups else None
-        if evict is not None:  # a waiting group may fit then (see `_released`)
-            n = min(n, evict)
-        horizon = self.arrivals.next_s
-        if self.queue and self.cfg.admission == "fcfs" and not self.by_priority:
-            # Behind a waiting head, strict FCFS admits nobody new before the head, and the
-            # head waits for memory or room that only a completion gives back: an arrival now
-            # changes nothing but the queue's length. It joins at the next event.
-            horizon = math.inf
-        if self.cfg.max_time_s is not None:
-            horizon = min(horizon, self.cfg.max_time_s)
-        if horizon < math.inf:
-            n = _iterations_to_reach(horizon - self.now, w0, w1, n)
-        # (last, and no further than the stretch: the min commutes with the ones above)
-        full = alloc.steps_until_full_within(n - 1)
-        if full is not None:
-            n = min(n, 1 + full)
-        return n, w0, w1, n * w0 + w1 * n * (n - 1) / 2
-
     # -------------------------------------------------------------- iteration end
     def _end_iteration(self) -> None:
         alloc, now = self.alloc, self.now
@@ -838,7 +677,7 @@ class Engine:
                 verify_objects(self.running, self.prefilled, self.specs)
                 done = sorted([r for r in self.running if r.spec is not None
                                and r.spec.decoding and r.spec.delivered >= r.output],
-                              key=_rid_of)
+                              key=rid_of)
             self.prefilled.clear()
             for r in done:  # (together: in rid order, as the reference)
                 self._complete(r)
@@ -925,39 +764,6 @@ class Engine:
     # --------------------------------------------------------------- recording
     def _probe(self) -> Request:
         return self.queue[0].req if self.queue else self.reference
-
-
-def _iterations_to_reach(delta: float, w0: float, w1: float, most: int) -> int:
-    """Fewest iterations (>= 1) whose durations w0, w0+w1, ... add up to at least `delta`, or
-    `most` if they do not reach it within `most`.
-
-    `most` bounds the search: far horizons (an arrival or `max_time_s` 1e300 s away) give
-    iteration counts where n - 1 == n in floats, and a step-by-step search there never ends.
-    """
-    if delta <= w0 or most <= 1:
-        return 1
-    if most * w0 + w1 * most * (most - 1) / 2 < delta:
-        return most
-    if w1 == 0:
-        n = math.ceil(delta / w0)
-    else:
-        a = w0 - w1 / 2
-        n = math.ceil((-a + math.sqrt(a * a + 2 * w1 * delta)) / w1)
-    n = min(max(n, 1), most)
-    while n > 1 and (n - 1) * w0 + w1 * (n - 1) * (n - 2) / 2 >= delta:
-        n -= 1
-    while n * w0 + w1 * n * (n - 1) / 2 < delta:
-        n += 1
-    return n
-
-
-def _rid_of(r: _Req) -> int:
-    return r.req.rid
-
-
-def _victim_key(r: _Req) -> tuple[int, float]:
-    """vLLM's victim order under policy priority: (priority, arrival time), the largest."""
-    return (r.priority, r.arrival)
 
 
 def run(

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvfrag.sim.allocators.base import Grant, Refusal
+from kvfrag.sim.engine_preempt import in_flight, preempt, victim_of
 from kvfrag.sim.engine_recording import integrate, parts_now, row
 from kvfrag.sim.engine_requests import _Req
 from kvfrag.sim.spec_steps import slots_wanted
@@ -48,9 +49,9 @@ def grow_walked(eng: Engine, r: _Req, tokens: int, stepped: set[_Req],
     grant, or None when `r` went; the sequences and prefill tokens given back to the token
     budget by victims scheduled earlier in the walk)."""
     seqs = chunks = 0
-    while isinstance(grant := eng.alloc.grow(r.req.rid, tokens, eng._in_flight(r)),
+    while isinstance(grant := eng.alloc.grow(r.req.rid, tokens, in_flight(eng, r)),
                      Refusal):
-        victim = eng._victim()
+        victim = victim_of(eng)
         back, back_chunk = preempt_walked(eng, victim, stepped, granted)
         seqs += back
         chunks += back_chunk
@@ -72,9 +73,9 @@ def preempt_walked(eng: Engine, victim: _Req, stepped: set[_Req],
         if st is not None:  # (its tokens scheduled go back; its slots are freed)
             back = st.scheduled
             st.computed -= back
-            eng._preempt(victim)
+            preempt(eng, victim)
             return back, 0
-        eng._preempt(victim, 1, True)
+        preempt(eng, victim, 1, True)
         return victim.req.n, 0
     if victim in granted:
         chunk, seconds = granted.pop(victim)
@@ -83,9 +84,9 @@ def preempt_walked(eng: Engine, victim: _Req, stepped: set[_Req],
             eng.prefilled.remove(victim)
         if st is not None:
             st.computed -= chunk
-        eng._preempt(victim, 0 if st is not None else chunk)
+        preempt(eng, victim, 0 if st is not None else chunk)
         return 0, chunk
-    eng._preempt(victim)
+    preempt(eng, victim)
     return 0, 0
 
 
@@ -94,7 +95,7 @@ def walk_running(eng: Engine) -> tuple[int, int]:
     of a decoder (`_prefill_ahead`): each request takes its token or its chunk and its
     blocks in turn, while token budget is left; a refusal preempts the newest running
     request (FCFS: not scheduled yet, or the request itself, which ends the walk) or the
-    victim by priority (`_victim`; one scheduled already gives its tokens back, and one
+    victim by priority (`victim_of`; one scheduled already gives its tokens back, and one
     that preempted itself lets the following ones go on). Decoders past the budget take
     no token this iteration. An event: it happens only while some prompt is partway.
     Returns (decoding sequences that took a token, prefill tokens)."""
@@ -201,8 +202,8 @@ def continue_prefills(eng: Engine, budget: int) -> int:
             continue  # (Mamba "align" mode: no block boundary in reach this step)
         last = chunk == r.prefill_left
         while isinstance(grant := eng.alloc.grow(
-                r.req.rid, chunk + (r.lead if last else 0), eng._in_flight(r)), Refusal):
-            victim = eng._victim()
+                r.req.rid, chunk + (r.lead if last else 0), in_flight(eng, r)), Refusal):
+            victim = victim_of(eng)
             # vLLM schedules running requests in admission order: a decoder after this
             # one had not taken its token yet, nor its share of the budget (policy
             # priority: one before it gives its token back).
@@ -218,7 +219,7 @@ def continue_prefills(eng: Engine, budget: int) -> int:
                     eng.prefilled.remove(victim)
             # (a decoder before r in admission order: vLLM had scheduled its token)
             before = eng.by_priority and unstepped == 1 and _before(eng.running, victim, r)
-            eng._preempt(victim, unstepped, before)
+            preempt(eng, victim, unstepped, before)
             if victim is r:
                 break
         else:
@@ -347,7 +348,7 @@ def spec_unload(eng: Engine) -> None:
 
 
 def decoder_in_flight(eng: Engine, r: _Req) -> int:
-    """Async: a decoder's tokens in flight (`_in_flight`, its state in the arrays)."""
+    """Async: a decoder's tokens in flight (`engine_preempt.in_flight`, its state in the arrays)."""
     if not eng.asynchronous:
         return 0
     return eng.chunks_prev.get(r.req.rid, 1)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
-from kvfrag.sim import engine
+from kvfrag.sim import engine, engine_timing
 from kvfrag.sim.allocators import make_allocator
 from kvfrag.sim.engine import PROGRESS_TURNS, run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
@@ -63,7 +63,7 @@ def test_the_last_arrival_far_away_is_refused_not_written_as_nan():
 
 
 def test_the_far_horizon_search_is_bounded():
-    reach = engine._iterations_to_reach
+    reach = engine_timing.iterations_to_reach
     assert reach(1e300, 0.02, 0.0, 7) == 7
     assert reach(1e300, 0.02, 1e-9, 1000) == 1000
     assert reach(1.0, 0.0, 0.0, 5) == 5  # nothing takes time: the bound, not a division by 0
