@@ -123,12 +123,17 @@ def make_allocator(
         from kvfrag.sim.hybrid.caching import HybridPrefixCaching
 
         cls = HybridPrefixCaching
-    if (cls is TwoLevelAllocator and options.get("prefix_caching") is True
-            and options.get("vllm_groups") is True):
-        # (vLLM's caching on the two-level cache pool: `two_level_caching`)
-        from kvfrag.sim.allocators.two_level_caching import TwoLevelVllmCaching
+    if cls is TwoLevelAllocator and options.get("prefix_caching") is True:
+        if options.get("vllm_groups") is True:
+            # (vLLM's caching on the two-level cache pool: `two_level_caching`)
+            from kvfrag.sim.allocators.two_level_caching import TwoLevelVllmCaching
 
-        cls = TwoLevelVllmCaching
+            cls = TwoLevelVllmCaching
+        elif options.get("vllm_groups", False) is False:
+            # (its own layout, vLLM's hit rules on the cache pool: `two_level_own_caching`)
+            from kvfrag.sim.allocators.two_level_own_caching import TwoLevelOwnCaching
+
+            cls = TwoLevelOwnCaching
     return cls(capacity, bytes_per_token, max_model_len, **options)
 
 

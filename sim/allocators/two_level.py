@@ -29,8 +29,8 @@ chunks in flight; two-level frees by the tokens *computed* before the allocation
 async scheduling (a step that reads a freed block is ahead of the step that takes it, and the
 GPU runs them in that order), and caps at one chunk in flight. On Gemma-3-27B at 32K this
 is the difference between 85 % and 99 % of the floor's capacity (`bench/layouts.py`). Prefix
-caching: only with `vllm_groups` (`two_level_caching`: vLLM's, on the two-level cache pool);
-with this layout, refused.
+caching: `two_level_own_caching` in this layout (vLLM's hit rules on the two-level cache pool,
+a page size per type), `two_level_caching` with `vllm_groups`; `make_allocator` builds them.
 
 `vllm_groups: true` plans as vLLM does (its groups with padding layers and one page size):
 the LCM is the page, a large page is one block id, and the records are the `hybrid`
@@ -123,9 +123,9 @@ class TwoLevelAllocator(HybridAllocator):
             raise ValueError(f"vllm_groups must be true or false, not {vllm_groups!r}")
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be true or false, not {prefix_caching!r}")
-        if prefix_caching:  # (with vllm_groups: `two_level_caching`, built by make_allocator)
-            raise ValueError("prefix caching is not modelled for the two-level allocator's own "
-                             "layout yet (prefix_caching needs vllm_groups: true)")
+        if prefix_caching:
+            raise ValueError("prefix caching is modelled by TwoLevelOwnCaching and, with "
+                             "vllm_groups, TwoLevelVllmCaching (make_allocator builds them)")
         super().__init__(capacity, bytes_per_token, max_model_len, block_size, True, stack,
                          max_num_batched_tokens, concurrent_batches, False, "none", 0,
                          geometry)

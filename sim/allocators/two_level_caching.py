@@ -7,8 +7,7 @@ page per large page, so a large page is one block id.
 The records are the `hybrid` allocator's with prefix caching, exactly
 (tests/sim/test_two_level_caching.py): the cache pool's eviction order reduces to vLLM's free
 queue there. Two-level's own layout (one unpadded group per layer type, large pages of the LCM
-of the small pages) with prefix caching is not modelled yet: `TwoLevelAllocator` refuses it in
-one line.
+of the small pages) with prefix caching is `two_level_own_caching`.
 """
 
 from __future__ import annotations

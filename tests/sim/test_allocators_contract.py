@@ -627,7 +627,7 @@ HYBRID_STACKS = _hybrid_stacks()
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "floor", "static-partition", "two-level",
-                                  "two-level-vllm-caching"])
+                                  "two-level-vllm-caching", "two-level-caching"])
 @pytest.mark.parametrize("name", list(HYBRID_STACKS))
 def test_hybrid_lifecycle_identity_refusals_and_no_leak(name, kind):
     stack = HYBRID_STACKS[name]
@@ -635,6 +635,8 @@ def test_hybrid_lifecycle_identity_refusals_and_no_leak(name, kind):
     opts: dict[str, object] = {}
     if kind == "two-level-vllm-caching":  # (vLLM's prefix caching on two-level's cache pool)
         kind, opts = "two-level", {"vllm_groups": True, "prefix_caching": True}
+    if kind == "two-level-caching":  # (its own layout with prefix caching)
+        kind, opts = "two-level", {"prefix_caching": True}
     a = make_allocator(kind, capacity=40_000, bytes_per_token=b, max_model_len=mml,
                        stack=stack, **opts)
     checked(a)

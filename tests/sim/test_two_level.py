@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from kvfrag.sim.allocators import PARTS, Reason, Request, make_allocator
+from kvfrag.sim.allocators import PARTS, Reason, Request, TwoLevelAllocator, make_allocator
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.allocators.two_level_plan import (
     MAX_LCM_RATIO,
@@ -189,8 +189,10 @@ def test_bad_options_one_line():
     stack = _stack("sf")
     kw = dict(capacity=10**6, bytes_per_token=stack.full_bytes_per_token, max_model_len=MML,
               stack=stack)
-    with pytest.raises(ValueError, match=r"^prefix caching is not modelled for the two-level"):
-        make_allocator("two-level", prefix_caching=True, **kw)
+    with pytest.raises(ValueError, match=r"^prefix_caching must be true or false, not 1$"):
+        make_allocator("two-level", prefix_caching=1, **kw)
+    with pytest.raises(ValueError, match=r"^prefix caching is modelled by TwoLevelOwnCaching"):
+        TwoLevelAllocator(prefix_caching=True, **kw)  # (make_allocator builds that)
     with pytest.raises(ValueError, match=r"^vllm_groups must be true or false"):
         make_allocator("two-level", vllm_groups="yes", **kw)
 
@@ -369,8 +371,7 @@ def test_fast_engine_matches_per_iteration_reference(pattern, seed, n, pages, ch
 
 @pytest.mark.parametrize(("option", "message"), [
     ("vllm_groups: maybe", "vllm_groups must be true or false, not 'maybe'"),
-    ("prefix_caching: true",
-     "prefix caching is not modelled for the two-level allocator's own layout yet"),
+    ("prefix_caching: 1", "prefix_caching must be true or false, not 1"),
     ("window: 3", "allocator 'two' (two-level) has no option 'window'"),
 ])
 def test_scenario_refuses_bad_options_in_one_line(option, message):

@@ -3,7 +3,7 @@
 cache pool) keeps the `hybrid` allocator's records with prefix caching exactly: on
 shared-prefix traffic with small pools (evictions, preemptions, hits) and on shipped
 hybrid scenarios given a shared system prompt. Two-level's own layout with prefix caching is
-refused in one line."""
+another class (`two_level_own_caching`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators import make_allocator
 from kvfrag.sim.allocators.two_level_caching import BlockPoolView, TwoLevelVllmCaching
+from kvfrag.sim.allocators.two_level_own_caching import TwoLevelOwnCaching
 from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.scenario_run import run as run_scenario
@@ -92,13 +93,14 @@ def test_shipped_scenarios_with_a_shared_prefix_match_hybrid(name, count):
     pd.testing.assert_frame_equal(t.requests, h.requests)
 
 
-def test_own_layout_with_prefix_caching_is_refused_in_one_line():
+def test_own_layout_with_prefix_caching_is_its_own_class():
+    """Without vllm_groups, prefix caching is two-level's own layout's
+    (`two_level_own_caching`, tests/sim/test_two_level_own_caching.py); a value that is not a
+    boolean is refused in one line."""
     stack = _HP["STACKS"][0]
     kw = dict(capacity=10**6, bytes_per_token=stack.full_bytes_per_token, max_model_len=64,
               stack=stack)
-    with pytest.raises(ValueError, match=r"^prefix caching is not modelled for the two-level "
-                                         r"allocator's own layout yet \(prefix_caching needs "
-                                         r"vllm_groups: true\)$"):
-        make_allocator("two-level", prefix_caching=True, **kw)
+    own = make_allocator("two-level", prefix_caching=True, **kw)
+    assert isinstance(own, TwoLevelOwnCaching) and not isinstance(own, TwoLevelVllmCaching)
     with pytest.raises(ValueError, match=r"^prefix_caching must be true or false, not 1$"):
         make_allocator("two-level", prefix_caching=1, **kw)
