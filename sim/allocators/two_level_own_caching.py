@@ -239,8 +239,8 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         self._tb = [m.token_bytes for m in self.managers]
         self._sb = [m.state_bytes if m.kind == "mamba" else 0 for m in self.managers]
         self._mamba = any(k.kind == "mamba" for k in self._kinds)
-        self._quiet = ([(g, k.block_size, k.kind == "mamba") for g, k in enumerate(self._kinds)]
-                       if all(k.kind in ("full", "mamba") for k in self._kinds) else None)
+        # (every kind: `_quiet_step` also tells a sliding or chunked table that frees nothing)
+        self._quiet = [(g, k.block_size, k.kind == "mamba") for g, k in enumerate(self._kinds)]
         self._hash_bs = self.block_size
         self._fresh = set()
         self._grown = set()
@@ -500,6 +500,30 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         self._victims_turn(st, queue)
         st.freed = typed.freed - before
         return -1
+
+    def _quiet_step(self, st: PrefixState, rid: int, tokens: int,
+                    quiet: list[tuple[int, int, bool]], processed: int) -> bool:
+        """`HybridPrefixCaching._quiet_step` for every kind: a sliding or chunked table frees
+        nothing where its last skipped block is already the null block (what
+        `PrefixState.remove_skipped` checks first), as between block boundaries."""
+        tables, ncached = st.tables[rid], st.ncached[rid]
+        lag = self._lag
+        for g, bs, mamba in quiet:
+            table = tables[g]
+            if -(-tokens // bs) > len(table) or (tokens - lag) // bs > ncached[g]:
+                return False
+            if mamba:
+                retired, last_state = st.mamba[rid][0], st.mamba[rid][1]
+                if (processed - 1) // bs > retired or (
+                        0 <= last_state < -(-processed // bs) - 1 and table[last_state]):
+                    return False
+                continue
+            k = self._kinds[g]
+            if k.kind != "full":
+                skip = min(k.skipped(processed), len(table))
+                if skip and table[skip - 1]:
+                    return False
+        return True
 
     # ------------------------------------------------------------ questions
     def _type_need(self, tokens: int, processed: int, capped: bool) -> list[int]:

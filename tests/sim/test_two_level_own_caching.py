@@ -152,6 +152,29 @@ def test_random_operations_keep_the_accounting(name, asynchronous, pages, data):
     assert a.pool.held_large_pages() == 0 and a.parts(None) == fresh  # (no leak)
 
 
+@pytest.mark.parametrize("stack", _HP["STACKS"], ids=lambda s: s.name)
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_quiet_decode_steps_are_the_steps_applied(stack, asynchronous):
+    """A decode step judged quiet (`_quiet_step`: it frees, takes and caches nothing for a
+    decoder, sliding and chunked tables included) is skipped; applying every step instead
+    gives the same records, in a pool small enough to evict and preempt."""
+    wl = _HP["shared"](5, 20, 100, 60)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=40, chunked_prefill=True,
+                       async_scheduling=asynchronous, step_time=StepTime(0.05, 1e-3, 1e-4))
+    probe = _HP["make"](stack, 10**9, tokens=40)
+    capacity = (probe.plan.max_request_blocks + 12) * probe.page
+
+    def make():
+        return _own(stack, capacity, mml=_HP["MML"], bs=_HP["BS"], max_num_batched_tokens=40)
+
+    every = make()
+    every._quiet_step = lambda *args: False  # (every decoder's step applied)
+    a, b = run(wl, make(), cfg), run(wl, every, cfg)
+    assert a.summary == b.summary
+    assert a.timeseries.equals(b.timeseries) and a.requests.equals(b.requests)
+    assert a.summary["prefix_hit_blocks"] > 0
+
+
 # ------------------------------------------------------------------------------- hits
 def _one_type(name: str, layer) -> LayerStack:
     return LayerStack(name, (layer,) * 3)
