@@ -17,7 +17,8 @@ on gemma-3-27b (52 sliding-window layers of 1,024 tokens in six groups, 10 full)
 workload and budget; the issue's target for the second is 2x paged-16 per event, as for the
 exact-need floor's row (`floor`, on gemma-3-27b) and a pool per layer type's
 (`static-partition`), and for the two-level (Jenga-style) layout's (`two-level`, one group
-per layer type). The EAGLE row
+per layer type); the "-pc" rows run the last and vLLM's hybrid manager with prefix caching
+(the workload names no prefixes: what caching costs without a hit). The EAGLE row
 runs speculative decoding (3 drafts, 70 % acceptance) on paged-16: decode-only iterations join
 into stretches as plain decoding's do, each decoder's steps following its draws (ev/req shows
 how many events); the "2 req/s" rows run the same requests at a light load (a few decoding at
@@ -85,6 +86,12 @@ KINDS = (
     # the two-level (Jenga-style) allocator on gemma-3-27b: one group per layer type, large
     # pages of the LCM of their small pages
     ("two-level gemma-3-27b", "two-level", {"block_size": 16, "model": "gemma-3-27b"}, "bench"),
+    # the same with prefix caching (vLLM's rules on its cache pool, block by block; this
+    # workload names no prefixes: the cost of caching without hits)
+    ("two-level-pc gemma-3-27b", "two-level",
+     {"block_size": 16, "model": "gemma-3-27b", "prefix_caching": True}, "bench"),
+    ("hybrid-16-pc gemma-3-27b", "hybrid",
+     {"block_size": 16, "model": "gemma-3-27b", "prefix_caching": True}, "bench"),
     # speculative decoding (EAGLE, 3 drafts, 70 % acceptance), and both at a light load
     ("paged-16 EAGLE k3", "paged", {"block_size": 16, "speculative": SPEC}, "bench"),
     ("paged-16 2 req/s", "paged", {"block_size": 16}, "light"),
