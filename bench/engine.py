@@ -18,7 +18,8 @@ workload and budget; the issue's target for the second is 2x paged-16 per event,
 exact-need floor's row (`floor`, on gemma-3-27b) and a pool per layer type's
 (`static-partition`), and for the two-level (Jenga-style) layout's (`two-level`, one group
 per layer type); the "-pc" rows run the last and vLLM's hybrid manager with prefix caching
-(the workload names no prefixes: what caching costs without a hit). The EAGLE row
+(the workload names no prefixes: what caching costs without a hit; run only when named in
+`--only`, as they take hours at the default size). The EAGLE row
 runs speculative decoding (3 drafts, 70 % acceptance) on paged-16: decode-only iterations join
 into stretches as plain decoding's do, each decoder's steps following its draws (ev/req shows
 how many events); the "2 req/s" rows run the same requests at a light load (a few decoding at
@@ -97,6 +98,9 @@ KINDS = (
     ("paged-16 2 req/s", "paged", {"block_size": 16}, "light"),
     ("paged-16 EAGLE k3 2 req/s", "paged", {"block_size": 16, "speculative": SPEC}, "light"),
 )
+#: Rows run only when named in `--only`: prefix caching on a layered model costs hundreds to
+#: thousands of times paged-16 per event, hours at the default 100,000 requests.
+ON_REQUEST = frozenset({"two-level-pc gemma-3-27b", "hybrid-16-pc gemma-3-27b"})
 #: Requests a second of each workload ("light": the same requests, a few decoding at once).
 RATES = {"bench": 40.0, "light": 2.0}
 
@@ -189,14 +193,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", nargs="*", help="labels to run (default: all)")
+    parser.add_argument("--only", nargs="*",
+                        help="labels to run (default: all but the -pc rows, run only when named)")
     parser.add_argument("--preempt", action="store_true",
                         help="also 20,000-token outputs on paged-16: memory-bound, preempting")
     args = parser.parse_args()
     cap = parse_size("50GB")
     jobs = [(label, kind, opts, which, args.requests, args.seed, 1000, cap,
              131072 if which == "mooncake" else 8192)
-            for label, kind, opts, which in KINDS if not args.only or label in args.only]
+            for label, kind, opts, which in KINDS
+            if (label in args.only if args.only else label not in ON_REQUEST)]
     if args.preempt:
         n = max(args.requests // 50, 100)
         jobs.append(("paged-16 20k-token outputs", "paged", {"block_size": 16}, "bench", n,

@@ -115,8 +115,8 @@ def main() -> None:
           f"{'x paged-16':>11}")
     paged = None
     for label in labels():
-        if args.only and label not in args.only:
-            continue
+        if (label not in args.only) if args.only else label in bench.ON_REQUEST:
+            continue  # (the -pc rows only when named, as in bench/engine.py)
         n, events, instr = count(label, args.requests, args.scale, args.keep)
         per = instr / events
         if label == "paged-16":
