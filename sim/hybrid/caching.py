@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.hybrid import HybridAllocator
-from kvfrag.sim.hybrid.prefix import Kind, PrefixState
+from kvfrag.sim.hybrid.prefix import Kind, PrefixState, block_key, find_kind, reachable, state_kept
 
 #: The most decode steps looked ahead on a copy of the state.
 HORIZON = 32
@@ -156,61 +156,9 @@ class HybridPrefixCaching(HybridAllocator):
         return out
 
     def _key(self, req: Request, chain: list[object], j: int, g: int) -> tuple:
-        return (chain[j] if j < len(chain) else ("own", req.rid), j, g)
+        return block_key(req, chain, j, g)
 
     # ---------------------------------------------------------------- lookup
-    def _find_kind(self, req: Request, chain: list[object], k: Kind,
-                   max_len: int) -> tuple[list[list[int]], int]:
-        pool, bs = self._st.pool, k.block_size
-        if k.kind == "full":
-            out: list[list[int]] = [[] for _ in k.groups]
-            for j in range(max_len // bs):
-                ids = [pool.lookup(self._key(req, chain, j, g)) for g in k.groups]
-                if not all(ids):
-                    break
-                for lst, b in zip(out, ids, strict=True):
-                    lst.append(b)
-            return out, len(out[0]) * bs
-        if k.kind == "chunked_local":
-            # The chunks before max_len's are past every window: hit without a lookup
-            # (null blocks), then the blocks of its chunk left to right.
-            start = max(0, max_len) // k.window * k.window // bs
-            chunked: list[list[int]] = [[0] * start for _ in k.groups]
-            for j in range(start, max_len // bs):
-                ids = [pool.lookup(self._key(req, chain, j, g)) for g in k.groups]
-                if not all(ids):
-                    break
-                for lst, b in zip(chunked, ids, strict=True):
-                    lst.append(b)
-            return chunked, len(chunked[0]) * bs
-        if k.kind == "mamba":
-            # Right to left: the state block ending at the hit (the blocks before are null).
-            for i in range(max_len // bs - 1, -1, -1):
-                ids = [pool.lookup(self._key(req, chain, i, g)) for g in k.groups]
-                if all(ids):
-                    return [[0] * i + [b] for b in ids], (i + 1) * bs
-            return [[] for _ in k.groups], 0
-        need, top = k.need(), max_len // bs
-        comp = [[0] * top for _ in k.groups]
-        run, found = 0, False
-        for i in range(top - 1, -1, -1):
-            ids = [pool.lookup(self._key(req, chain, i, g)) for g in k.groups]
-            if all(ids):
-                for lst, b in zip(comp, ids, strict=True):
-                    lst[i] = b
-                run += 1
-                if run >= need:
-                    for lst in comp:
-                        del lst[i + run:]
-                    found = True
-                    break
-            else:
-                run = 0
-        if not found:
-            for lst in comp:
-                del lst[run:]
-        return comp, len(comp[0]) * bs
-
     def _find(self, req: Request, max_len: int) -> tuple[int, list[list[int]], int]:
         """vLLM's `find_longest_cache_hit` over the kinds: (hit tokens, per plan group the
         hit's ids (0 where a sliding window skips), the shared-prefix junction or 0)."""
@@ -227,7 +175,7 @@ class HybridPrefixCaching(HybridAllocator):
                 if k.kind == "full" and blocks[ki] is not None:
                     curr = min(curr, lengths[ki])
                     continue
-                blocks[ki], curr = self._find_kind(req, chain, k, curr)
+                blocks[ki], curr = find_kind(self._st.pool, req, chain, k, curr)
                 lengths[ki] = curr
                 longest = max(longest, curr)
             if curr >= hit:
@@ -351,51 +299,6 @@ class HybridPrefixCaching(HybridAllocator):
         self._st.pool.evicted = []
         return evicted
 
-    # --------------------------------------------------------------- caching
-    def _reachable(self, req: Request, k: Kind, j: int) -> bool:
-        """Whether a sliding-window block can serve a hit (vLLM's `reachable_block_mask`): it
-        is among the blocks a hit at the end of a retained segment needs (every scheduler
-        block with retention None, every R tokens with R > 0, none with 0), or, unless
-        retention is None, a hit at the replay boundary or at the request's shared-prefix
-        junction."""
-        need, bs, a = k.need(), k.block_size, self.plan.scheduler_block_size
-        retention = self.retention
-        segment = a if retention is None else retention
-        if segment:
-            per = segment // bs
-            if need >= per or j % per >= per - need:
-                return True
-            if retention is None:
-                return False
-        bounds = [req.prompt - 1]
-        junction = self._st.boundary.get(req.rid, 0)
-        if junction:
-            bounds.append(junction)
-        for x in bounds:
-            end = x // a * a // bs
-            if end - need <= j < end:
-                return True
-        return False
-
-    def _state_kept(self, req: Request, k: Kind, j: int) -> bool:
-        """Whether Mamba state block j is cached (vLLM's `MambaManager.reachable_block_mask`):
-        every block with retention None; with R > 0 the last block of each R tokens; and the
-        block ending at the replay boundary (the prompt less its last token) or the request's
-        shared-prefix junction, aligned down to the scheduler block."""
-        retention = self.retention
-        if retention is None:
-            return True
-        if retention:
-            per = retention // k.block_size
-            if per <= 1 or j % per == per - 1:
-                return True
-        a = self.plan.scheduler_block_size
-        bounds = [req.prompt - 1]
-        junction = self._st.boundary.get(req.rid, 0)
-        if junction:
-            bounds.append(junction)
-        return any(x // a * a // k.block_size - 1 == j for x in bounds)
-
     def _cache(self, st: PrefixState, req: Request, tokens: int) -> None:
         """vLLM's `cache_blocks`: each group's newly full blocks join the cache. Blocks the
         prefix ids name count as a free for the engine (`frees`): a waiting request refused
@@ -404,14 +307,16 @@ class HybridPrefixCaching(HybridAllocator):
         chain = self._chain(req)
         done = st.ncached[rid]
         named = False
+        # (what a hit can use: the retention, the scheduler block, the lookup's junction)
+        where = (self.retention, self.plan.scheduler_block_size, st.boundary.get(rid, 0))
         for g, table in enumerate(st.tables[rid]):
             k = self._kinds[self._manager_of[g]]
             full = tokens // k.block_size
             mamba = k.kind == "mamba"
             for j in range(done[g], full):
                 b = table[j]
-                if b and (k.kind != "sliding_window" or self._reachable(req, k, j)) and (
-                        not mamba or self._state_kept(req, k, j)):
+                if b and (k.kind != "sliding_window" or reachable(req, k, j, *where)) and (
+                        not mamba or state_kept(req, k, j, *where)):
                     key = self._key(req, chain, j, g)
                     st.pool.insert(key, b)
                     named = named or j < len(chain)

@@ -45,6 +45,10 @@ applies them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvfrag.sim.allocators.values import Request
 
 Key = tuple  # (hash or ("own", rid), j, group)
 
@@ -180,6 +184,116 @@ class Kind:
         if self.kind == "mamba":
             return tokens  # (a state, no tokens: `HybridPrefixCaching._figures` counts it)
         return 0
+
+
+def block_key(req: Request, chain: list[object], j: int, g: int) -> Key:
+    """Block j's key in plan group g: its prefix hash chain's, or the request's own past it."""
+    return (chain[j] if j < len(chain) else ("own", req.rid), j, g)
+
+
+class Lookup(Protocol):
+    """What a hit's lookup asks of a pool: the oldest id cached under a key, or 0."""
+
+    def lookup(self, key: Key) -> int: ...
+
+
+def find_kind(pool: Lookup, req: Request, chain: list[object], k: Kind,
+              max_len: int) -> tuple[list[list[int]], int]:
+    """One kind's hit within `max_len` tokens (see the module's Hits): per group of the kind
+    its hit's ids (0 where no layer reads a block), and the hit's tokens."""
+    bs = k.block_size
+    if k.kind == "full":
+        out: list[list[int]] = [[] for _ in k.groups]
+        for j in range(max_len // bs):
+            ids = [pool.lookup(block_key(req, chain, j, g)) for g in k.groups]
+            if not all(ids):
+                break
+            for lst, b in zip(out, ids, strict=True):
+                lst.append(b)
+        return out, len(out[0]) * bs
+    if k.kind == "chunked_local":
+        # The chunks before max_len's are past every window: hit without a lookup
+        # (null blocks), then the blocks of its chunk left to right.
+        start = max(0, max_len) // k.window * k.window // bs
+        chunked: list[list[int]] = [[0] * start for _ in k.groups]
+        for j in range(start, max_len // bs):
+            ids = [pool.lookup(block_key(req, chain, j, g)) for g in k.groups]
+            if not all(ids):
+                break
+            for lst, b in zip(chunked, ids, strict=True):
+                lst.append(b)
+        return chunked, len(chunked[0]) * bs
+    if k.kind == "mamba":
+        # Right to left: the state block ending at the hit (the blocks before are null).
+        for i in range(max_len // bs - 1, -1, -1):
+            ids = [pool.lookup(block_key(req, chain, i, g)) for g in k.groups]
+            if all(ids):
+                return [[0] * i + [b] for b in ids], (i + 1) * bs
+        return [[] for _ in k.groups], 0
+    need, top = k.need(), max_len // bs
+    comp = [[0] * top for _ in k.groups]
+    run, found = 0, False
+    for i in range(top - 1, -1, -1):
+        ids = [pool.lookup(block_key(req, chain, i, g)) for g in k.groups]
+        if all(ids):
+            for lst, b in zip(comp, ids, strict=True):
+                lst[i] = b
+            run += 1
+            if run >= need:
+                for lst in comp:
+                    del lst[i + run:]
+                found = True
+                break
+        else:
+            run = 0
+    if not found:
+        for lst in comp:
+            del lst[run:]
+    return comp, len(comp[0]) * bs
+
+
+def reachable(req: Request, k: Kind, j: int, retention: int | None, scheduler_bs: int,
+              junction: int) -> bool:
+    """Whether a sliding-window block can serve a hit (vLLM's `reachable_block_mask`): it
+    is among the blocks a hit at the end of a retained segment needs (every scheduler
+    block with retention None, every R tokens with R > 0, none with 0), or, unless
+    retention is None, a hit at the replay boundary or at the request's shared-prefix
+    junction."""
+    need, bs, a = k.need(), k.block_size, scheduler_bs
+    segment = a if retention is None else retention
+    if segment:
+        per = segment // bs
+        if need >= per or j % per >= per - need:
+            return True
+        if retention is None:
+            return False
+    bounds = [req.prompt - 1]
+    if junction:
+        bounds.append(junction)
+    for x in bounds:
+        end = x // a * a // bs
+        if end - need <= j < end:
+            return True
+    return False
+
+
+def state_kept(req: Request, k: Kind, j: int, retention: int | None, scheduler_bs: int,
+               junction: int) -> bool:
+    """Whether Mamba state block j is cached (vLLM's `MambaManager.reachable_block_mask`):
+    every block with retention None; with R > 0 the last block of each R tokens; and the
+    block ending at the replay boundary (the prompt less its last token) or the request's
+    shared-prefix junction, aligned down to the scheduler block."""
+    if retention is None:
+        return True
+    if retention:
+        per = retention // k.block_size
+        if per <= 1 or j % per == per - 1:
+            return True
+    a = scheduler_bs
+    bounds = [req.prompt - 1]
+    if junction:
+        bounds.append(junction)
+    return any(x // a * a // k.block_size - 1 == j for x in bounds)
 
 
 class PrefixState:
