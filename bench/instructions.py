@@ -60,9 +60,17 @@ def child(label: str, requests: int, scale: float) -> None:
         mml = 131072 if long else 8192
         config = replace(bench.CONFIG, chunked_prefill=True) if long else bench.CONFIG
         wl = bench.mooncake() if long else bench.workload(requests, 0)
+        opts, geo = dict(opts), bench.GEO
+        if kind in ("hybrid", "floor", "static-partition", "two-level"):  # (as bench/engine.py)
+            from kvfrag.sim.hybrid_presets import stack as layer_stack
+
+            stack = layer_stack(opts.pop("model", geo.name))
+            assert stack is not None
+            geo = stack.geometry()
+            opts.update(stack=stack, max_num_batched_tokens=config.max_num_batched_tokens)
         alloc = make_allocator(kind, capacity=parse_size("50GB"),
-                               bytes_per_token=bench.GEO.bytes_per_token, max_model_len=mml,
-                               geometry=bench.GEO, **opts)
+                               bytes_per_token=geo.bytes_per_token, max_model_len=mml,
+                               geometry=geo, **opts)
         result = run(wl, alloc, config)
     print(len(wl), int(result.summary["events"]))
 
