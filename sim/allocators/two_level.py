@@ -60,8 +60,9 @@ block-boundary events, never to tokens; near fullness, to the events of the stre
 
 from __future__ import annotations
 
-import heapq
 import math
+from heapq import heappop, heappush
+from typing import Final
 
 from kvfrag.sim.allocators.base import (
     Allocator,
@@ -95,8 +96,8 @@ from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
 #: The decoders' event keys: clock << RANK_BITS | admission rank (`_walk`).
-RANK_BITS = 32
-RANK_MASK = (1 << RANK_BITS) - 1
+RANK_BITS: Final = 32
+RANK_MASK: Final = (1 << 32) - 1
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
@@ -311,27 +312,24 @@ class TwoLevelAllocator(HybridAllocator):
         return ok
 
     # ------------------------------------------------------- decoders' events
-    def _state_at(self, live: Live, clock: int) -> tuple[int, int]:
-        """(tokens, processed) of a decoder at `clock` (`HybridAllocator._state`'s rule)."""
-        rid = live.req.rid
-        tokens = live.base + clock
-        joined = self._joined[rid]
+    def _processed_at(self, rid: int, tokens: int, clock: int, joined: int) -> int:
+        """The processed tokens of decoder `rid` of `tokens` at `clock`, which joined the
+        cohort at `joined` (`HybridAllocator._state`'s rule)."""
         if joined != clock:
             if self._lag and joined == clock - 1:
-                return tokens, self._first[rid]
-            return tokens, tokens - 1 - self._lag
-        return tokens, self._proc[rid]
+                return self._first[rid]
+            return tokens - 1 - self._lag
+        return self._proc[rid]
 
-    def _next_event(self, live: Live, clock: int) -> int:
-        """The next clock after `clock` at which the decoder's counts may change: every step
-        until its processed count follows its length, then the nearest block boundary of
-        its length, window edge or chunk start of its processed tokens."""
-        rid = live.req.rid
-        if clock < self._joined[rid] + 1 + self._lag:
+    def _next_event(self, tokens: int, clock: int, joined: int) -> int:
+        """The next clock after `clock` at which the counts of a decoder of `tokens` then,
+        which joined the cohort at `joined`, may change: every step until its processed count
+        follows its length, then the nearest block boundary of its length, window edge or
+        chunk start of its processed tokens."""
+        if clock < joined + 1 + self._lag:
             return clock + 1
-        tokens = live.base + clock
         processed = tokens - 1 - self._lag
-        step = 1 << 62
+        step = 1 << 60  # (none: a small int, where 1 << 62 would be boxed in the compiled code)
         kinds, sizes, windows = self._mkind, self._mbs, self._mwin
         for mi in range(len(kinds)):
             bs, kind, window = sizes[mi], kinds[mi], windows[mi]
@@ -347,12 +345,13 @@ class TwoLevelAllocator(HybridAllocator):
                 step = min(step, -processed % window or window)
         return clock + step
 
-    def _push(self, live: Live, clock: int) -> None:
-        rid = live.req.rid
+    def _push(self, rid: int, rank: int, clock: int) -> None:
+        """Decoder `rid` (admission `rank`)'s next event at `clock`, unless it is done by
+        then."""
         done = self._done_at.get(rid)
         if done is not None and clock <= done:
             self._ev_at[rid] = clock
-            heapq.heappush(self._events, clock << RANK_BITS | self._rank[rid])
+            heappush(self._events, clock << RANK_BITS | rank)
         else:
             self._ev_at.pop(rid, None)
 
@@ -360,19 +359,20 @@ class TwoLevelAllocator(HybridAllocator):
         """Apply the decoders' events up to clock `limit`, in order (step, then admission
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
-        events = self._events
+        events, ev_at = self._events, self._ev_at
         end = (limit + 1) << RANK_BITS  # (the first key past `limit`)
         while events and events[0] < end:
-            key = heapq.heappop(events)
+            key = heappop(events)
             clock = key >> RANK_BITS
-            rid = self._rid_of.get(key & RANK_MASK, -1)
-            if self._ev_at.get(rid, -1) != clock:
+            rank = key & RANK_MASK
+            rid = self._rid_of.get(rank, -1)
+            if ev_at.get(rid, -1) != clock:
                 continue
-            live = self._live[rid]
-            tokens, processed = self._state_at(live, clock)
-            if not self._place(rid, tokens, processed):
+            tokens = self._live[rid].base + clock
+            joined = self._joined[rid]
+            if not self._place(rid, tokens, self._processed_at(rid, tokens, clock, joined)):
                 return clock
-            self._push(live, self._next_event(live, clock))
+            self._push(rid, rank, self._next_event(tokens, clock, joined))
             if timeline is not None:
                 if timeline and timeline[-1][0] == clock:
                     timeline[-1] = (clock, self.pool.free_large_pages())
@@ -407,13 +407,16 @@ class TwoLevelAllocator(HybridAllocator):
         if self._large_for(need, empty=True) > self.num_large:
             return Refusal(rid, Reason.TOO_LARGE, self._large_for(need, True) * self.large,
                            self.free_bytes(), "needs more large pages than exist")
-        # (an admission only takes: it fits exactly when the fresh large pages it needs do)
-        if (self.pool.large_needed(need) > self.pool.free_large_pages()
-                or not self._try_place(rid, tokens, 0)):
-            self._tables.pop(rid, None)
-            self._named_start.pop(rid, None)
+        # (an admission only takes: it fits exactly when the fresh large pages it needs do,
+        # and is then placed outright, with no trial to journal)
+        if self.pool.large_needed(need) > self.pool.free_large_pages():
             return Refusal(rid, Reason.OUT_OF_MEMORY, self._large_for(need) * self.large,
                            self.free_bytes())
+        self._taken = []
+        self._collect = True
+        placed = self._place(rid, tokens, 0)
+        self._collect = False
+        assert placed, "an admission's takes did not fit the free large pages counted"
         self._proc[rid] = 0
         self._last_n[rid] = tokens
         self._admissions += 1
@@ -470,7 +473,8 @@ class TwoLevelAllocator(HybridAllocator):
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
         if decoding:
-            self._push(live, self._clock + 1)
+            rid = live.req.rid
+            self._push(rid, self._rank[rid], self._clock + 1)
             self._fresh[live.req.rid] = self._clock
         else:
             self._ev_at.pop(live.req.rid, None)

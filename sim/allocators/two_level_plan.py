@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Final
 
 from kvfrag.sim.hybrid.managers import (
     ChunkedLocalManager,
@@ -22,8 +23,11 @@ MAX_LCM_RATIO = 64
 MIN_LARGE_PAGES = 64
 
 
-#: Manager kinds as codes (`manager_code`).
-FULL, SLIDING, CHUNKED, MAMBA = 0, 1, 2, 3
+#: Manager kinds as codes (`manager_code`; Final: the compiled walk reads them as constants).
+FULL: Final = 0
+SLIDING: Final = 1
+CHUNKED: Final = 2
+MAMBA: Final = 3
 
 
 def manager_code(m: Manager) -> int:

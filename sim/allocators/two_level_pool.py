@@ -13,10 +13,14 @@ memory moves between types as the requests' needs do, without one page size for 
   bit mask, the lowest free slot taken first.
 - Placement (`take`, request-aware): into the large page of the request's own last small page
   of that type when it has a free slot; else the lowest-numbered large page of that type with
-  a free slot (whoever holds the rest: a heap per type); else a fresh large page. Every choice
-  is a function of the pool's state by value (no insertion order, whatever the heaps hold), so
-  that `undo` restores a state that places exactly as before: the allocator tries a step, an
-  admission or a stretch of decode steps, and takes it back (`mark` / `undo`).
+  a free slot (whoever holds the rest); else a fresh large page. Every choice is a function of
+  the pool's state by value (no insertion order), so that `undo` restores a state that places
+  exactly as before: the allocator tries a step, an admission or a stretch of decode steps,
+  and takes it back (`mark` / `undo`).
+- The partly used large pages of a type are a bitmap (a list of `WORD`-bit words, kept exact
+  at every change of a page: `_sync`) with the index of its lowest word that may be nonzero:
+  the lowest one is a short scan and a lowest-bit, where a heap costs a push and a pop per
+  page that fills or frees a slot.
 - So a take of type t uses a free slot of its type while there is one (`free_small[t]`), else a
   fresh large page: how many fresh pages n takes need is a count (`large_needed`), whatever
   the order.
@@ -24,18 +28,26 @@ memory moves between types as the requests' needs do, without one page size for 
 
 from __future__ import annotations
 
-import heapq
+from typing import Final
 
 from kvfrag.sim.allocators.paged import FreeIds
 from mypy_extensions import mypyc_attr
 
+# (A list item's `x[i] += y` is spelled `x[i] = x[i] + y` on the hot paths: the compiled code
+# does the first as a generic in-place operation on objects, the second on ints.)
+
 # Journal entries: op, large page, slot or type (three ints in a row of one flat list: no
-# object per entry); ops below.
-_FRESH = 0  # a fresh large page taken by type `arg`
-_TAKE = 1  # slot `arg` of the large page taken
-_GIVE = 2  # the slots of bit mask `arg` of the large page given back
-_EMPTY = 3  # the large page, all free, went back to the shared pool (arg: its type)
-_TAKEN = 4  # the slots of bit mask `arg` of the large page taken
+# object per entry); ops below (Final: constants in the compiled code, not global lookups).
+_FRESH: Final = 0  # a fresh large page taken by type `arg`
+_TAKE: Final = 1  # slot `arg` of the large page taken
+_GIVE: Final = 2  # the slots of bit mask `arg` of the large page given back
+_EMPTY: Final = 3  # the large page, all free, went back to the shared pool (arg: its type)
+_TAKEN: Final = 4  # the slots of bit mask `arg` of the large page taken
+
+#: Large pages per word of the partly-used bitmaps (a power of two: `WORD_BITS` its log).
+#: Eight: a word is below 256, an int Python never allocates (a list holds ints as objects).
+WORD_BITS: Final = 3
+WORD: Final = 1 << 3
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
@@ -55,11 +67,12 @@ class TwoLevelPool:
         self.owner: list[int] = []
         self.mask: list[int] = []
         self.used: list[int] = []
-        # Per type, a heap holding every large page of it used and with a free slot ("partly"
-        # used), and maybe pages no longer so, dropped when they come to the top: the lowest
-        # partly used page at the cost of a heap, where a set's min would visit them all
+        # Per type, its large pages used and with a free slot ("partly" used) as a bitmap:
+        # words of WORD pages, as many as `owner` needs; and the lowest word that may be
+        # nonzero (every word below it is zero)
         self.partly: list[list[int]] = [[] for _ in per]
-        self.owned = [0] * len(per)  # per type: large pages it holds (the heaps' compaction)
+        self.first = [0] * len(per)
+        self.owned = [0] * len(per)  # per type: large pages it holds
         self.free_small = [0] * len(per)  # per type: free small pages in its large pages
         self.journal: list[int] = []  # (op, large page, arg) after (op, large page, arg)
         self.journaling = False
@@ -92,14 +105,28 @@ class TwoLevelPool:
 
     def lowest_partly(self, t: int) -> int:
         """The lowest-numbered partly used large page of type t (-1: none)."""
-        heap = self.partly[t]
-        owner, used, mask = self.owner, self.used, self.mask
-        while heap:
-            lid = heap[0]
-            if owner[lid] == t and used[lid] > 0 and mask[lid] != 0:
-                return lid
-            heapq.heappop(heap)
-        return -1
+        words = self.partly[t]
+        i, n = self.first[t], len(words)
+        while i < n and words[i] == 0:
+            i += 1
+        self.first[t] = i
+        if i == n:
+            return -1
+        w = words[i]
+        return (i << WORD_BITS) + (w & -w).bit_length() - 1
+
+    def _sync(self, lid: int, t: int) -> None:
+        """Large page `lid` of type t changed: its bit in the type's partly-used bitmap set
+        if it is partly used now, else cleared."""
+        words = self.partly[t]
+        i = lid >> WORD_BITS
+        bit = 1 << (lid & (WORD - 1))
+        if self.used[lid] > 0 and self.mask[lid] != 0:
+            words[i] = words[i] | bit
+            if i < self.first[t]:
+                self.first[t] = i
+        else:
+            words[i] = words[i] & ~bit
 
     def state(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], list[int],
                              list[set[int]]]:
@@ -133,10 +160,10 @@ class TwoLevelPool:
         slot = bit.bit_length() - 1
         mask ^= bit
         self.mask[lid] = mask
-        self.used[lid] += 1
-        self.free_small[t] -= 1
-        if fresh and mask:
-            self._push(t, lid)
+        self.used[lid] = self.used[lid] + 1
+        self.free_small[t] = self.free_small[t] - 1
+        if fresh or not mask:
+            self._sync(lid, t)
         if self.journaling:
             self._log(_TAKE, lid, slot)
         return lid * per + slot
@@ -178,10 +205,10 @@ class TwoLevelPool:
                     count += 1
             n -= count
             mask_of[lid] = mask
-            used_of[lid] += count
-            self.free_small[t] -= count
-            if fresh and mask:
-                self._push(t, lid)
+            used_of[lid] = used_of[lid] + count
+            self.free_small[t] = self.free_small[t] - count
+            if fresh or not mask:  # (a fresh page partly used now, or a page full now)
+                self._sync(lid, t)
             if self.journaling:
                 self._log(_TAKEN, lid, taken)
             hint = out[-1]
@@ -212,13 +239,13 @@ class TwoLevelPool:
             used_of[lid] = used
             if journaling:
                 self._log(_GIVE, lid, bits)
-            self.free_small[t] += count
+            self.free_small[t] = self.free_small[t] + count
             if used:
                 if not before:  # (it was full: partly used now)
-                    self._push(t, lid)
+                    self._sync(lid, t)
             else:
                 self._drop(lid, t)
-                self.free_small[t] -= per
+                self.free_small[t] = self.free_small[t] - per
                 emptied.append(lid)
         if emptied:
             if journaling:  # (undone last first: popped in the order given)
@@ -248,24 +275,22 @@ class TwoLevelPool:
             elif op == _FRESH:
                 t = arg
                 self._drop(lid, t)
-                self.free_small[t] -= self.per[t]
+                self.free_small[t] = self.free_small[t] - self.per[t]
                 self.free_large.give([lid])
             else:
                 t = owner[lid]
-                was = used_of[lid] > 0 and mask_of[lid] != 0
                 if op == _GIVE:
                     count = arg.bit_count()
-                    mask_of[lid] &= ~arg
-                    used_of[lid] += count
-                    self.free_small[t] -= count
+                    mask_of[lid] = mask_of[lid] & ~arg
+                    used_of[lid] = used_of[lid] + count
+                    self.free_small[t] = self.free_small[t] - count
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
                     count = bits.bit_count()
-                    mask_of[lid] |= bits
-                    used_of[lid] -= count
-                    self.free_small[t] += count
-                if not was and used_of[lid] > 0 and mask_of[lid] != 0:
-                    self._push(t, lid)
+                    mask_of[lid] = mask_of[lid] | bits
+                    used_of[lid] = used_of[lid] - count
+                    self.free_small[t] = self.free_small[t] + count
+                self._sync(lid, t)
 
     def commit(self, mark: int) -> None:
         """Keep the changes since `mark` (the outermost trial ends journaling)."""
@@ -286,37 +311,34 @@ class TwoLevelPool:
             self.owner.append(-1)
             self.mask.append(0)
             self.used.append(0)
+            if len(self.owner) > len(self.partly[0]) << WORD_BITS:  # (a word more per type)
+                for words in self.partly:
+                    words.append(0)
         self._own(lid, t)
         if self.journaling:
             self._log(_FRESH, lid, t)
         return lid
 
     def _own(self, lid: int, t: int) -> None:
+        """(All its slots free, none used: not partly used, its bit clear already.)"""
         per = self.per[t]
         self.owner[lid] = t
         self.mask[lid] = (1 << per) - 1
         self.used[lid] = 0
-        self.free_small[t] += per
-        self.owned[t] += 1
+        self.free_small[t] = self.free_small[t] + per
+        self.owned[t] = self.owned[t] + 1
 
     def _drop(self, lid: int, t: int) -> None:
         self.owner[lid] = -1
         self.mask[lid] = 0
         self.used[lid] = 0
-        self.owned[t] -= 1
-
-    def _push(self, t: int, lid: int) -> None:
-        """Large page `lid` became partly used: onto its type's heap (rebuilt from the pages
-        still partly used when stale entries outnumber the pages it could hold)."""
-        heap = self.partly[t]
-        heapq.heappush(heap, lid)
-        if len(heap) > 2 * self.owned[t] + 64:
-            heap[:] = sorted({x for x in heap if self.is_partly(x, t)})
+        self.owned[t] = self.owned[t] - 1
+        self._sync(lid, t)
 
     # ----------------------------------------------------------------- checks
     def check(self) -> None:
-        """The pool's own invariants (tests): counts agree with the masks, every partly used
-        page is on its type's heap."""
+        """The pool's own invariants (tests): counts agree with the masks, the partly-used
+        bitmaps hold exactly the partly used pages, no word below a type's `first` set."""
         free_small = [0] * len(self.per)
         owned = [0] * len(self.per)
         for lid, t in enumerate(self.owner):
@@ -329,8 +351,12 @@ class TwoLevelPool:
             assert mask.bit_count() + self.used[lid] == per
             free_small[t] += per - self.used[lid]
             owned[t] += 1
-            if self.is_partly(lid, t):
-                assert lid in self.partly[t], (lid, t)
+        for t, words in enumerate(self.partly):
+            assert len(words) << WORD_BITS >= len(self.owner)
+            assert not any(words[:self.first[t]]), (t, self.first[t])
+            for lid in range(len(self.owner)):
+                on = bool(words[lid >> WORD_BITS] >> (lid & (WORD - 1)) & 1)
+                assert on == self.is_partly(lid, t), (lid, t)
         assert free_small == self.free_small, (free_small, self.free_small)
         assert owned == self.owned, (owned, self.owned)
         held = {lid for lid, t in enumerate(self.owner) if t >= 0}
