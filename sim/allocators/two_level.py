@@ -53,9 +53,11 @@ and chunk edges: events, not tokens), in vLLM's order (step by step, decoders in
 order, each freeing then taking). `steps_until_full_within(limit)` answers at once where a
 bound on the decoders' most pages over the stretch fits (`_most_extra`, from the cohort's
 sums), else walks those events on the pool, no further than `limit`, and undoes them (the
-pool's journal); the integrals (of the free large pages) walk the stretch likewise, so a
-stretch is walked about twice (looked at, then taken). Cost: in proportion to the decoders'
-block-boundary events, never to tokens; near fullness, to the events of the stretches walked.
+pool's journal); the integrals (of the free large pages) walk the stretch likewise. When the
+decoders then step as far as a look walked, nothing having changed since, its journals are
+applied again (`_redo`: the pool's and the tables' changes, no placement chosen twice). Cost:
+in proportion to the decoders' block-boundary events, never to tokens; near fullness, to the
+events of the stretches walked.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class TwoLevelAllocator(HybridAllocator):
         self._mkind = [manager_code(m) for m in self.managers]
         self._mbs = [m.block_size for m in self.managers]
         self._mwin = [m.window for m in self.managers]
+        self._mcap = [-1 if m.cap is None else m.cap for m in self.managers]  # (-1: none)
         # The decoders' next events: a heap of keys clock << RANK_BITS | rank (one int: no
         # tuple made and compared per event), valid while `_ev_at` says that clock for the
         # rank's rid (`_rid_of`)
@@ -166,6 +169,10 @@ class TwoLevelAllocator(HybridAllocator):
         self._walk_memo: tuple[int, int, int, int, list[tuple[int, int]]] | None = None
         # steps_until_full's exact answer: (clock, version, steps)
         self._full_exact: tuple[int, int, int] | None = None
+        # the last look-ahead's walk, to replay if the decoders then step as far (`_redo`):
+        # (clock, version, horizon, the pool's journal, the tables' journal, the events after)
+        self._replay: tuple[int, int, int, list[int], list[tuple[int, int, int, int, list[int]]],
+                            list[int], dict[int, int]] | None = None
 
     def set_async(self) -> None:
         """Async scheduling. With `vllm_groups`, vLLM's freeing by the tokens processed (the
@@ -254,7 +261,7 @@ class TwoLevelAllocator(HybridAllocator):
                     if journaling:
                         self._tj.append((0, rid, mi, gi, gone))
                 if journaling:
-                    self._tj.append((1, rid, mi, starts[mi], []))
+                    self._tj.append((1, rid, mi, drop, []))
                 starts[mi] = skip
         for mi in range(len(kinds)):
             bs = sizes[mi]
@@ -284,8 +291,8 @@ class TwoLevelAllocator(HybridAllocator):
             tables = self._tables[rid]
             if op == 0:  # ids given back from the head of table `arg`
                 tables[mi][arg][:0] = ids
-            elif op == 1:  # the start before
-                self._named_start[rid][mi] = arg
+            elif op == 1:  # the start moved on by `arg`
+                self._named_start[rid][mi] -= arg
             else:  # ids appended to table `arg`
                 if ids:
                     del tables[mi][arg][-len(ids):]
@@ -296,6 +303,23 @@ class TwoLevelAllocator(HybridAllocator):
         self.pool.commit(mark[0])
         if mark[0] == 0:
             self._tj.clear()
+
+    def _redo(self, replay: tuple[int, int, int, list[int],
+                                  list[tuple[int, int, int, int, list[int]]], list[int],
+                                  dict[int, int]]) -> None:
+        """The decoders' events up to the clock, as the look-ahead walked them from this very
+        state and undid: its journals applied again, its events taken over (a walk's cost
+        without its choices: which page, which heap entry)."""
+        self.pool.redo(replay[3])
+        tables, starts = self._tables, self._named_start
+        for op, rid, mi, arg, ids in replay[4]:
+            if op == 0:  # ids given back from the head of table `arg`
+                del tables[rid][mi][arg][:len(ids)]
+            elif op == 1:  # the start moved on by `arg`
+                starts[rid][mi] += arg
+            else:  # ids appended to table `arg`
+                tables[rid][mi][arg].extend(ids)
+        self._events, self._ev_at = replay[5], replay[6]
 
     def _try_place(self, rid: int, tokens: int, processed: int) -> bool:
         """Place for real if it all fits; else leave everything as it was. The ids taken
@@ -391,6 +415,9 @@ class TwoLevelAllocator(HybridAllocator):
         mark = self._mark()
         timeline: list[tuple[int, int]] = []
         failed = self._walk(self._clock + horizon, timeline)
+        if failed < 0 and mark[0] == 0:  # (for `_stepped`: the journals, the events after)
+            self._replay = (self._clock, self._version, horizon, self.pool.journal[mark[0]:],
+                            self._tj[mark[1]:], self._events, self._ev_at)
         self._undo(mark)
         self._events, self._ev_at = events, ev_at
         fit = horizon if failed < 0 else failed - self._clock - 1
@@ -482,8 +509,13 @@ class TwoLevelAllocator(HybridAllocator):
 
     def _stepped(self) -> None:
         super()._stepped()
-        failed = self._walk(self._clock, None)
-        assert failed < 0, "a decode step past steps_until_full"
+        replay, self._replay = self._replay, None
+        if (replay is not None and replay[1] == self._version
+                and replay[0] + replay[2] == self._clock):
+            self._redo(replay)  # (the look-ahead walked these very steps: nothing changed)
+        else:
+            failed = self._walk(self._clock, None)
+            assert failed < 0, "a decode step past steps_until_full"
         self._changed()
 
     def _new_ids(self) -> tuple[int, ...]:
@@ -496,16 +528,20 @@ class TwoLevelAllocator(HybridAllocator):
         """Small pages per pool type a request of `tokens` holds (capped: at the sliding
         and chunked groups' admission caps)."""
         need = [0] * len(self.pool.per)
-        for mi, m in enumerate(self.managers):
-            held = m.held(tokens, processed)
-            if capped and m.cap is not None:
-                held = min(held, m.cap)
-            need[self._ptype[mi]] += self._lists[mi] * held
+        kinds, sizes, windows, caps = self._mkind, self._mbs, self._mwin, self._mcap
+        for mi in range(len(kinds)):
+            bs = sizes[mi]  # (`Manager.held`, on ints)
+            held = -(-tokens // bs) - skipped_blocks(kinds[mi], bs, windows[mi], processed)
+            if capped and 0 <= caps[mi] < held:
+                held = caps[mi]
+            t = self._ptype[mi]
+            need[t] = need[t] + self._lists[mi] * held
         return need
 
     def _large_for(self, need: list[int], empty: bool = False) -> int:
         if empty:
-            return sum(-(-n // per) for n, per in zip(need, self.pool.per, strict=True))
+            per = self.pool.per
+            return sum([-(-need[t] // per[t]) for t in range(len(per))])
         return self.pool.large_needed(need)
 
     def free_blocks(self) -> int:

@@ -292,6 +292,44 @@ class TwoLevelPool:
                     self.free_small[t] = self.free_small[t] + count
                 self._sync(lid, t)
 
+    def redo(self, journal: list[int]) -> None:
+        """Apply again, in order, the changes of a trial's journal (entries from its mark on)
+        that `undo` took back: the state it reached, from the state it started in."""
+        owner, mask_of, used_of = self.owner, self.mask, self.used
+        emptied: list[int] = []
+        i, n = 0, len(journal)
+        while i < n:
+            op, lid, arg = journal[i], journal[i + 1], journal[i + 2]
+            i += 3
+            if op == _EMPTY:  # (one give's emptied pages, logged last first: given together)
+                emptied.append(lid)
+                if i == n or journal[i] != _EMPTY:
+                    emptied.reverse()
+                    self.free_large.give(emptied)
+                    emptied = []
+            elif op == _FRESH:
+                got = self._fresh(arg)
+                assert got == lid, (got, lid)
+            else:
+                t = owner[lid]
+                if op == _GIVE:
+                    count = arg.bit_count()
+                    mask_of[lid] = mask_of[lid] | arg
+                    used = used_of[lid] - count
+                    used_of[lid] = used
+                    self.free_small[t] = self.free_small[t] + count
+                    if not used:  # (emptied: its _EMPTY entry gives it back)
+                        self._drop(lid, t)
+                        self.free_small[t] = self.free_small[t] - self.per[t]
+                        continue
+                else:  # _TAKEN, _TAKE
+                    bits = arg if op == _TAKEN else 1 << arg
+                    count = bits.bit_count()
+                    mask_of[lid] = mask_of[lid] & ~bits
+                    used_of[lid] = used_of[lid] + count
+                    self.free_small[t] = self.free_small[t] - count
+                self._sync(lid, t)
+
     def commit(self, mark: int) -> None:
         """Keep the changes since `mark` (the outermost trial ends journaling)."""
         if mark == 0:

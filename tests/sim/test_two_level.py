@@ -332,6 +332,59 @@ def test_random_operations_keep_the_accounting(pattern, asynchronous, pages, dat
     assert a.pool.used_large_pages() == 0 and a.parts(None) == fresh
 
 
+def _walked_state(a):
+    """What a walk of the decoders' events leaves: the pool by value, the tables, the
+    events."""
+    return (a.pool.state(), a.pool.free_large_pages(), a._tables, a._named_start,
+            sorted(a._events), a._ev_at)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=30, deadline=None)
+@given(asynchronous=st.booleans(), pages=st.integers(1, 12), data=st.data())
+def test_a_look_ahead_replayed_is_the_walk(pattern, asynchronous, pages, data):
+    """Stepping as far as a look-ahead walked replays its journals (`_redo`): the same pool,
+    tables and events as walking those steps afresh."""
+    stack = _stack(pattern)
+    b = stack.full_bytes_per_token
+    probe = make_allocator("two-level", capacity=10**9, bytes_per_token=b, max_model_len=MML,
+                           stack=stack)
+    capacity = (probe.plan.max_request_blocks + 1) * probe.plan.page_bytes + probe.large * pages
+    a = make_allocator("two-level", capacity=capacity, bytes_per_token=b, max_model_len=MML,
+                       stack=stack)
+    if asynchronous:
+        a.set_async()
+    rid = 0
+    for _ in range(data.draw(st.integers(1, 12), label="rounds")):
+        for _ in range(data.draw(st.integers(0, 3), label="admissions")):
+            prompt, output = data.draw(st.integers(1, 60)), data.draw(st.integers(1, 90))
+            a.admit(Request(rid, prompt, output), tokens=prompt, decoding=True)
+            rid += 1
+        done = a.steps_until_done()
+        if not done:
+            while a.n_decoding and a.steps_until_done() == 0:
+                a.free(a.first_done())
+            continue
+        full = a.steps_until_full()
+        if not full:
+            a.free(data.draw(st.sampled_from(a.rids())))
+            continue
+        n = data.draw(st.integers(1, min(done, full)))
+        twin = copy.deepcopy(a)
+        twin._replay = None
+        assert a.steps_until_full_within(n) == n
+        a.integrate(n, None, 1.0, 0.5)  # (looks as far too: the free large pages' timeline)
+        replayed = a._replay is not None and a._replay[2] == n
+        event(f"replayed {replayed}")
+        a.advance(n)
+        twin.advance(n)
+        assert a._replay is None
+        assert _walked_state(a) == _walked_state(twin)
+        a.check_pages()
+        while a.n_decoding and a.steps_until_done() == 0:
+            a.free(a.first_done())
+
+
 # ------------------------------------------------------------------- in the engine
 #: The fast engine held to the reference, request by request (tests/sim/agreement.py).
 AGREE = run_path(str(Path(__file__).with_name("agreement.py")))["assert_fast_equals_reference"]
