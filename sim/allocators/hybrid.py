@@ -528,17 +528,25 @@ class HybridAllocator(Allocator):
                 for ids in groups:
                     self._stack_ids.give(ids)
             self._named_start.pop(rid, None)
-        self._rank.pop(rid, None)
-        self._proc.pop(rid, None)
-        self._joined.pop(rid, None)
-        self._last_n.pop(rid, None)
-        self._first.pop(rid, None)
+        # (`in`, then `del`: compiled, `dict.pop` is a generic method call, several times
+        # the cost, and every request released goes through these)
+        if rid in self._rank:
+            del self._rank[rid]
+        if rid in self._proc:
+            del self._proc[rid]
+        if rid in self._joined:
+            del self._joined[rid]
+        if rid in self._last_n:
+            del self._last_n[rid]
+        if rid in self._first:
+            del self._first[rid]
         self._changed()
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         rid = live.req.rid
         if decoding:
-            held = self._held.pop(rid)
+            held = self._held[rid]
+            del self._held[rid]
             self._add_fixed(held, -1)
             self._joined[rid] = self._clock
             first = -1
@@ -548,7 +556,8 @@ class HybridAllocator(Allocator):
                               first)
         else:
             self._cohort.leave(rid, self._clock)
-            joined = self._joined.pop(rid)
+            joined = self._joined[rid]
+            del self._joined[rid]
             if joined != self._clock:  # stepped since joining: processed all but the last
                 tokens = live.base
                 self._proc[rid] = (self._first[rid] if self._lag and joined == self._clock - 1

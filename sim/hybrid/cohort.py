@@ -20,12 +20,12 @@ its final chunk (that chunk in flight), a second correction, at the clock after 
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
+from heapq import heapify, heappop, heappush
 
 from kvfrag.sim.floor_sum import FloorSum, times
 from kvfrag.sim.hybrid import lookahead
-from kvfrag.sim.hybrid.forms import NEVER, Form, Forms
+from kvfrag.sim.hybrid.forms import NEVER, SLOT_BITS, SLOT_MASK, Form, Forms
 from kvfrag.sim.hybrid.managers import Manager
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
@@ -74,10 +74,17 @@ class Cohort(Forms):
         # per term kind: residue of x -> the decoders with that residue (each decoder has at
         # most one term of a kind: the set's size is the count a step at that residue moves)
         self.members: list[dict[int, set[int]]] = [{} for _ in self.mods]
-        self.events: list[tuple[int, int]] = []  # (clock, rid), lazily pruned
-        self.bevents: list[tuple[int, int]] = []  # (clock, rid) of `Form.bev`, likewise
-        self.nf_heap: list[tuple[int, int]] = []  # (clock, rid)
-        self.last_heap: list[tuple[int, int]] = []  # (-clock, rid)
+        # The heaps of the decoders' next clocks, lazily pruned: keys clock << SLOT_BITS | slot,
+        # one int (a tuple per entry, made and compared element by element, cost more than
+        # the rest of a push). A slot is a decoder's while it is in the cohort (`rid_at`; a rid
+        # can be any int, a slot is dense and below 2**SLOT_BITS); an entry is live where its
+        # slot's decoder has that clock now, as an entry of a rid gone and back would be.
+        self.rid_at: list[int] = []  # slot -> its decoder's rid (-1: free)
+        self.free_slots: list[int] = []
+        self.events: list[int] = []  # `Form.event`
+        self.bevents: list[int] = []  # `Form.bev`
+        self.nf_heap: list[int] = []  # `Form.nf`
+        self.last_heap: list[int] = []  # -(`Form.last`) << SLOT_BITS | slot: the latest first
         # decoders that joined at `fresh_clock` -> (processed, parts now less their form's)
         self.fresh: dict[int, tuple[int, list[int]]] = {}
         self.fresh_corr = [0] * width
@@ -114,7 +121,7 @@ class Cohort(Forms):
         nxt, rec.light = self._next_event(rec.c + rec.event, rec.final)
         rec.event = NEVER if nxt == NEVER else nxt - rec.c
         if rec.event != NEVER:
-            heapq.heappush(self.events, (rec.event, rid))
+            heappush(self.events, rec.event << SLOT_BITS | rec.slot)
 
     def _moved(self, blocks: int) -> None:
         """A change to the sums that moves the blocks at `_blocks_clock` by `blocks`:
@@ -177,25 +184,45 @@ class Cohort(Forms):
             self._S_ok = True
         return self.S
 
+    def _take_slot(self, rid: int) -> int:
+        """A free slot for a decoder joining (`rid_at`)."""
+        if self.free_slots:
+            slot = self.free_slots.pop()
+            self.rid_at[slot] = rid
+        else:
+            slot = len(self.rid_at)
+            assert slot <= SLOT_MASK
+            self.rid_at.append(rid)
+        return slot
+
+    def _at(self, key: int) -> Form | None:
+        """The record of the decoder in a heap key's slot (None: the slot is free)."""
+        rid = self.rid_at[key & SLOT_MASK]
+        return self.recs.get(rid) if rid >= 0 else None
+
     def _enter(self, rid: int, rec: Form) -> None:
+        """A decoder's record (its slot set: `join` takes one, a rebuild keeps it) counted."""
         self.recs[rid] = rec
         self._add(rid, rec, 1)
+        slot = rec.slot
         if rec.event != NEVER:
             if len(self.events) > 2 * len(self.recs) + 64:  # mostly stale: keep the live ones
-                self.events = [(r.event, i) for i, r in self.recs.items() if r.event != NEVER]
-                heapq.heapify(self.events)
+                self.events = [r.event << SLOT_BITS | r.slot for r in self.recs.values()
+                               if r.event != NEVER]
+                heapify(self.events)
             else:
-                heapq.heappush(self.events, (rec.event, rid))
+                heappush(self.events, rec.event << SLOT_BITS | slot)
         if rec.bev != NEVER:
             if len(self.bevents) > 2 * len(self.recs) + 64:
-                self.bevents = [(r.bev, i) for i, r in self.recs.items() if r.bev != NEVER]
-                heapq.heapify(self.bevents)
+                self.bevents = [r.bev << SLOT_BITS | r.slot for r in self.recs.values()
+                                if r.bev != NEVER]
+                heapify(self.bevents)
             else:
-                heapq.heappush(self.bevents, (rec.bev, rid))
+                heappush(self.bevents, rec.bev << SLOT_BITS | slot)
         if rec.nf != NEVER:
-            heapq.heappush(self.nf_heap, (rec.nf, rid))
+            heappush(self.nf_heap, rec.nf << SLOT_BITS | slot)
         if rec.last >= 0:
-            heapq.heappush(self.last_heap, (-rec.last, rid))
+            heappush(self.last_heap, -rec.last << SLOT_BITS | slot)
 
     def _rotate(self, clock: int) -> None:
         """Forget the prefill corrections of an earlier clock (keeping the last clock's
@@ -253,13 +280,17 @@ class Cohort(Forms):
         else:
             diff = self._shift(processed, max(0, formed))
             # (within the first window both skip nothing: its parts are its form's)
-            now = tuple([held[i] - diff[i] for i in range(self.width)]) if any(diff) else held
+            if any(d for d in diff):  # (a generator: compiled, a loop; not a call)
+                now = tuple([held[i] - diff[i] for i in range(self.width)])
+            else:
+                now = held
         rec = self._build(rid, c, final, clock, now)[0]
+        rec.slot = self._take_slot(rid)
         self._enter(rid, rec)
         self.arrived.add(rid)
         if lag and first != tokens - lag and tokens < final:
             diff1 = self._shift(first, tokens - lag)  # (its first step's parts less its form's)
-            if any(diff1):
+            if any(d for d in diff1):
                 self.first_next[rid] = (first, diff1)
                 self._moved(0)  # (counted from the next clock on)
                 corr = self.first_next_corr
@@ -276,6 +307,8 @@ class Cohort(Forms):
         self._rotate(clock)
         rec = self.recs.pop(rid)
         self._add(rid, rec, -1)
+        self.rid_at[rec.slot] = -1
+        self.free_slots.append(rec.slot)
         if self.fresh:
             self._drop(self.fresh, self.fresh_corr, rid, self.fresh_clock)
         if self.prev_fresh:
@@ -309,10 +342,13 @@ class Cohort(Forms):
     def stepped(self, clock: int) -> None:
         """The clock is `clock`: rebuild the decoders whose event it has reached."""
         self._rotate(clock)
-        recs = self.recs
-        while self.events and self.events[0][0] <= clock:  # (`_enter` may rebuild the heap)
-            key, rid = heapq.heappop(self.events)
-            rec = recs.get(rid)
+        recs, rid_at = self.recs, self.rid_at
+        end = clock << SLOT_BITS | SLOT_MASK
+        while self.events and self.events[0] <= end:  # (`_enter` may rebuild the heap)
+            entry = heappop(self.events)
+            rid = rid_at[entry & SLOT_MASK]
+            rec = recs.get(rid) if rid >= 0 else None
+            key = entry >> SLOT_BITS
             if rec is None or rec.event != key:
                 continue
             if rec.light:
@@ -320,6 +356,7 @@ class Cohort(Forms):
                 continue
             self._add(rid, rec, -1)
             new = self._build(rid, rec.c, rec.final, clock)[0]
+            new.slot = rec.slot
             self._enter(rid, new)
             tokens = rec.c + clock
             if key == clock:
@@ -437,39 +474,40 @@ class Cohort(Forms):
     def first_due(self) -> int:
         """The first clock at which a decoder's blocks leave its form (`Form.bev`; NEVER:
         none)."""
-        heap, recs = self.bevents, self.recs
+        heap = self.bevents
         while heap:  # (entries of decoders gone or rebuilt since: dropped from the top)
-            key, rid = heap[0]
-            found = recs.get(rid)
+            key = heap[0] >> SLOT_BITS
+            found = self._at(heap[0])
             if found is not None and found.bev == key:
                 return key
-            heapq.heappop(heap)
+            heappop(heap)
         return NEVER
 
     def _ending_by(self, clock: int, blocks: bool = False) -> list[int]:
         """Decoders with an event at or before `clock` (their forms change by then); with
         `blocks`, only those whose blocks leave their form by then (`Form.bev`)."""
-        heap, recs = (self.bevents if blocks else self.events), self.recs
+        heap, rid_at = (self.bevents if blocks else self.events), self.rid_at
         while heap:  # (entries of decoders gone or rebuilt since: dropped from the top)
-            key, rid = heap[0]
-            found = recs.get(rid)
+            key = heap[0] >> SLOT_BITS
+            found = self._at(heap[0])
             if found is not None and (found.bev if blocks else found.event) == key:
                 break
-            heapq.heappop(heap)
-        if not heap or heap[0][0] > clock:
+            heappop(heap)
+        end = clock << SLOT_BITS | SLOT_MASK
+        if not heap or heap[0] > end:
             return []
         out: dict[int, None] = {}
         todo = [0]
         while todo:
             i = todo.pop()
-            key, rid = heap[i]
-            rec = recs.get(rid)
-            if rec is not None and (rec.bev if blocks else rec.event) == key:
-                out[rid] = None
+            entry = heap[i]
+            rec = self._at(entry)
+            if rec is not None and (rec.bev if blocks else rec.event) == entry >> SLOT_BITS:
+                out[rid_at[entry & SLOT_MASK]] = None
             j = 2 * i + 1  # (its two children, written out: a loop over a tuple is generic)
-            if j < len(heap) and heap[j][0] <= clock:
+            if j < len(heap) and heap[j] <= end:
                 todo.append(j)
-            if j + 1 < len(heap) and heap[j + 1][0] <= clock:
+            if j + 1 < len(heap) and heap[j + 1] <= end:
                 todo.append(j + 1)
         return list(out)
 

@@ -38,6 +38,10 @@ from mypy_extensions import mypyc_attr
 #: inlined and a native int (1 << 62 was a module lookup and a boxed int at each comparison).
 NEVER: Final = (1 << 62) - 1
 
+#: A decoder's heap keys in the cohort: clock << SLOT_BITS | its slot (`Cohort.rid_at`).
+SLOT_BITS: Final = 32
+SLOT_MASK: Final = (1 << SLOT_BITS) - 1
+
 #: Manager classes whose skipped blocks the cohort computes itself (`Forms._skipped`).
 _CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
 
@@ -59,6 +63,7 @@ class Form:
         self.bev = NEVER  # clock of its next event that moves its blocks (past light ones)
         self.nf = NEVER  # clock of its next free that no term counts (in-window, chunked)
         self.last = -1  # clock of its last free before its final length
+        self.slot = -1  # its slot in the cohort (`Cohort.rid_at`): its heap keys' low bits
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)

@@ -14,12 +14,12 @@ it can take before a decoder finds too few free blocks, and before one frees a b
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
+from heapq import heappop
 from typing import TYPE_CHECKING
 
 from kvfrag.sim.floor_sum import times
-from kvfrag.sim.hybrid.forms import NEVER, Form
+from kvfrag.sim.hybrid.forms import NEVER, SLOT_BITS, Form
 
 if TYPE_CHECKING:  # (cohort.py imports this module)
     from kvfrag.sim.hybrid.cohort import Cohort
@@ -69,7 +69,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     horizon = min(done, 32)
     # (the heap's top bounds `first_due` from below, stale entries included: the first due
     # clock is looked up only once a step reaches that bound)
-    due = co.bevents[0][0] if co.bevents else NEVER
+    due = co.bevents[0] >> SLOT_BITS if co.bevents else NEVER
     exact = False
     special: list[int] = []
     fetched = False
@@ -245,12 +245,12 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
                 if (-(clock + t)) % mod in members:
                     best = t
                     break
-    heap, recs = co.nf_heap, co.recs
+    heap = co.nf_heap
     while heap:
-        key, rid = heap[0]
-        found = recs.get(rid)
+        key = heap[0] >> SLOT_BITS
+        found = co._at(heap[0])
         if found is None or found.nf != key or key <= clock:
-            heapq.heappop(heap)
+            heappop(heap)
             continue
         best = min(best, key - clock)
         break
@@ -258,10 +258,10 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
         return best
     heap = co.last_heap
     while heap:
-        key, rid = heap[0]
-        found = recs.get(rid)
+        key = heap[0] >> SLOT_BITS  # (-last: an arithmetic shift keeps the sign)
+        found = co._at(heap[0])
         if found is None or found.last != -key or -key <= clock:
-            heapq.heappop(heap)
+            heappop(heap)
             continue
         return best if best != NEVER else (done or 0) + 1
     return None
