@@ -279,7 +279,7 @@ class HybridAllocator(Allocator):
                 "rounding": internal - padding - out}
 
     def waste_parts(self) -> tuple[int, int]:
-        totals = self._totals()
+        totals = self._cohort.figures(self._clock)  # (`_totals`, as a list: indexed natively)
         return totals[4], totals[5]
 
     def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
@@ -307,7 +307,7 @@ class HybridAllocator(Allocator):
     def group_blocks(self) -> tuple[int, ...]:
         """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
         managers' tables, nulls left out), summed over live requests."""
-        figures = self._totals()
+        figures = self._cohort.figures(self._clock)  # (`_totals`, as a list: see waste_parts)
         return tuple([figures[6 + mi] for mi in self._manager_of])
 
     def blocks_of(self, rid: int) -> int:
