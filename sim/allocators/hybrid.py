@@ -654,7 +654,7 @@ class HybridAllocator(Allocator):
         sums = (self._cohort.integrals(self._clock, n, w0, w1) if n and self._joined
                 else [0.0] * 6)
         for k in range(6):
-            sums[k] = sums[k] + self._cohort.fixed[k] * weight
+            sums[k] = sums[k] + self._cohort.fixed.get(k) * weight
         self._integrals_clock, self._integrals_version = self._clock, self._version
         self._integrals_n, self._integrals_w0, self._integrals_w1 = n, w0, w1
         self._integrals_sums = sums

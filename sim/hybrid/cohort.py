@@ -25,7 +25,7 @@ from heapq import heapify, heappop, heappush
 
 from kvfrag.sim.floor_sum import FloorSum, times
 from kvfrag.sim.hybrid import lookahead
-from kvfrag.sim.hybrid.forms import NEVER, SLOT_BITS, SLOT_MASK, Form, Forms
+from kvfrag.sim.hybrid.forms import NEVER, SLOT_BITS, SLOT_MASK, Figures, Form, Forms
 from kvfrag.sim.hybrid.managers import Manager
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
@@ -53,7 +53,7 @@ class Cohort(Forms):
 
     def clear(self) -> None:
         width = self.width
-        self.fixed = [0] * width  # over the requests outside the cohort (`add_fixed`)
+        self.fixed = Figures(width)  # over the requests outside the cohort (`add_fixed`)
         self._changes = 0  # every change of the sums: `figures` keeps its last answer
         self._memo: list[int] = []
         self._memo_clock = -1  # (two ints, not a tuple: the check runs several times an event)
@@ -67,7 +67,7 @@ class Cohort(Forms):
         self.slope_n = [0] * len(self.slopes)  # per slope (`_build`), the decoders with it
         self.slope_counted = [0] * len(self.slopes)  # per slope, those `S` counts
         self.recs: dict[int, Form] = {}
-        self.A = [0] * width  # sum of a
+        self.A = Figures(width)  # sum of a
         self.S = [0] * width  # sum of s: `slope_sum`, kept while `_S_ok`
         self._S_ok = True
         self.sums = [FloorSum(mod) for mod in self.mods]
@@ -115,8 +115,8 @@ class Cohort(Forms):
         d = self._final_shift(rec)
         rec.a[2] = rec.a[2] + d
         rec.a[3] = rec.a[3] - d
-        self.A[2] = self.A[2] + d
-        self.A[3] = self.A[3] - d
+        self.A.f2 += d
+        self.A.f3 -= d
         self._moved(0)  # (reserved and internal move, the blocks stay)
         nxt, rec.light = self._next_event(rec.c + rec.event, rec.final)
         rec.event = NEVER if nxt == NEVER else nxt - rec.c
@@ -139,13 +139,7 @@ class Cohort(Forms):
         else:
             self._changes += 1
         self._terms += 1
-        A, a = self.A, rec.a
-        if sign > 0:
-            for i in range(self.width):
-                A[i] = A[i] + a[i]
-        else:
-            for i in range(self.width):
-                A[i] = A[i] - a[i]
+        self.A.add(rec.a, sign)
         if rec.sid >= 0:
             self.slope_n[rec.sid] += sign
             self._S_ok = False
@@ -375,26 +369,16 @@ class Cohort(Forms):
 
     def add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
         """A request outside the cohort holds `parts` (sign 1) or no longer (-1)."""
-        f = self.fixed
+        self.fixed.add_parts(parts, sign)
         keep = self._memo_changes == self._changes  # (the figures just before: kept valid)
-        memo = self._memo
-        if sign > 0:
-            if keep:
+        if keep:
+            memo = self._memo
+            if sign > 0:
                 for i in range(self.width):
-                    p = parts[i]
-                    f[i] = f[i] + p
-                    memo[i] = memo[i] + p
+                    memo[i] = memo[i] + parts[i]
             else:
                 for i in range(self.width):
-                    f[i] = f[i] + parts[i]
-        elif keep:
-            for i in range(self.width):
-                p = parts[i]
-                f[i] = f[i] - p
-                memo[i] = memo[i] - p
-        else:
-            for i in range(self.width):
-                f[i] = f[i] - parts[i]
+                    memo[i] = memo[i] - parts[i]
         if self._blocks_changes == self._changes:
             self._blocks_memo += times(sign, parts[0])
             self._blocks_changes += 1
@@ -418,12 +402,12 @@ class Cohort(Forms):
         if self._memo_clock == clock and self._memo_changes == self._changes:
             return self._memo[0]
         if self._blocks_clock != clock or self._blocks_changes != self._changes:
-            self._blocks_memo = self.blocks(clock) + self.fixed[0]
+            self._blocks_memo = self.blocks(clock) + self.fixed.f0
             self._blocks_clock = clock
             self._blocks_changes = self._changes
         return self._blocks_memo
 
-    def totals(self, clock: int, plus: list[int] | None = None) -> list[int]:
+    def totals(self, clock: int, plus: Figures | None = None) -> list[int]:
         """The cohort's figures at `clock` (plus `plus`, where given). Each figure is summed
         in one pass and stored once: compiled, every store into a list makes an int object,
         and adding the terms, the corrections and `plus` figure after figure made several."""
@@ -436,7 +420,7 @@ class Cohort(Forms):
         width = self.width
         out = [0] * width
         for i in range(width):
-            x = A[i] + times(S[i], clock)
+            x = A.get(i) + times(S[i], clock)
             for k in range(len(vals)):
                 val = vals[k]
                 if val:
@@ -444,7 +428,7 @@ class Cohort(Forms):
                     if c:
                         x += times(c, val)  # (sliding kinds' c < 0)
             if plus is not None:
-                x += plus[i]
+                x += plus.get(i)
             if fresh is not None:
                 x += fresh[i]
             if first is not None:
@@ -453,7 +437,7 @@ class Cohort(Forms):
         return out
 
     def blocks(self, clock: int) -> int:
-        total = self.A[0] + times(self.slope_sum()[0], clock)
+        total = self.A.f0 + times(self.slope_sum()[0], clock)
         for k, fs in enumerate(self.sums):
             b = self.blocks_vec[k]
             if b and (fs.nonzero or fs.q):
@@ -517,7 +501,7 @@ class Cohort(Forms):
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
         kw = clock * weight + jw  # sum_j (clock + j) * w_j
         S = self.slope_sum()
-        sums = [self.A[i] * weight + S[i] * kw for i in range(6)]
+        sums = [self.A.get(i) * weight + S[i] * kw for i in range(6)]
         for k, fs in enumerate(self.sums):
             if fs.nonzero or fs.q:
                 val = fs.integrate(clock, n, w0, w1, weight)

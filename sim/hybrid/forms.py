@@ -47,6 +47,76 @@ _CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
+class Figures:
+    """A running sum of figure vectors (blocks, token_states, reserved, internal, padding,
+    out_of_window, then each manager's held blocks): the cohort's constants, the requests'
+    outside it. The six are native int attributes, which compiled stay unboxed: a list's item
+    is an int object, made anew at every store, and these sums move at every decoder joining,
+    leaving or rebuilt, every request admitted or grown. The managers' are a list (`held`)."""
+
+    def __init__(self, width: int) -> None:
+        self.f0 = 0
+        self.f1 = 0
+        self.f2 = 0
+        self.f3 = 0
+        self.f4 = 0
+        self.f5 = 0
+        self.held = [0] * (width - 6)
+
+    def get(self, i: int) -> int:
+        """Figure i."""
+        if i >= 6:
+            return self.held[i - 6]
+        if i < 3:
+            return self.f0 if i == 0 else self.f1 if i == 1 else self.f2
+        return self.f3 if i == 3 else self.f4 if i == 4 else self.f5
+
+    def add(self, v: list[int], sign: int) -> None:
+        """Add (sign 1) or take out (-1) a vector (a decoder's constants)."""
+        held = self.held
+        if sign > 0:
+            self.f0 += v[0]
+            self.f1 += v[1]
+            self.f2 += v[2]
+            self.f3 += v[3]
+            self.f4 += v[4]
+            self.f5 += v[5]
+            for i in range(len(held)):
+                held[i] = held[i] + v[6 + i]
+        else:
+            self.f0 -= v[0]
+            self.f1 -= v[1]
+            self.f2 -= v[2]
+            self.f3 -= v[3]
+            self.f4 -= v[4]
+            self.f5 -= v[5]
+            for i in range(len(held)):
+                held[i] = held[i] - v[6 + i]
+
+    def add_parts(self, v: tuple[int, ...], sign: int) -> None:
+        """`add` for a request's parts (a tuple: indexed natively as such, not as a list)."""
+        held = self.held
+        if sign > 0:
+            self.f0 += v[0]
+            self.f1 += v[1]
+            self.f2 += v[2]
+            self.f3 += v[3]
+            self.f4 += v[4]
+            self.f5 += v[5]
+            for i in range(len(held)):
+                held[i] = held[i] + v[6 + i]
+        else:
+            self.f0 -= v[0]
+            self.f1 -= v[1]
+            self.f2 -= v[2]
+            self.f3 -= v[3]
+            self.f4 -= v[4]
+            self.f5 -= v[5]
+            for i in range(len(held)):
+                held[i] = held[i] - v[6 + i]
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class Form:
     """One decoder: its phase, final length, form and terms, and its heap keys."""
 

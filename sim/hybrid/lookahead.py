@@ -60,7 +60,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     taken += co._taken
     if taken <= free:
         return done
-    now = co.blocks_now(clock) - co.fixed[0]  # (`blocks`, as the caller just asked)
+    now = co.blocks_now(clock) - co.fixed.f0  # (`blocks`, as the caller just asked)
     limit = now + free
     # Decoders whose blocks leave their forms by the step walked (their events up to
     # `horizon`, looked up a stretch at a time, and only from the first such event on: the
