@@ -59,6 +59,8 @@ class FloorSum:
         self._cum: list[int] | None = None  # [0, c0, c0 + c1, ...] until the next add
         self._memo_k = -1  # value(k) for this k (-1: none), kept up to date by `add`
         self._memo = 0
+        self._far_k = -1  # `value_far`'s clock (-1: none), likewise kept by `add`
+        self._far = 0
 
     @property
     def nonzero(self) -> int:
@@ -91,6 +93,8 @@ class FloorSum:
         self._cum = None
         if self._memo_k >= 0:  # the new term's value at the remembered clock
             self._memo += times(coef, (x + self._memo_k) // self.bs)
+        if self._far_k >= 0:
+            self._far += times(coef, (x + self._far_k) // self.bs)
 
     def _sums(self) -> list[int]:
         """Running sums of the coefficients in residue order, from 0."""
@@ -125,6 +129,18 @@ class FloorSum:
                 value += cum[-1] - cum[bisect_left(res, lo)]
         self._memo_k, self._memo = k, value
         return value
+
+    def value_far(self, k: int) -> int:
+        """`value(k)` remembered apart from `value`'s own: a look-ahead asks the sum at the
+        end of a stretch between questions about now (one memo for both lost each in turn,
+        at every question after a request joined or left)."""
+        if self._far_k == k:
+            return self._far
+        memo_k, memo = self._memo_k, self._memo
+        got = self.value(k)
+        self._memo_k, self._memo = memo_k, memo
+        self._far_k, self._far = k, got
+        return got
 
     def integrate(self, k: int, n: int, w0: float, w1: float, weight: float) -> float:
         """sum over j = 1..n of (w0 + w1*(j-1)) * value(k + j), exactly per residue class,

@@ -54,7 +54,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         ceil = 0
         for k in range(n_ceil):
             if bv[k]:
-                ceil += times(bv[k], sums[k].value(clock + done) - sums[k].value(clock))
+                ceil += times(bv[k], sums[k].value_far(clock + done) - sums[k].value(clock))
         co._taken = ceil
         co._taken_clock, co._taken_done, co._taken_terms = clock, done, co._terms
     taken += co._taken
@@ -96,7 +96,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
             rest = 0
             for k in range(n_ceil):
                 if bv[k]:
-                    rest += times(bv[k], sums[k].value(clock + done) - sums[k].value(k1 - 1))
+                    rest += times(bv[k], sums[k].value_far(clock + done) - sums[k].value(k1 - 1))
             if cur + rest <= limit:
                 return done
         delta = up + slope
