@@ -360,7 +360,6 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         self._flush()
         self._admitted = True
         hit, ids, boundary = self._looked_up(req, tokens)
-        st = self._st
         pool = self.pool
         got = self._admission_need(req, tokens, ids, hit, False)
         if got is None:
@@ -371,25 +370,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         if large + woken > pool.usable_large_pages():
             return Refusal(rid, Reason.OUT_OF_MEMORY, (large + woken) * self.large,
                            self.free_bytes())
-        self.lookups += (tokens - 1) // self._hash_bs
-        self.hit_blocks += hit // self._hash_bs
-        st.boundary[rid] = boundary
-        tables: list[list[int]] = []
-        for g, found in enumerate(ids):
-            skipped = self._kinds[g].skipped(hit)
-            kept = found[skipped:]
-            st.pool.touch(kept)
-            tables.append([0] * skipped + kept)
-        st.tables[rid] = tables
-        st.ncached[rid] = [len(t) for t in tables]
-        if self._mamba:
-            st.mamba[rid] = [0, -1, 0]
-        new = self._take(st, rid, tokens)
-        self._cache(st, req, tokens)
-        self._proc[rid] = hit
-        self._last_n[rid] = tokens - hit
-        live.cached = hit
-        self._changed()
+        new = self._install(live, tokens, hit, ids, boundary)
         taken = self._bytes_of(new_pages) + sum(self.small_pages[t] for t, _ in revive)
         return Grant(rid, taken, live.cap, blocks=tuple(new))
 

@@ -346,6 +346,16 @@ class HybridPrefixCaching(HybridAllocator):
         need = self._need_new(req, tokens, ids, hit, False)
         if need > st.pool.free_count():
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
+        new = self._install(live, tokens, hit, ids, boundary)
+        return Grant(rid, need * self.page, live.cap, blocks=tuple(new))
+
+    def _install(self, live: Live, tokens: int, hit: int, ids: list[list[int]],
+                 boundary: int) -> list[int]:
+        """An admission that fits: its tables start with the hit's ids (revived, the blocks
+        its windows skip null), grow to `tokens` slots and cache what they filled; the new
+        ids."""
+        req, st = live.req, self._st
+        rid = req.rid
         self.lookups += (tokens - 1) // self._hash_bs
         self.hit_blocks += hit // self._hash_bs
         st.boundary[rid] = boundary
@@ -365,7 +375,7 @@ class HybridPrefixCaching(HybridAllocator):
         self._last_n[rid] = tokens - hit
         live.cached = hit
         self._changed()
-        return Grant(rid, need * self.page, live.cap, blocks=tuple(new))
+        return new
 
     def _take(self, st: PrefixState, rid: int, tokens: int) -> list[int]:
         """Each group's table grown to `tokens` slots (vLLM's `allocate_new_blocks`)."""
