@@ -54,7 +54,15 @@ from __future__ import annotations
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.hybrid import HybridAllocator
-from kvfrag.sim.hybrid.prefix import Kind, PrefixState, block_key, find_kind, reachable, state_kept
+from kvfrag.sim.hybrid.prefix import (
+    Kind,
+    PrefixState,
+    aligned_split,
+    block_key,
+    find_kind,
+    reachable,
+    state_kept,
+)
 
 #: The most decode steps looked ahead on a copy of the state.
 HORIZON = 32
@@ -264,30 +272,12 @@ class HybridPrefixCaching(HybridAllocator):
 
     def aligned_chunk(self, req: Request, start: int, chunk: int, total: int,
                       limit: int) -> int:
-        """vLLM's `_mamba_block_aligned_split` (mode "align"): a prefill chunk from `start`
-        ends on a block boundary unless it ends the prefill (a block wider than `limit`, the
-        most one chunk may take, may end inside it when no boundary is in reach), and it
-        stops at the first of these inside it: the next boundary when it starts inside a
-        block, the last boundary before the sequence's last token (the state a hit can use),
-        the shared-prefix junction its lookup found (aligned down from `start`). 0: not this
-        step."""
+        """vLLM's `_mamba_block_aligned_split` in mode "align" (`prefix.aligned_split`), at
+        the shared-prefix junction `req`'s lookup found; 0: not this step."""
         if not self._mamba:
             return chunk
-        bs = self.plan.block_size
-        prefill_end = max(req.prompt, total - 1)
-        if start >= prefill_end:
-            return chunk
-        end = start + chunk
-        if end < prefill_end:
-            aligned = end // bs * bs
-            if aligned > start or bs <= limit:
-                end = aligned
-        junction = self._boundary.get(req.rid, 0)
-        stops = ((start // bs + 1) * bs if start % bs else 0,
-                 max(0, (total - 1) // bs * bs),
-                 start + (junction - start) // bs * bs if start < junction < end else 0)
-        end = min((s for s in stops if start < s < end), default=end)
-        return max(end - start, 0)
+        return aligned_split(req.prompt, start, chunk, total, limit, self.plan.block_size,
+                             self._boundary.get(req.rid, 0))
 
     def idle_cached_blocks(self) -> int:
         self._flush()

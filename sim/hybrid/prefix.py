@@ -296,6 +296,30 @@ def state_kept(req: Request, k: Kind, j: int, retention: int | None, scheduler_b
     return any(x // a * a // k.block_size - 1 == j for x in bounds)
 
 
+def aligned_split(prompt: int, start: int, chunk: int, total: int, limit: int, bs: int,
+                  junction: int) -> int:
+    """vLLM's `_mamba_block_aligned_split` (mode "align"): a prefill chunk from `start` of a
+    request of `prompt` prompt tokens and `total` tokens to prefill ends on a block boundary
+    (blocks of `bs` tokens) unless it ends the prefill (a block wider than `limit`, the most
+    one chunk may take, may end inside it when no boundary is in reach), and it stops at the
+    first of these inside it: the next boundary when it starts inside a block, the last
+    boundary before the sequence's last token (the state a hit can use), the shared-prefix
+    `junction` (aligned down from `start`; 0: none). 0: not this step."""
+    prefill_end = max(prompt, total - 1)
+    if start >= prefill_end:
+        return chunk
+    end = start + chunk
+    if end < prefill_end:
+        aligned = end // bs * bs
+        if aligned > start or bs <= limit:
+            end = aligned
+    stops = ((start // bs + 1) * bs if start % bs else 0,
+             max(0, (total - 1) // bs * bs),
+             start + (junction - start) // bs * bs if start < junction < end else 0)
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
+
+
 class PrefixState:
     """The pool and every live request's block tables (0: the null block) and cached-block
     counts, per plan group."""
