@@ -321,14 +321,19 @@ class TwoLevelAllocator(HybridAllocator):
                 tables[rid][mi][arg].extend(ids)
         self._events, self._ev_at = replay[5], replay[6]
 
-    def _try_place(self, rid: int, tokens: int, processed: int) -> bool:
-        """Place for real if it all fits; else leave everything as it was. The ids taken
-        are in `_taken`."""
+    def _place_taking(self, rid: int, tokens: int, processed: int) -> bool:
+        """`_place`, the small pages it takes kept in `_taken` (a walk keeps none)."""
         self._taken = []
-        mark = self._mark()
         self._collect = True
         ok = self._place(rid, tokens, processed)
         self._collect = False
+        return ok
+
+    def _try_place(self, rid: int, tokens: int, processed: int) -> bool:
+        """Place for real if it all fits; else leave everything as it was. The ids taken
+        are in `_taken`."""
+        mark = self._mark()
+        ok = self._place_taking(rid, tokens, processed)
         if ok:
             self._commit(mark)
         else:
@@ -439,10 +444,7 @@ class TwoLevelAllocator(HybridAllocator):
         if self.pool.large_needed(need) > self.pool.free_large_pages():
             return Refusal(rid, Reason.OUT_OF_MEMORY, self._large_for(need) * self.large,
                            self.free_bytes())
-        self._taken = []
-        self._collect = True
-        placed = self._place(rid, tokens, 0)
-        self._collect = False
+        placed = self._place_taking(rid, tokens, 0)
         assert placed, "an admission's takes did not fit the free large pages counted"
         self._proc[rid] = 0
         self._last_n[rid] = tokens
