@@ -428,24 +428,13 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
                 need[g] = 1 if k.kind == "mamba" else more
         return need
 
-    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
-        self._flush()
-        rid, st = live.req.rid, self._st
-        if self._admitted or rid in self._grown:  # a chunk of the next scheduler step
-            self._next_step()
-        self._grown.add(rid)
-        proc = max(0, old - self.in_flight_now) if self._lag else old
-        st.remove_skipped(rid, self._kinds, self._manager_of, proc)
-        self._changed()
-        need = self._wanted_typed(st, rid, new)
+    def _grow_bytes(self, st: PrefixState, rid: int, tokens: int) -> tuple[int, int]:
+        """(`HybridPrefixCaching._grow`'s check, in large pages: the large pages it lacks as
+        bytes; else the small pages it takes.)"""
+        need = self._wanted_typed(st, rid, tokens)
         if not self._fits(st, need):
-            return Refusal(rid, Reason.OUT_OF_MEMORY,
-                           self.pool.large_needed(need) * self.large, self.free_bytes())
-        ids = self._take(st, rid, new)
-        self._cache(st, live.req, new - self._lag if rid in self._leaving else new)
-        self._proc[rid] = proc
-        self._last_n[rid] = new - old
-        return Grant(rid, self._bytes_of(need), live.cap, blocks=tuple(ids))
+            return self.pool.large_needed(need) * self.large, 0
+        return 0, self._bytes_of(need)
 
     def _step(self, st: PrefixState, clock: int,
               victims: list[tuple[int, list[list[int]], int]] | None = None) -> int:

@@ -412,15 +412,23 @@ class HybridPrefixCaching(HybridAllocator):
         proc = max(0, old - self.in_flight_now) if self._lag else old
         st.remove_skipped(rid, self._kinds, self._manager_of, proc)
         self._changed()
-        need = self._wanted(st, rid, new)
-        if need > st.pool.free_count():
-            return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
+        short, nbytes = self._grow_bytes(st, rid, new)
+        if short:
+            return Refusal(rid, Reason.OUT_OF_MEMORY, short, self.free_bytes())
         ids = self._take(st, rid, new)
         # (a decoder's new token is in flight: not known, not cached yet)
         self._cache(st, live.req, new - self._lag if rid in self._leaving else new)
         self._proc[rid] = proc
         self._last_n[rid] = new - old
-        return Grant(rid, need * self.page, live.cap, blocks=tuple(ids))
+        return Grant(rid, nbytes, live.cap, blocks=tuple(ids))
+
+    def _grow_bytes(self, st: PrefixState, rid: int, tokens: int) -> tuple[int, int]:
+        """Growing `rid`'s tables to `tokens` slots: (the bytes it lacks, 0 if it fits; the
+        bytes it takes)."""
+        need = self._wanted(st, rid, tokens)
+        if need > st.pool.free_count():
+            return need * self.page, 0
+        return 0, need * self.page
 
     def free_preempted(self, rid: int, processed: int) -> int:
         self._preempting = True  # (async: its tokens in flight are never cached)
