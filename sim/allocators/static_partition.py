@@ -238,17 +238,17 @@ class StaticPartitionAllocator(Allocator):
     # -------------------------------------------------------------------- hooks
     def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
         req, rid = live.req, live.req.rid
-        self._changes += 1
         state = self.state
         if state is not None and state.held >= state.num_blocks:
             reason = Reason.TOO_LARGE if state.num_blocks == 0 else Reason.OUT_OF_MEMORY
             return Refusal(rid, reason, state.page, self.free_bytes(), "no free state block")
-        for t, p in zip(self.types, self.pools, strict=True):
+        for i, p in enumerate(self.pools):  # (not zip: no tuple per pool on this path)
             if p.admit_shortfall(tokens) > 0:  # (its refusal, which changes nothing)
                 got = p.admit(req, tokens, decoding=False)
                 assert isinstance(got, Refusal)
                 return Refusal(rid, got.reason, got.needed, self.free_bytes(),
-                               f"{t} pool: {got.detail}".rstrip(": "))
+                               f"{self.types[i]} pool: {got.detail}".rstrip(": "))
+        self._changes += 1  # (a refusal changes nothing: the parts memo stands)
         nbytes = 0
         for p in self.pools:
             granted = p.admit(req, tokens, decoding=False)
@@ -261,12 +261,12 @@ class StaticPartitionAllocator(Allocator):
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
-        self._changes += 1
-        for t, p in zip(self.types, self.pools, strict=True):
+        for i, p in enumerate(self.pools):
             short = p.grow_shortfall(rid, new - old, self.in_flight_now)
             if short > 0:
                 return Refusal(rid, Reason.OUT_OF_MEMORY, short * p.page, self.free_bytes(),
-                               f"{t} pool")
+                               f"{self.types[i]} pool")
+        self._changes += 1
         nbytes = 0
         for p in self.pools:
             got = p.grow(rid, new - old, self.in_flight_now)
@@ -315,20 +315,28 @@ class StaticPartitionAllocator(Allocator):
         memo = self._parts_memo
         if memo is not None and memo[0] == self._clock and memo[1] == self._changes:
             return memo[2]
-        sums = [0, 0, 0, self.left_over, 0]
+        # (unpacked, not iterated: each pool's parts come back as a native tuple, unboxed)
+        tokens, reserved, internal, external, usable = 0, 0, 0, self.left_over, 0
         for p in self.pools:
-            for i, x in enumerate(p.parts()):
-                sums[i] += x
+            a, b, c, d, e = p.parts()
+            tokens, reserved, internal = tokens + a, reserved + b, internal + c
+            external, usable = external + d, usable + e
         if self.state is not None:
-            for i, x in enumerate(self.state.parts()):
-                sums[i] += x
-        out = (sums[0], sums[1], sums[2], sums[3], sums[4])
+            a, b, c, d, e = self.state.parts()
+            tokens, reserved, internal = tokens + a, reserved + b, internal + c
+            external, usable = external + d, usable + e
+        out = (tokens, reserved, internal, external, usable)
         self._parts_memo = (self._clock, self._changes, out)
         return out
 
     def _allocated_total(self) -> int:
-        parts = self.parts()
-        return parts[0] + parts[1] + parts[2]
+        """The pools' blocks held, as each counts them (`free_bytes` on every admission
+        asks it: their blocks, not all their parts)."""
+        out = 0
+        for p in self.pools:
+            out += p._allocated_total()
+        state = self.state
+        return out + (state.held * state.page if state is not None else 0)
 
     def _internal_total(self) -> int:
         return self.parts()[2]
@@ -403,6 +411,10 @@ class StaticPartitionAllocator(Allocator):
             if full is not None and (out is None or full < out):
                 out = full
         return out
+
+    def can_step(self) -> bool:
+        """(Each pool's own answer for the next step, which walks no further.)"""
+        return all(p.can_step() for p in self.pools)
 
     def steps_until_shrink(self) -> int | None:
         out: int | None = None
