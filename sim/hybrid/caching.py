@@ -107,11 +107,10 @@ class HybridPrefixCaching(HybridAllocator):
         self._sb = [sum(getattr(self.stack.layers[i], "state_bytes", 0) for i in g.layers)
                     if g.kind == "mamba" else 0 for g in p.groups]
         self._mamba = any(k.kind == "mamba" for k in kinds)
-        # Per kind, (its first group, block size, Mamba?), where every kind is full attention
-        # or Mamba: their decode steps change nothing between block boundaries (`_quiet_step`).
-        self._quiet: list[tuple[int, int, bool]] | None = (
-            [(k.groups[0], k.block_size, k.kind == "mamba") for k in kinds]
-            if all(k.kind in ("full", "mamba") for k in kinds) else None)
+        # Per kind, (its first group, block size, Mamba?): a decode step between block
+        # boundaries and window edges changes nothing (`_quiet_step`), most steps.
+        self._quiet: list[tuple[int, int, bool]] | None = [
+            (k.groups[0], k.block_size, k.kind == "mamba") for k in kinds]
         self._hash_bs = p.hash_block_size
         # vLLM's `cached_blocks_this_step`: Mamba keys cached in this scheduler step (a hit on
         # one waits a step); `_grown` the requests given a chunk in it, `_admitted` whether an
@@ -129,6 +128,7 @@ class HybridPrefixCaching(HybridAllocator):
         self._chains: dict[int, tuple[Request, list[object]]] = {}
         self._freed_last = False  # whether the last decode step freed an id
         self._ahead: tuple[int, int, int | None, int | None] | None = None
+        self._totals_memo: tuple[int, int, tuple[int, ...]] | None = None
         # Requests preempted to make room for the next decode step, newest first, their
         # ids still held: vLLM frees each when a decoder of that step finds too few free
         # (rid, tables, tokens computed). `_room`: the state's version when the engine
@@ -528,17 +528,28 @@ class HybridPrefixCaching(HybridAllocator):
     def _quiet_step(self, st: PrefixState, rid: int, tokens: int,
                     quiet: list[tuple[int, int, bool]], processed: int) -> bool:
         """Whether a decode step to `tokens` frees, takes and caches nothing for the request
-        (most steps, on a model of full attention and Mamba groups only: `_quiet`), judged
-        on each kind's first group (the others' tables are alike)."""
+        (most steps), judged on each kind's first group (the others' tables are alike): no
+        new block, none newly full, no Mamba state retired, and a sliding or chunked table
+        whose last skipped block is already the null block (what
+        `PrefixState.remove_skipped` checks first). A look-ahead's copy caches nothing, so
+        there a newly full block does not count."""
         tables, ncached = st.tables[rid], st.ncached[rid]
+        lag = self._lag
+        caching = st.pool.cache is not None
         for g, bs, mamba in quiet:
             table = tables[g]
-            if -(-tokens // bs) > len(table) or (tokens - self._lag) // bs > ncached[g]:
+            if -(-tokens // bs) > len(table) or (caching and (tokens - lag) // bs > ncached[g]):
                 return False
             if mamba:
                 retired, last_state = st.mamba[rid][0], st.mamba[rid][1]
                 if (processed - 1) // bs > retired or (
                         0 <= last_state < -(-processed // bs) - 1 and table[last_state]):
+                    return False
+                continue
+            k = self._kinds[self._manager_of[g]]
+            if k.kind != "full":
+                skip = min(k.skipped(processed), len(table))
+                if skip and table[skip - 1]:
                     return False
         return True
 
@@ -707,13 +718,19 @@ class HybridPrefixCaching(HybridAllocator):
 
     def _totals(self) -> tuple[int, ...]:
         # (no flush: `step` asks the bytes in use between the engine's preemptions for a
-        # step and the step, which frees them)
+        # step and the step, which frees them; kept while the state and clock stay: the
+        # engine asks the parts, then the waste, of one instant)
+        memo = self._totals_memo
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
         blocks, token_states, reserved, padding, out = self._figures(self._st, self._clock)
         internal = blocks * self.page - token_states - reserved
-        return blocks, token_states, reserved, internal, padding, out
+        totals = (blocks, token_states, reserved, internal, padding, out)
+        self._totals_memo = (self._clock, self._version, totals)
+        return totals
 
     def _allocated_total(self) -> int:
-        return self._totals()[0] * self.page  # (as `_totals`: no flush)
+        return self._st.held() * self.page  # (`_figures`' first: no flush, no walk)
 
     def free_blocks(self) -> int:
         self._flush()
