@@ -63,6 +63,7 @@ from kvfrag.sim.hybrid.prefix import (
     reachable,
     state_kept,
 )
+from kvfrag.sim.hybrid.prefix_figures import held_figures
 
 #: The most decode steps looked ahead on a copy of the state.
 HORIZON = 32
@@ -106,6 +107,7 @@ class HybridPrefixCaching(HybridAllocator):
         # Per plan group, its real layers' Mamba state (0 for attention groups).
         self._sb = [sum(getattr(self.stack.layers[i], "state_bytes", 0) for i in g.layers)
                     if g.kind == "mamba" else 0 for g in p.groups]
+        self._pages = [self.page] * len(p.groups)  # (each group's id: one page size)
         self._mamba = any(k.kind == "mamba" for k in kinds)
         # Per kind, (its first group, block size, Mamba?): a decode step between block
         # boundaries and window edges changes nothing (`_quiet_step`), most steps.
@@ -647,74 +649,10 @@ class HybridPrefixCaching(HybridAllocator):
 
     # --------------------------------------------------------------- figures
     def _figures(self, st: PrefixState, clock: int) -> tuple[int, int, int, int, int]:
-        """(ids in use, token_states, reserved, padding, out_of_window) of `st` at `clock`. A
-        held id's tokens count once, as many as its holders' layers read at most: per group,
-        the ids some holder reads whole (a set: shared ones once), the one at a window's edge
-        read in part, and each table's last block, partly written (a request's own). Of the
-        rest of internal: padding is each held id's page beyond its group's real slots (or
-        beyond its Mamba state); out of window the tokens written in held ids that no holder
-        reads (and the Mamba states held beside a request's current one); rounding, the
-        unwritten slots no request will write, is what remains."""
-        groups = len(self.plan.groups)
-        whole: list[set[int]] = [set() for _ in range(groups)]
-        edge: list[dict[int, int]] = [{} for _ in range(groups)]
-        tail = [0] * groups  # tokens in partly written last blocks
-        unwritten = [0] * groups  # slots of the tables' last blocks past their tokens
-        states = [0] * groups  # Mamba states counted (one per request's table)
-        # held ids outside `whole`: before the read range (not freed yet) and partial tails;
-        # and per Mamba group every held id
-        extra: list[list[int]] = [[] for _ in range(groups)]
-        reserved = token_states = 0
-        for rid, tables in st.tables.items():
-            live = self._live[rid]
-            tokens = live.base + clock if live.decoding else live.base
-            for g, table in enumerate(tables):
-                if self._sb[g]:  # a Mamba group: its state (its page's rest is padding)
-                    held_ids = [b for b in table if b]
-                    if held_ids:
-                        token_states += self._sb[g]
-                        states[g] += 1
-                        extra[g].extend(held_ids)
-                    continue
-                k = self._kinds[self._manager_of[g]]
-                bs = k.block_size
-                lo = k.read_from(tokens)
-                first, full = -(-lo // bs), tokens // bs
-                if first <= full:
-                    whole[g].update(table[first:full])
-                j = min(first, len(table)) - 1  # (the nulls a window left are a prefix)
-                while j >= 0 and table[j]:
-                    extra[g].append(table[j])
-                    j -= 1
-                extra[g].extend(b for b in table[max(full, first):] if b)
-                if lo % bs and lo // bs < full:  # the window's edge falls inside a block
-                    b = table[lo // bs]
-                    n = min(tokens, (lo // bs + 1) * bs) - lo
-                    if b and n > edge[g].get(b, 0):
-                        edge[g][b] = n
-                if tokens % bs:
-                    tail[g] += tokens - max(full * bs, lo)
-                reserved += max(0, min(live.final, len(table) * bs) - tokens) * self._tb[g]
-                unwritten[g] += len(table) * bs - tokens
-        padding = out = 0
-        for g in range(groups):
-            tb, sb = self._tb[g], self._sb[g]
-            bs = self._kinds[self._manager_of[g]].block_size
-            if sb:
-                held = len(set(extra[g]))  # (a hit's state block may be shared)
-                padding += held * (self.page - sb)
-                out += (held - states[g]) * sb
-                continue
-            w = whole[g]
-            w.discard(0)
-            n = len(w) * bs + tail[g]
-            n += sum(v for b, v in edge[g].items() if b not in w)
-            token_states += n * tb
-            w.update(extra[g])
-            held = len(w)
-            padding += held * (self.page - bs * tb)
-            out += (held * bs - unwritten[g] - n) * tb
-        return st.held(), token_states, reserved, padding, out
+        """(ids in use, token_states, reserved, padding, out_of_window) of `st` at `clock`
+        (`sim.hybrid.prefix_figures`)."""
+        return (st.held(), *held_figures(st, self._live, clock, self._kinds, self._manager_of,
+                                         self._tb, self._sb, self._pages))
 
     def _totals(self) -> tuple[int, ...]:
         # (no flush: `step` asks the bytes in use between the engine's preemptions for a
