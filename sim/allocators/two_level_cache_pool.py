@@ -31,6 +31,20 @@ large page (vLLM's constraints: `vllm_groups`), steps 1-4 never apply and steps 
 exactly vLLM's free queue: uncached ids freed last first, never-used ids in order, then
 cached ids least recently freed first.
 
+Room: that order loses hits while memory is plentiful where a large page holds several small
+pages of a type (a shared prompt's pages evicted in place, fresh large pages free). So an
+allocation that fits says what it needs (`allow`): its *room* is the usable large pages it
+leaves over. While the room is r > 0, a type whose idle pages in held large pages are fewer
+than r large pages hold (0 < idle_t < r * per_t) runs steps 4-5 before step 3, each such
+large page spending one of the room; past that, or with no spare or fresh large page, step 3
+comes first again. Fits stay exact: a step 4-5 taken before step 3 costs at most one large
+page beyond `large_needed` (none where the type needs a large page anyway), the room counts
+it, so the allocation still fits. The bound keeps the idle pages a type strands in large pages
+that a few held pages pin (only its type can use them) below the memory left over: as the
+pool fills, the room shrinks and the order is the one above (an attention type whose large
+page holds 201 pages, left free to open large pages, would strand what a Mamba type needs).
+Without `allow` (room 0, as with `vllm_groups`) the order is the one above.
+
 Accounting (for the allocator): held small pages are in use; a free or evictable large page is
 usable free memory (any type of the next request can have it whole); free slots and idle
 cached pages inside held large pages are usable by their type alone, so external, as the
@@ -78,6 +92,8 @@ class TwoLevelCachePool:
         self.keys: list[dict[int, list[Hashable]]] = [{} for _ in per]  # cached page -> keys
         # per type: key -> small pages cached under it, oldest first (None: `light_copy`)
         self.cache: list[dict[Hashable, dict[int, None]]] | None = [{} for _ in per]
+        # large pages the allocation under way may spend beyond its need (`allow`)
+        self.room = 0
         self.clock = 0  # stamps
         self.evictions = 0
         self.evicted: list[tuple[int, int]] = []  # (type, small page) evicted, oldest first
@@ -137,6 +153,13 @@ class TwoLevelCachePool:
     def fits(self, need: list[int]) -> bool:
         return self.large_needed(need) <= self.usable_large_pages()
 
+    def allow(self, need: list[int]) -> None:
+        """Room for an allocation of `need[t]` pages per type that fits: the usable large
+        pages it leaves over, which its takes may spend instead of evicting in place (reset
+        to 0 once it is done: `take` then keeps the module's order)."""
+        self.room = self.usable_large_pages() - self.large_needed(need)
+        assert self.room >= 0, ("room for an allocation that does not fit", need)
+
     def is_cached(self, t: int, sid: int) -> bool:
         return sid in self.keys[t]
 
@@ -158,7 +181,9 @@ class TwoLevelCachePool:
                 lid = h
         if lid < 0 and self.partly[t]:
             lid = min(self.partly[t])
-        if lid < 0:
+        if lid < 0 and self._opens(t):  # (room: steps 4-5 before step 3)
+            self.room -= 1
+        elif lid < 0:
             sid = self._pinned_lru(t)
             if sid >= 0:  # step 3: evicted and reused in place
                 h = sid // per
@@ -288,6 +313,13 @@ class TwoLevelCachePool:
             self.keys[t].setdefault(sid, []).append(key)
 
     # ---------------------------------------------------------------- internals
+    def _opens(self, t: int) -> bool:
+        """Whether type t, out of free slots, takes a spare or fresh large page (steps 4-5)
+        before evicting in place (step 3): while the allocation has room and its idle pages in
+        held large pages are fewer than `room` large pages hold (see the module)."""
+        return (0 < self.npinned[t] < self.per[t] * self.room
+                and bool(self.spare[t] or len(self.free_large)))
+
     def _pinned_lru(self, t: int) -> int:
         """The least recently freed idle page of type t in a held large page, or -1 (stale
         heap entries dropped on the way)."""

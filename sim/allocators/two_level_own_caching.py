@@ -379,6 +379,8 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         """Each type's table grown to `tokens` slots, each new page placed next to the
         request's last one of its type."""
         typed: TypedPool = st.pool  # type: ignore[assignment]
+        pool = typed.pool
+        pool.allow(self._wanted_typed(st, rid, tokens))
         new: list[int] = []
         for g, table in enumerate(st.tables[rid]):
             k = self._kinds[g]
@@ -392,6 +394,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
                 got = typed.take(g, more, _last(table))
                 table.extend(got)
             new.extend(got)
+        pool.room = 0
         evictions = self._st.pool.evictions
         if evictions != self.evictions and self._mamba:
             # (as `HybridPrefixCaching._take`: an eviction may let a waiting request's first

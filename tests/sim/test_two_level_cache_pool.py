@@ -1,11 +1,15 @@
 """The two-level pool with prefix caching (`sim/allocators/two_level_cache_pool.py`): with one
 small page per large page it is vLLM's block pool (`sim.hybrid.prefix.BlockPool`) id for id;
 with several types, over random operations, its counts agree with its pages, no small page is
-lost or handed out twice, `large_needed` is exact, and the eviction order is the module's."""
+lost or handed out twice, `large_needed` is exact, and the eviction order is the module's; an
+allocation given its room (`allow`) still fits, opening large pages before evicting in place."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+import random
+
+import pytest
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from kvfrag.sim.allocators.two_level_cache_pool import TwoLevelCachePool
 from kvfrag.sim.hybrid.prefix import BlockPool
@@ -90,6 +94,13 @@ def _random_ops(pool: TwoLevelCachePool, ops: list[tuple[int, int]],
             drop = x % (len(ids) + 1)
             pool.free(tt, ids[:drop][::-1])
             del ids[:drop]
+        elif op == 5 and tables:  # a table cached whole, its head freed: idle pages pinned
+            tt, ids = tables[x % len(tables)]
+            for i, sid in enumerate(ids):
+                pool.insert(tt, ("k", (x + i) % 9), sid)
+            drop = len(ids) // 2
+            pool.free(tt, ids[:drop][::-1])
+            del ids[:drop]
         yield
 
 
@@ -112,10 +123,11 @@ def _check_tables(pool: TwoLevelCachePool, tables: list[tuple[int, list[int]]]) 
 
 
 PERS = st.lists(st.integers(1, 5), min_size=1, max_size=3)
+TYPED_OPS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1 << 16)), max_size=120)
 
 
 @settings(max_examples=80, deadline=None)
-@given(per=PERS, n=st.integers(1, 8), ops=OPS, need=st.lists(st.integers(0, 12), min_size=3,
+@given(per=PERS, n=st.integers(1, 8), ops=TYPED_OPS, need=st.lists(st.integers(0, 12), min_size=3,
                                                                max_size=3), order=st.randoms())
 def test_random_operations_keep_the_pool_exact(per, n, ops, need, order):
     """After every operation: the invariants; and `fits(need)` is whether takes of that many
@@ -132,6 +144,18 @@ def test_random_operations_keep_the_pool_exact(per, n, ops, need, order):
         got = [trial.take(t, -1) for t in steps]
         assert (min(got, default=0) >= 0) == pool.fits(need), (need, pool.large_needed(need))
         assert [light.take(t, -1) for t in steps] == got  # (a look-ahead's copy alike)
+        for want in (need, [k // 4 for k in need]):  # with its room, it fits still
+            if not pool.fits(want):
+                continue
+            roomy = pool.copy()
+            roomy.allow(want)
+            room = roomy.room
+            takes = [t for t, k in enumerate(want) for _ in range(k)]
+            order.shuffle(takes)
+            assert min((roomy.take(t, -1) for t in takes), default=0) >= 0
+            assert roomy.room >= 0
+            roomy.check()
+            event(f"room spent {min(room - roomy.room, 1)}")
         assert light.evicted == trial.evicted[len(pool.evicted):]
         light.check()
         for t, sid in zip(steps, got, strict=True):  # (the copy's frees leave the pool be)
@@ -144,6 +168,34 @@ def test_random_operations_keep_the_pool_exact(per, n, ops, need, order):
     pool.check()
     assert pool.usable_large_pages() == n
     assert sum(len(r) for r in pool.ref) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_room_keeps_an_allocation_that_fits(seed):
+    """Long runs of random operations (idle pages pinned often): an allocation that fits,
+    given its room (`allow`), takes all its pages in any order of types, room never spent
+    past 0; and it does spend room (a large page opened before an eviction in place)."""
+    rng = random.Random(seed)
+    spent = 0
+    for _ in range(40):
+        per = [rng.randint(1, 5) for _ in range(rng.randint(1, 3))]
+        pool = TwoLevelCachePool(rng.randint(1, 8), per, False)
+        ops = [(rng.randint(0, 5), rng.randint(0, 1 << 16)) for _ in range(120)]
+        tables: list[tuple[int, list[int]]] = []
+        for _ in _random_ops(pool, ops, tables):
+            for want in ([rng.randint(0, 12) for _ in per], [rng.randint(0, 3) for _ in per]):
+                if not pool.fits(want):
+                    continue
+                roomy = pool.copy()
+                roomy.allow(want)
+                room = roomy.room
+                takes = [t for t, k in enumerate(want) for _ in range(k)]
+                rng.shuffle(takes)
+                assert min((roomy.take(t, -1) for t in takes), default=0) >= 0
+                assert 0 <= roomy.room <= room
+                spent += roomy.room < room
+                roomy.check()
+    assert spent > 0
 
 
 def test_eviction_order():
@@ -167,6 +219,38 @@ def test_eviction_order():
     pool.free(1, [1])
     pool.check()
     assert pool.free_large_pages() == 1  # (uncached: straight back to the shared pool)
+
+
+def test_room_opens_a_large_page_before_evicting_in_place():
+    """With room left by the allocation (`allow`), a type out of free slots opens a fresh
+    large page rather than evict its idle page in a held large page, while its idle pages
+    there are fewer than the room's large pages hold; without room, or past that, it evicts
+    in place (the module's order)."""
+    pool = TwoLevelCachePool(4, [2], False)
+    a = [pool.take(0, -1) for _ in range(2)]  # large page 0, full
+    pool.insert(0, "x", a[1])
+    pool.free(0, [a[1]])  # idle in held large page 0
+    assert pool.local(0) == 1 and pool.usable_large_pages() == 3
+    plain = pool.copy()
+    assert plain.take(0, -1) == a[1] and plain.evictions == 1  # (no room: in place)
+    pool.allow([1])
+    assert pool.room == 3
+    assert pool.take(0, -1) == 2 and pool.evictions == 0  # fresh large page 1
+    assert pool.room == 2 and pool.lookup(0, "x") == a[1]
+    pool.check()
+    pool.room = 0
+    assert pool.take(0, -1) == 3  # (its free slot)
+    cap = TwoLevelCachePool(4, [2], False)
+    b = [cap.take(0, -1) for _ in range(4)]  # large pages 0 and 1, full
+    for i in (1, 3):
+        cap.insert(0, i, b[i])
+        cap.free(0, [b[i]])  # two idle pages in held large pages: one large page's worth
+    cap.allow([1])
+    assert cap.room == 2
+    assert cap.take(0, -1) == 4 and cap.room == 1  # 2 < 2 * 2: a fresh large page
+    assert cap.take(0, -1) == 5  # (its free slot)
+    assert cap.take(0, -1) == b[1] and cap.evictions == 1  # 2 >= 2 * 1: in place
+    cap.check()
 
 
 def test_a_hit_on_an_evictable_page_holds_its_large_page_again():
