@@ -377,7 +377,8 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
     # ------------------------------------------------------------ taking
     def _take(self, st: PrefixState, rid: int, tokens: int) -> list[int]:
         """Each type's table grown to `tokens` slots, each new page placed next to the
-        request's last one of its type."""
+        request's last one of its type; the takes have the room the fit leaves (the pool's
+        `allow`: large pages opened before idle pages are evicted in place)."""
         typed: TypedPool = st.pool  # type: ignore[assignment]
         pool = typed.pool
         pool.allow(self._wanted_typed(st, rid, tokens))
