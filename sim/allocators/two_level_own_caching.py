@@ -58,6 +58,7 @@ from kvfrag.sim.hybrid.managers import (
 )
 from kvfrag.sim.hybrid.planner import Group
 from kvfrag.sim.hybrid.prefix import Kind, PrefixState
+from kvfrag.sim.hybrid.prefix_figures import held_figures
 from kvfrag.sim.layers import MambaState
 
 
@@ -255,6 +256,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         self._chains = {}
         self._freed_last = False
         self._ahead = None
+        self._totals_memo = None
         self._pending = []
         self._room = -1
         self._leaving = set()
@@ -475,30 +477,6 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         st.freed = typed.freed - before
         return -1
 
-    def _quiet_step(self, st: PrefixState, rid: int, tokens: int,
-                    quiet: list[tuple[int, int, bool]], processed: int) -> bool:
-        """`HybridPrefixCaching._quiet_step` for every kind: a sliding or chunked table frees
-        nothing where its last skipped block is already the null block (what
-        `PrefixState.remove_skipped` checks first), as between block boundaries."""
-        tables, ncached = st.tables[rid], st.ncached[rid]
-        lag = self._lag
-        for g, bs, mamba in quiet:
-            table = tables[g]
-            if -(-tokens // bs) > len(table) or (tokens - lag) // bs > ncached[g]:
-                return False
-            if mamba:
-                retired, last_state = st.mamba[rid][0], st.mamba[rid][1]
-                if (processed - 1) // bs > retired or (
-                        0 <= last_state < -(-processed // bs) - 1 and table[last_state]):
-                    return False
-                continue
-            k = self._kinds[g]
-            if k.kind != "full":
-                skip = min(k.skipped(processed), len(table))
-                if skip and table[skip - 1]:
-                    return False
-        return True
-
     # ------------------------------------------------------------ questions
     def _type_need(self, tokens: int, processed: int, capped: bool) -> list[int]:
         """Small pages per type a request of `tokens` holds after freeing by `processed`
@@ -566,73 +544,20 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
     # ------------------------------------------------------------ figures
     def _figures(self, st: PrefixState, clock: int) -> tuple[int, int, int, int, int]:
         """(bytes of held small pages, token_states, reserved, padding, out_of_window) of `st`
-        at `clock`: `HybridPrefixCaching._figures` with a page size per type."""
-        groups = len(self._kinds)
-        whole: list[set[int]] = [set() for _ in range(groups)]
-        edge: list[dict[int, int]] = [{} for _ in range(groups)]
-        tail = [0] * groups
-        unwritten = [0] * groups
-        states = [0] * groups
-        extra: list[list[int]] = [[] for _ in range(groups)]
-        reserved = token_states = 0
-        for rid, tables in st.tables.items():
-            live = self._live[rid]
-            tokens = live.base + clock if live.decoding else live.base
-            for g, table in enumerate(tables):
-                if self._sb[g]:
-                    held_ids = [b for b in table if b]
-                    if held_ids:
-                        token_states += self._sb[g]
-                        states[g] += 1
-                        extra[g].extend(held_ids)
-                    continue
-                k = self._kinds[g]
-                bs = k.block_size
-                lo = k.read_from(tokens)
-                first, full = -(-lo // bs), tokens // bs
-                if first <= full:
-                    whole[g].update(table[first:full])
-                j = min(first, len(table)) - 1
-                while j >= 0 and table[j]:
-                    extra[g].append(table[j])
-                    j -= 1
-                extra[g].extend(b for b in table[max(full, first):] if b)
-                if lo % bs and lo // bs < full:
-                    b = table[lo // bs]
-                    n = min(tokens, (lo // bs + 1) * bs) - lo
-                    if b and n > edge[g].get(b, 0):
-                        edge[g][b] = n
-                if tokens % bs:
-                    tail[g] += tokens - max(full * bs, lo)
-                reserved += max(0, min(live.final, len(table) * bs) - tokens) * self._tb[g]
-                unwritten[g] += len(table) * bs - tokens
-        padding = out = 0
+        at `clock`: `sim.hybrid.prefix_figures` with a page size per type."""
         pool: TwoLevelCachePool = st.pool.pool  # type: ignore[attr-defined]
-        held_bytes = 0
-        for g in range(groups):
-            page = self.small_pages[g]
-            held_bytes += len(pool.ref[g]) * page
-            tb, sb = self._tb[g], self._sb[g]
-            bs = self._kinds[g].block_size
-            if sb:
-                held = len(set(extra[g]))
-                padding += held * (page - sb)
-                out += (held - states[g]) * sb
-                continue
-            w = whole[g]
-            w.discard(0)
-            n = len(w) * bs + tail[g]
-            n += sum(v for b, v in edge[g].items() if b not in w)
-            token_states += n * tb
-            w.update(extra[g])
-            held = len(w)
-            padding += held * (page - bs * tb)
-            out += (held * bs - unwritten[g] - n) * tb
-        return held_bytes, token_states, reserved, padding, out
+        held = sum(len(pool.ref[g]) * page for g, page in enumerate(self.small_pages))
+        return (held, *held_figures(st, self._live, clock, self._kinds, self._manager_of,
+                                    self._tb, self._sb, self.small_pages))
 
     def _totals(self) -> tuple[int, ...]:
+        memo = self._totals_memo  # (as `HybridPrefixCaching._totals`: kept per instant)
+        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
+            return memo[2]
         held, token_states, reserved, padding, out = self._figures(self._st, self._clock)
-        return held, token_states, reserved, held - token_states - reserved, padding, out
+        totals = (held, token_states, reserved, held - token_states - reserved, padding, out)
+        self._totals_memo = (self._clock, self._version, totals)
+        return totals
 
     def _allocated_total(self) -> int:
         """Bytes of the large pages held (what `free_bytes` leaves out: the usable large
