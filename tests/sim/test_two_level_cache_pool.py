@@ -126,6 +126,21 @@ PERS = st.lists(st.integers(1, 5), min_size=1, max_size=3)
 TYPED_OPS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1 << 16)), max_size=120)
 
 
+def _taken_with_room(pool: TwoLevelCachePool, want: list[int], shuffle) -> int:
+    """Take `want[t]` pages per type on a copy of the pool, in an order `shuffle` makes, with
+    the room the pool allows them: every take succeeds and the room is never spent past 0.
+    Returns the room spent."""
+    roomy = pool.copy()
+    roomy.allow(want)
+    room = roomy.room
+    takes = [t for t, k in enumerate(want) for _ in range(k)]
+    shuffle(takes)
+    assert min((roomy.take(t, -1) for t in takes), default=0) >= 0
+    assert 0 <= roomy.room <= room
+    roomy.check()
+    return room - roomy.room
+
+
 @settings(max_examples=80, deadline=None)
 @given(per=PERS, n=st.integers(1, 8), ops=TYPED_OPS, need=st.lists(st.integers(0, 12), min_size=3,
                                                                max_size=3), order=st.randoms())
@@ -145,17 +160,8 @@ def test_random_operations_keep_the_pool_exact(per, n, ops, need, order):
         assert (min(got, default=0) >= 0) == pool.fits(need), (need, pool.large_needed(need))
         assert [light.take(t, -1) for t in steps] == got  # (a look-ahead's copy alike)
         for want in (need, [k // 4 for k in need]):  # with its room, it fits still
-            if not pool.fits(want):
-                continue
-            roomy = pool.copy()
-            roomy.allow(want)
-            room = roomy.room
-            takes = [t for t, k in enumerate(want) for _ in range(k)]
-            order.shuffle(takes)
-            assert min((roomy.take(t, -1) for t in takes), default=0) >= 0
-            assert roomy.room >= 0
-            roomy.check()
-            event(f"room spent {min(room - roomy.room, 1)}")
+            if pool.fits(want):
+                event(f"room spent {min(_taken_with_room(pool, want, order.shuffle), 1)}")
         assert light.evicted == trial.evicted[len(pool.evicted):]
         light.check()
         for t, sid in zip(steps, got, strict=True):  # (the copy's frees leave the pool be)
@@ -184,17 +190,8 @@ def test_room_keeps_an_allocation_that_fits(seed):
         tables: list[tuple[int, list[int]]] = []
         for _ in _random_ops(pool, ops, tables):
             for want in ([rng.randint(0, 12) for _ in per], [rng.randint(0, 3) for _ in per]):
-                if not pool.fits(want):
-                    continue
-                roomy = pool.copy()
-                roomy.allow(want)
-                room = roomy.room
-                takes = [t for t, k in enumerate(want) for _ in range(k)]
-                rng.shuffle(takes)
-                assert min((roomy.take(t, -1) for t in takes), default=0) >= 0
-                assert 0 <= roomy.room <= room
-                spent += roomy.room < room
-                roomy.check()
+                if pool.fits(want):
+                    spent += _taken_with_room(pool, want, rng.shuffle) > 0
     assert spent > 0
 
 
