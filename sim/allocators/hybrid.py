@@ -86,6 +86,7 @@ decoders, in running order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from kvfrag.sim.allocators.base import (
     Allocator,
@@ -228,6 +229,8 @@ class HybridAllocator(Allocator):
         # (an admission is refused only for more blocks than are free: `Allocator`'s flag;
         # not so for the subclasses that cache prefixes or place large pages)
         self.refusal_by_free = type(self) is HybridAllocator
+        # (`parts` reads the cohort's figures itself where `_totals` is this class's)
+        self._cohort_parts = type(self) is HybridAllocator
 
     # ------------------------------------------------------------- per request
     def _state(self, live: Live) -> tuple[int, int]:
@@ -279,8 +282,8 @@ class HybridAllocator(Allocator):
                 "rounding": internal - padding - out}
 
     def waste_parts(self) -> tuple[int, int]:
-        totals = self._cohort.figures(self._clock)  # (`_totals`, as a list: indexed natively)
-        return totals[4], totals[5]
+        totals = self._cohort.figures(self._clock)  # (`_totals`, native figures)
+        return totals.f4, totals.f5
 
     def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
         sums = self._integrals6(n, w0, w1)
@@ -292,7 +295,7 @@ class HybridAllocator(Allocator):
     def _totals(self) -> Sequence[int]:
         """(blocks, token_states, reserved, internal, padding, out_of_window, then each
         manager's held blocks per group) over live requests: the running totals."""
-        return self._cohort.figures(self._clock)
+        return self._cohort.figures(self._clock).as_list()
 
     def _add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
         self._cohort.add_fixed(parts, sign)
@@ -307,8 +310,11 @@ class HybridAllocator(Allocator):
     def group_blocks(self) -> tuple[int, ...]:
         """Blocks held per KV-cache group, in the plan's group order (vLLM's single-type
         managers' tables, nulls left out), summed over live requests."""
-        figures = self._cohort.figures(self._clock)  # (`_totals`, as a list: see waste_parts)
-        return tuple([figures[6 + mi] for mi in self._manager_of])
+        figures = self._cohort.figures(self._clock)
+        # (each manager's count made an int object once, not once per group: `object`
+        # items are not unboxed and boxed again)
+        held: list[object] = [figures.get(6 + mi) for mi in range(len(self.managers))]
+        return cast(tuple[int, ...], tuple([held[mi] for mi in self._manager_of]))
 
     def blocks_of(self, rid: int) -> int:
         held = self._held.get(rid)  # (outside the cohort: its parts as counted)
@@ -585,9 +591,14 @@ class HybridAllocator(Allocator):
         return self._usable_free(None)
 
     def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
-        figures = self._totals()
-        usable = (self.num_blocks - figures[0]) * self.page
-        return (figures[1], figures[2], figures[3],
+        if self._cohort_parts:  # (`_totals` read as native figures, not made a list)
+            f = self._cohort.figures(self._clock)
+            blocks, token_states, reserved, internal = f.f0, f.f1, f.f2, f.f3
+        else:
+            t = self._totals()
+            blocks, token_states, reserved, internal = t[0], t[1], t[2], t[3]
+        usable = (self.num_blocks - blocks) * self.page
+        return (token_states, reserved, internal,
                 self.capacity - self.num_blocks * self.page, usable)
 
     # ------------------------------------------------------------ the cohort

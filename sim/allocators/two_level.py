@@ -648,7 +648,7 @@ class TwoLevelAllocator(HybridAllocator):
             if kind in (SLIDING, CHUNKED):
                 cap = ((window + lag + 2 * bs - 2) // bs if kind == SLIDING
                        else (window + 1 + lag) // bs + 2)
-                held = figures[6 + mi] - co.fixed.held[mi]  # (per group, over the decoders)
+                held = figures.get(6 + mi) - co.fixed.get(6 + mi)  # (per group, over the decoders)
                 room = 0
                 for rid in fresh:
                     tokens = self._live[rid].base + clock

@@ -55,7 +55,7 @@ class Cohort(Forms):
         width = self.width
         self.fixed = Figures(width)  # over the requests outside the cohort (`add_fixed`)
         self._changes = 0  # every change of the sums: `figures` keeps its last answer
-        self._memo: list[int] = []
+        self._memo = Figures(width)  # (`figures`' last answer, made in place by `totals`)
         self._memo_clock = -1  # (two ints, not a tuple: the check runs several times an event)
         self._memo_changes = -1
         self._blocks_memo = 0  # `blocks_now`'s last answer, at this clock and change
@@ -68,7 +68,7 @@ class Cohort(Forms):
         self.slope_counted = [0] * len(self.slopes)  # per slope, those `S` counts
         self.recs: dict[int, Form] = {}
         self.A = Figures(width)  # sum of a
-        self.S = [0] * width  # sum of s: `slope_sum`, kept while `_S_ok`
+        self.S = Figures(width)  # sum of s: `slope_sum`, kept while `_S_ok`
         self._S_ok = True
         self.sums = [FloorSum(mod) for mod in self.mods]
         # per term kind: residue of x -> the decoders with that residue (each decoder has at
@@ -89,7 +89,9 @@ class Cohort(Forms):
         self.fresh: dict[int, tuple[int, list[int]]] = {}
         self.fresh_corr = [0] * width
         self.fresh_clock = -1
-        self.prev_fresh: dict[int, int] = {}  # decoders that joined at clock - 1 -> processed
+        # decoders that joined at clock - 1 -> (processed, ...): `fresh` of then, kept whole
+        # (a dict made anew of the processed alone cost more than the rest of a step)
+        self.prev_fresh: dict[int, tuple[int, list[int]]] = {}
         # async: decoders that joined at `fresh_clock` -> (processed at their first step, its
         # parts less their form's then); those that joined at `first_clock` - 1, at it now
         self.first_next: dict[int, tuple[int, list[int]]] = {}
@@ -97,7 +99,8 @@ class Cohort(Forms):
         self.first_now: dict[int, tuple[int, list[int]]] = {}
         self.first_now_corr = [0] * width
         self.first_clock = -1
-        self.prev_first: dict[int, int] = {}  # those at their first step at clock - 1
+        # those at their first step at clock - 1 (`first_now` of then)
+        self.prev_first: dict[int, tuple[int, list[int]]] = {}
         # every decoder that joined at `fresh_clock` (those in `fresh` and those that joined
         # with their form's tokens processed: a decoder that left since its step and joined
         # again has not stepped into this clock)
@@ -113,8 +116,8 @@ class Cohort(Forms):
         """A decoder enters its final length's block (an event `_next_event` calls light):
         its reserved slots, tb x (bs x ceil(L / bs) - L) before, are tb x (F - L) from now."""
         d = self._final_shift(rec)
-        rec.a[2] = rec.a[2] + d
-        rec.a[3] = rec.a[3] - d
+        rec.f2 += d
+        rec.f3 -= d
         self.A.f2 += d
         self.A.f3 -= d
         self._moved(0)  # (reserved and internal move, the blocks stay)
@@ -139,9 +142,9 @@ class Cohort(Forms):
         else:
             self._changes += 1
         self._terms += 1
-        self.A.add(rec.a, sign)
+        self.A.add(rec, sign)
         if rec.sid >= 0:
-            self.slope_n[rec.sid] += sign
+            self.slope_n[rec.sid] = self.slope_n[rec.sid] + sign  # (`+=`: a generic add)
             self._S_ok = False
         sums, mods, members = self.sums, self.mods, self.members
         for kind, x in rec.terms:
@@ -160,7 +163,7 @@ class Cohort(Forms):
                 if not group:
                     del held[r]
 
-    def slope_sum(self) -> list[int]:
+    def slope_sum(self) -> Figures:
         """The sum of the decoders' slopes: per slope, the change in its decoders' count
         since the last sum, times it (a decoder joining and another leaving with the same
         slope move nothing)."""
@@ -169,11 +172,7 @@ class Cohort(Forms):
             for sid in range(len(now)):
                 d = now[sid] - counted[sid]
                 if d:
-                    s = self.slopes[sid]
-                    for i in range(self.width):
-                        si = s[i]
-                        if si:  # (a slope moves about half of the figures)
-                            S[i] = S[i] + times(d, si)
+                    S.add_times(self.slopes[sid], d)
                     counted[sid] = now[sid]
             self._S_ok = True
         return self.S
@@ -227,7 +226,7 @@ class Cohort(Forms):
             self._changes += 1
             follows = self.fresh_clock == clock - 1
             if follows and self.fresh:
-                self.prev_fresh = {rid: p for rid, (p, _) in self.fresh.items()}
+                self.prev_fresh = self.fresh  # (replaced below: not shared)
             elif self.prev_fresh:
                 self.prev_fresh = {}
             if self.fresh:
@@ -235,7 +234,7 @@ class Cohort(Forms):
                 self.fresh_corr = [0] * self.width
             if self.lag:
                 if self.first_clock == clock - 1 and self.first_now:
-                    self.prev_first = {rid: p for rid, (p, _) in self.first_now.items()}
+                    self.prev_first = self.first_now  # (replaced below: not shared)
                 elif self.prev_first:
                     self.prev_first = {}
                 if follows and self.first_next:
@@ -305,10 +304,12 @@ class Cohort(Forms):
         self.free_slots.append(rec.slot)
         if self.fresh:
             self._drop(self.fresh, self.fresh_corr, rid, self.fresh_clock)
-        if self.prev_fresh:
-            self.prev_fresh.pop(rid, None)
-        if self.prev_first:
-            self.prev_first.pop(rid, None)
+        # (`in`, then `del`: compiled, `dict.pop` is a generic method call, several times the
+        # cost, and most decoders leaving are in neither)
+        if self.prev_fresh and rid in self.prev_fresh:
+            del self.prev_fresh[rid]
+        if self.prev_first and rid in self.prev_first:
+            del self.prev_first[rid]
         # (what its step into this clock freed no longer counts as just freed: it left)
         if self.arrived:
             self.arrived.discard(rid)
@@ -372,13 +373,7 @@ class Cohort(Forms):
         self.fixed.add_parts(parts, sign)
         keep = self._memo_changes == self._changes  # (the figures just before: kept valid)
         if keep:
-            memo = self._memo
-            if sign > 0:
-                for i in range(self.width):
-                    memo[i] = memo[i] + parts[i]
-            else:
-                for i in range(self.width):
-                    memo[i] = memo[i] - parts[i]
+            self._memo.add_parts(parts, sign)
         if self._blocks_changes == self._changes:
             self._blocks_memo += times(sign, parts[0])
             self._blocks_changes += 1
@@ -386,12 +381,12 @@ class Cohort(Forms):
         if keep:
             self._memo_changes = self._changes
 
-    def figures(self, clock: int) -> list[int]:
-        """Every live request's figures at `clock`: the cohort's and the others'."""
+    def figures(self, clock: int) -> Figures:
+        """Every live request's figures at `clock`: the cohort's and the others' (one
+        `Figures`, made anew in place at each change: read it before the next)."""
         if self._memo_clock == clock and self._memo_changes == self._changes:
             return self._memo
-        out = self.totals(clock, self.fixed)
-        self._memo = out
+        out = self.totals(clock, self.fixed, self._memo)
         self._memo_clock = clock
         self._memo_changes = self._changes
         return out
@@ -400,44 +395,38 @@ class Cohort(Forms):
         """Block ids every live request holds at `clock` (asked several times an event, and
         between changes that void the figures: counted alone, not with them)."""
         if self._memo_clock == clock and self._memo_changes == self._changes:
-            return self._memo[0]
+            return self._memo.f0
         if self._blocks_clock != clock or self._blocks_changes != self._changes:
             self._blocks_memo = self.blocks(clock) + self.fixed.f0
             self._blocks_clock = clock
             self._blocks_changes = self._changes
         return self._blocks_memo
 
-    def totals(self, clock: int, plus: Figures | None = None) -> list[int]:
-        """The cohort's figures at `clock` (plus `plus`, where given). Each figure is summed
-        in one pass and stored once: compiled, every store into a list makes an int object,
-        and adding the terms, the corrections and `plus` figure after figure made several."""
-        S, A, vecs = self.slope_sum(), self.A, self.vecs
-        vals: list[int] = []  # per term kind, its value now
-        for fs in self.sums:
-            vals.append(fs.value(clock) if fs.nonzero or fs.q else 0)
-        fresh = self.fresh_corr if self.fresh_clock == clock and self.fresh else None
-        first = self.first_now_corr if self.first_clock == clock and self.first_now else None
-        width = self.width
-        out = [0] * width
-        for i in range(width):
-            x = A.get(i) + times(S[i], clock)
-            for k in range(len(vals)):
-                val = vals[k]
+    def totals(self, clock: int, plus: Figures | None = None,
+               out: Figures | None = None) -> Figures:
+        """The cohort's figures at `clock` (plus `plus`, where given), in `out` where given.
+        Native figures (`Figures`), not a list: compiled, every store into a list makes an
+        int object, and the terms, the corrections and `plus` add figure after figure."""
+        if out is None:
+            out = Figures(self.width)
+        out.set_to(self.A)
+        out.add_times(self.slope_sum(), clock)
+        vecf = self.vecf
+        for k, fs in enumerate(self.sums):
+            if fs.nonzero or fs.q:
+                val = fs.value(clock)
                 if val:
-                    c = vecs[k][i]
-                    if c:
-                        x += times(c, val)  # (sliding kinds' c < 0)
-            if plus is not None:
-                x += plus.get(i)
-            if fresh is not None:
-                x += fresh[i]
-            if first is not None:
-                x += first[i]
-            out[i] = x
+                    out.add_times(vecf[k], val)
+        if plus is not None:
+            out.add(plus, 1)
+        if self.fresh_clock == clock and self.fresh:
+            out.add_list(self.fresh_corr)
+        if self.first_clock == clock and self.first_now:
+            out.add_list(self.first_now_corr)
         return out
 
     def blocks(self, clock: int) -> int:
-        total = self.A.f0 + times(self.slope_sum()[0], clock)
+        total = self.A.f0 + times(self.slope_sum().f0, clock)
         for k, fs in enumerate(self.sums):
             b = self.blocks_vec[k]
             if b and (fs.nonzero or fs.q):
@@ -450,7 +439,7 @@ class Cohort(Forms):
 
     def _rec_blocks(self, rec: Form, clock: int) -> int:
         """Blocks by the record's form at `clock` (what the running sums count for it)."""
-        total = rec.a[0] + times(rec.s[0], clock)
+        total = rec.f0 + times(rec.s.f0, clock)
         for kind, x in rec.terms:
             total += times(self.blocks_vec[kind], (x + clock) // self.mods[kind])
         return total
@@ -501,7 +490,7 @@ class Cohort(Forms):
         jw = w0 * n * (n + 1) / 2 + w1 * (n - 1) * n * (n + 1) / 3  # sum_j j * w_j
         kw = clock * weight + jw  # sum_j (clock + j) * w_j
         S = self.slope_sum()
-        sums = [self.A.get(i) * weight + S[i] * kw for i in range(6)]
+        sums = [self.A.get(i) * weight + S.get(i) * kw for i in range(6)]
         for k, fs in enumerate(self.sums):
             if fs.nonzero or fs.q:
                 val = fs.integrate(clock, n, w0, w1, weight)
@@ -554,7 +543,7 @@ def _piece(co: Cohort, rec: Form, sign: int, clock: int, start: int, stop: int,
     weight = m * a0 + w1 * m * (m - 1) / 2
     kw = start * weight + (a0 * m * (m - 1) / 2 + w1 * (m - 1) * m * (2 * m - 1) / 6)
     for i in range(6):
-        sums[i] = sums[i] + sign * (rec.a[i] * weight + rec.s[i] * kw)
+        sums[i] = sums[i] + sign * (rec.get(i) * weight + rec.s.get(i) * kw)
     for kind, x in rec.terms:
         fs = FloorSum(co.mods[kind])
         fs.add(x, 1)

@@ -49,55 +49,190 @@ _CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class Figures:
     """A running sum of figure vectors (blocks, token_states, reserved, internal, padding,
-    out_of_window, then each manager's held blocks): the cohort's constants, the requests'
-    outside it. The six are native int attributes, which compiled stay unboxed: a list's item
-    is an int object, made anew at every store, and these sums move at every decoder joining,
-    leaving or rebuilt, every request admitted or grown. The managers' are a list (`held`)."""
+    out_of_window, then each manager's held blocks): the cohort's constants, its decoders'
+    forms, the requests' outside it. Native int attributes, which compiled stay unboxed: a
+    list's item is an int object, made anew at every store, and these sums move at every
+    decoder joining, leaving or rebuilt, every request admitted or grown. The first three
+    managers' figures are attributes too (`h0`-`h2`, zero where the model has fewer), the
+    others a list (`rest`); `get(6 + m)` reads manager m's."""
 
     def __init__(self, width: int) -> None:
+        self.n = width - 6  # managers
         self.f0 = 0
         self.f1 = 0
         self.f2 = 0
         self.f3 = 0
         self.f4 = 0
         self.f5 = 0
-        self.held = [0] * (width - 6)
+        self.h0 = 0
+        self.h1 = 0
+        self.h2 = 0
+        self.rest = [0] * max(0, width - 9)
 
     def get(self, i: int) -> int:
         """Figure i."""
         if i >= 6:
-            return self.held[i - 6]
+            if i >= 9:
+                return self.rest[i - 9]
+            return self.h0 if i == 6 else self.h1 if i == 7 else self.h2
         if i < 3:
             return self.f0 if i == 0 else self.f1 if i == 1 else self.f2
         return self.f3 if i == 3 else self.f4 if i == 4 else self.f5
 
-    def add(self, v: list[int], sign: int) -> None:
+    def add(self, v: Figures, sign: int) -> None:
         """Add (sign 1) or take out (-1) a vector (a decoder's constants). Two branches rather
         than `sign * v[i]`: compiled, the multiplies cost 5 % of a gemma-3-27b event's
         instructions (bench/instructions.py)."""
-        held = self.held
+        rest, vr = self.rest, v.rest
         if sign > 0:
-            self.f0 += v[0]
-            self.f1 += v[1]
-            self.f2 += v[2]
-            self.f3 += v[3]
-            self.f4 += v[4]
-            self.f5 += v[5]
-            for i in range(len(held)):
-                held[i] = held[i] + v[6 + i]
+            self.f0 += v.f0
+            self.f1 += v.f1
+            self.f2 += v.f2
+            self.f3 += v.f3
+            self.f4 += v.f4
+            self.f5 += v.f5
+            self.h0 += v.h0
+            self.h1 += v.h1
+            self.h2 += v.h2
+            for i in range(len(rest)):
+                rest[i] = rest[i] + vr[i]
         else:
-            self.f0 -= v[0]
-            self.f1 -= v[1]
-            self.f2 -= v[2]
-            self.f3 -= v[3]
-            self.f4 -= v[4]
-            self.f5 -= v[5]
-            for i in range(len(held)):
-                held[i] = held[i] - v[6 + i]
+            self.f0 -= v.f0
+            self.f1 -= v.f1
+            self.f2 -= v.f2
+            self.f3 -= v.f3
+            self.f4 -= v.f4
+            self.f5 -= v.f5
+            self.h0 -= v.h0
+            self.h1 -= v.h1
+            self.h2 -= v.h2
+            for i in range(len(rest)):
+                rest[i] = rest[i] - vr[i]
+
+    def add_times(self, v: Figures, q: int) -> None:
+        """Add q x `v`. Compiled, a product stays native only where both operands are in
+        [0, 2**30) (`times`): the signs are taken out here, q's once, not in a call per
+        figure (a call each was most of this method's cost)."""
+        rest, vr = self.rest, v.rest
+        if q < 0:
+            q = -q
+            c = v.f0
+            if c >= 0:
+                self.f0 -= c * q
+            else:
+                self.f0 += -c * q
+            c = v.f1
+            if c >= 0:
+                self.f1 -= c * q
+            else:
+                self.f1 += -c * q
+            c = v.f2
+            if c >= 0:
+                self.f2 -= c * q
+            else:
+                self.f2 += -c * q
+            c = v.f3
+            if c >= 0:
+                self.f3 -= c * q
+            else:
+                self.f3 += -c * q
+            c = v.f4
+            if c >= 0:
+                self.f4 -= c * q
+            else:
+                self.f4 += -c * q
+            c = v.f5
+            if c >= 0:
+                self.f5 -= c * q
+            else:
+                self.f5 += -c * q
+            c = v.h0
+            if c >= 0:
+                self.h0 -= c * q
+            else:
+                self.h0 += -c * q
+            c = v.h1
+            if c >= 0:
+                self.h1 -= c * q
+            else:
+                self.h1 += -c * q
+            c = v.h2
+            if c >= 0:
+                self.h2 -= c * q
+            else:
+                self.h2 += -c * q
+            for i in range(len(rest)):
+                rest[i] = rest[i] - times(vr[i], q)
+            return
+        c = v.f0
+        if c >= 0:
+            self.f0 += c * q
+        else:
+            self.f0 -= -c * q
+        c = v.f1
+        if c >= 0:
+            self.f1 += c * q
+        else:
+            self.f1 -= -c * q
+        c = v.f2
+        if c >= 0:
+            self.f2 += c * q
+        else:
+            self.f2 -= -c * q
+        c = v.f3
+        if c >= 0:
+            self.f3 += c * q
+        else:
+            self.f3 -= -c * q
+        c = v.f4
+        if c >= 0:
+            self.f4 += c * q
+        else:
+            self.f4 -= -c * q
+        c = v.f5
+        if c >= 0:
+            self.f5 += c * q
+        else:
+            self.f5 -= -c * q
+        c = v.h0
+        if c >= 0:
+            self.h0 += c * q
+        else:
+            self.h0 -= -c * q
+        c = v.h1
+        if c >= 0:
+            self.h1 += c * q
+        else:
+            self.h1 -= -c * q
+        c = v.h2
+        if c >= 0:
+            self.h2 += c * q
+        else:
+            self.h2 -= -c * q
+        for i in range(len(rest)):
+            rest[i] = rest[i] + times(vr[i], q)
+
+    def add_list(self, v: list[int]) -> None:
+        """Add a vector kept as a list (a correction)."""
+        self.f0 += v[0]
+        self.f1 += v[1]
+        self.f2 += v[2]
+        self.f3 += v[3]
+        self.f4 += v[4]
+        self.f5 += v[5]
+        m = self.n
+        if m:
+            self.h0 += v[6]
+            if m > 1:
+                self.h1 += v[7]
+                if m > 2:
+                    self.h2 += v[8]
+                    rest = self.rest
+                    for i in range(len(rest)):
+                        rest[i] = rest[i] + v[9 + i]
 
     def add_parts(self, v: tuple[int, ...], sign: int) -> None:
         """`add` for a request's parts (a tuple: indexed natively as such, not as a list)."""
-        held = self.held
         if sign > 0:
             self.f0 += v[0]
             self.f1 += v[1]
@@ -105,8 +240,16 @@ class Figures:
             self.f3 += v[3]
             self.f4 += v[4]
             self.f5 += v[5]
-            for i in range(len(held)):
-                held[i] = held[i] + v[6 + i]
+            m = self.n
+            if m:
+                self.h0 += v[6]
+                if m > 1:
+                    self.h1 += v[7]
+                    if m > 2:
+                        self.h2 += v[8]
+                        rest = self.rest
+                        for i in range(len(rest)):
+                            rest[i] = rest[i] + v[9 + i]
         else:
             self.f0 -= v[0]
             self.f1 -= v[1]
@@ -114,19 +257,56 @@ class Figures:
             self.f3 -= v[3]
             self.f4 -= v[4]
             self.f5 -= v[5]
-            for i in range(len(held)):
-                held[i] = held[i] - v[6 + i]
+            m = self.n
+            if m:
+                self.h0 -= v[6]
+                if m > 1:
+                    self.h1 -= v[7]
+                    if m > 2:
+                        self.h2 -= v[8]
+                        rest = self.rest
+                        for i in range(len(rest)):
+                            rest[i] = rest[i] - v[9 + i]
+
+    def set_to(self, v: Figures) -> None:
+        """Become a copy of `v` (a scratch vector reused, not made anew)."""
+        self.f0, self.f1, self.f2 = v.f0, v.f1, v.f2
+        self.f3, self.f4, self.f5 = v.f3, v.f4, v.f5
+        self.h0, self.h1, self.h2 = v.h0, v.h1, v.h2
+        rest, vr = self.rest, v.rest
+        for i in range(len(rest)):
+            rest[i] = vr[i]
+
+    def copy(self) -> Figures:
+        out = Figures(6 + self.n)
+        out.set_to(self)
+        return out
+
+    def as_list(self) -> list[int]:
+        """The figures in order, as a list."""
+        out = [self.f0, self.f1, self.f2, self.f3, self.f4, self.f5, self.h0, self.h1,
+               self.h2][:6 + self.n]
+        out.extend(self.rest)
+        return out
+
+
+def figures_of(v: tuple[int, ...]) -> Figures:
+    """A vector (a request's parts) as `Figures`."""
+    out = Figures(len(v))
+    out.add_parts(v, 1)
+    return out
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
-class Form:
-    """One decoder: its phase, final length, form and terms, and its heap keys."""
+class Form(Figures):
+    """One decoder: its phase, final length, form and terms, and its heap keys. Its
+    constants are its own figures (a `Figures`: one object made per form, not two)."""
 
-    def __init__(self, c: int, final: int, terms: list[tuple[int, int]], a: list[int],
-                 s: list[int], sid: int) -> None:
+    def __init__(self, width: int, c: int, final: int, terms: list[tuple[int, int]],
+                 s: Figures, sid: int) -> None:
+        super().__init__(width)
         self.c = c
         self.final = final
-        self.a = a
         self.s = s
         self.sid = sid  # its slope's index in `Forms.slopes` (-1: a slope of zeros)
         self.terms = terms  # (term kind, x)
@@ -200,6 +380,7 @@ class Forms:
         #: block sizes whose reserved slots stop at the final length's block
         self.reserving = tuple(sorted({m.block_size for m in self.managers if m.token_bytes}))
         self.blocks_vec = [v[0] for v in self.vecs]
+        self.vecf = [figures_of(tuple(v)) for v in self.vecs]  # (`vecs`, unboxed)
         # per term kind, the figures its vector moves (about half: the sums skip the rest)
         self.moved_ix = [[i for i in range(width) if v[i]] for v in self.vecs]
         # Per manager, what `parts_of` reads for every request it counts (kept flat: an
@@ -212,10 +393,10 @@ class Forms:
         self.m_pad = [m.groups * page - m.block_size * m.token_bytes for m in self.managers]
         # windows passed -> the index of a decoder's slope then in `slopes` (`_build`)
         self._slopes: dict[int, int] = {}
-        self.slopes: list[list[int]] = []
+        self.slopes: list[Figures] = []
         self.slope_n: list[int] = []  # per slope, the decoders with it
         self.slope_counted: list[int] = []  # per slope, those `S` counts
-        self.zeros = [0] * width  # (the slope of a phase of one length)
+        self.zeros = Figures(width)  # (the slope of a phase of one length)
 
     def _events_at(self) -> None:
         """Event lengths: window edges and chunk starts, of managers and promoted layers (a
@@ -373,7 +554,7 @@ class Forms:
             after = self.parts_of(tokens + 1, tokens - lag, final)
             tv = self._term_value(terms, clock)
             tv1 = self._term_value(terms, clock + 1)
-            s = [after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]
+            s = figures_of(tuple([after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]))
             sid = self._slopes[passed] = len(self.slopes)
             self.slopes.append(s)
             self.slope_n.append(0)
@@ -381,25 +562,16 @@ class Forms:
         else:  # (a phase of one length: any slope, the constant makes it exact, and
             s = self.zeros  # the next event rebuilds it)
             light = False
-        # Its constant: its parts now less the slope's and the terms' values now, each
-        # figure summed in one pass and stored once (see `Cohort.totals`)
-        kinds: list[int] = []
-        qs: list[int] = []
+        # Its constant: its parts now less the slope's and the terms' values now (native
+        # figures: a list's every store makes an int object)
+        rec = Form(width, c, final, terms, s, sid)
+        rec.add_parts(now, 1)
+        rec.add_times(s, -clock)
+        vecf = self.vecf
         for kind, x in terms:
-            kinds.append(kind)
-            qs.append((x + clock) // mods[kind])
-        vecs = self.vecs
-        a = [0] * width
-        for i in range(width):
-            y = now[i] - times(s[i], clock)
-            for j in range(len(qs)):
-                q = qs[j]
-                if q:
-                    v = vecs[kinds[j]][i]
-                    if v:
-                        y -= times(v, q)
-            a[i] = y
-        rec = Form(c, final, terms, a, s, sid)
+            q = (x + clock) // mods[kind]
+            if q:
+                rec.add_times(vecf[kind], -q)
         rec.light = light
         rec.event = NEVER if nxt == NEVER else nxt - c
         while light:  # (light events keep the blocks' form: the next one that moves them)
@@ -473,10 +645,10 @@ class Forms:
         """The decoder's form from its light event on (`_final_block` on a copy): only two
         constants and the next event move, so it is not built afresh."""
         d = self._final_shift(rec)
-        a = list(rec.a)
-        a[2] = a[2] + d
-        a[3] = a[3] - d
-        new = Form(rec.c, rec.final, rec.terms, a, rec.s, rec.sid)
+        new = Form(self.width, rec.c, rec.final, rec.terms, rec.s, rec.sid)
+        new.set_to(rec)
+        new.f2 += d
+        new.f3 -= d
         new.nf, new.last, new.bev = rec.nf, rec.last, rec.bev
         nxt, new.light = self._next_event(rec.c + rec.event, rec.final)
         new.event = NEVER if nxt == NEVER else nxt - rec.c

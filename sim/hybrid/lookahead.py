@@ -65,7 +65,7 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     # Decoders whose blocks leave their forms by the step walked (their events up to
     # `horizon`, looked up a stretch at a time, and only from the first such event on: the
     # walk often stops at its first steps)
-    slope = co.slope_sum()[0]
+    slope = co.slope_sum().f0
     horizon = min(done, 32)
     # (the heap's top bounds `first_due` from below, stale entries included: the first due
     # clock is looked up only once a step reaches that bound)
@@ -202,7 +202,7 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
         if hit > 0:
             return 1
     if co.prev_fresh:
-        for rid, processed in co.prev_fresh.items():
+        for rid, (processed, _) in co.prev_fresh.items():
             rec = co.recs[rid]
             tokens = rec.c + clock
             got = first_now.get(rid)
@@ -210,14 +210,15 @@ def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
             if co._frees_between(wix, p, processed):
                 return 1
     if lag and co.prev_first:
-        for rid, p in co.prev_first.items():  # (their second step, just taken)
+        for rid, (p, _) in co.prev_first.items():  # (their second step, just taken)
             tokens = co.recs[rid].c + clock
             if co._frees_between(wix, tokens - 1 - lag, p):
                 return 1
     if first_now:
         for rid, (p, _) in first_now.items():  # (their step to come frees by the form)
             tokens = co.recs[rid].c + clock
-            before = co.prev_fresh.get(rid, tokens - 2 - lag)
+            was = co.prev_fresh.get(rid)
+            before = was[0] if was is not None else tokens - 2 - lag
             if co._frees_between(wix, p, before):
                 return 1
             if tokens < co.recs[rid].final and co._frees_between(wix, tokens - lag, p):
