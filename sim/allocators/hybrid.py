@@ -526,9 +526,9 @@ class HybridAllocator(Allocator):
 
     def _release(self, live: Live) -> None:
         rid = live.req.rid
-        held = self._held.pop(rid, None)  # (None: a decoder, freed as it left the cohort)
-        if held is not None:
-            self._add_fixed(held, -1)
+        if rid in self._held:  # (not: a decoder, freed as it left the cohort)
+            self._add_fixed(self._held[rid], -1)
+            del self._held[rid]
         if self._tables:  # (block ids named: not while the engine defers them)
             for groups in self._tables.pop(rid, []):
                 for ids in groups:

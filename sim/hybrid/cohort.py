@@ -80,6 +80,9 @@ class Cohort(Forms):
         # can be any int, a slot is dense and below 2**SLOT_BITS); an entry is live where its
         # slot's decoder has that clock now, as an entry of a rid gone and back would be.
         self.rid_at: list[int] = []  # slot -> its decoder's rid (-1: free)
+        # slot -> its decoder's record (None: free): a heap entry's, read without a dict
+        # lookup (and the rid made an int object again for it)
+        self.form_at: list[Form | None] = []
         self.free_slots: list[int] = []
         self.events: list[int] = []  # `Form.event`
         self.bevents: list[int] = []  # `Form.bev`
@@ -186,18 +189,19 @@ class Cohort(Forms):
             slot = len(self.rid_at)
             assert slot <= SLOT_MASK
             self.rid_at.append(rid)
+            self.form_at.append(None)
         return slot
 
     def _at(self, key: int) -> Form | None:
         """The record of the decoder in a heap key's slot (None: the slot is free)."""
-        rid = self.rid_at[key & SLOT_MASK]
-        return self.recs.get(rid) if rid >= 0 else None
+        return self.form_at[key & SLOT_MASK]
 
     def _enter(self, rid: int, rec: Form) -> None:
         """A decoder's record (its slot set: `join` takes one, a rebuild keeps it) counted."""
         self.recs[rid] = rec
         self._add(rid, rec, 1)
         slot = rec.slot
+        self.form_at[slot] = rec
         if rec.event != NEVER:
             if len(self.events) > 2 * len(self.recs) + 64:  # mostly stale: keep the live ones
                 self.events = [r.event << SLOT_BITS | r.slot for r in self.recs.values()
@@ -298,9 +302,11 @@ class Cohort(Forms):
 
     def leave(self, rid: int, clock: int) -> None:
         self._rotate(clock)
-        rec = self.recs.pop(rid)
+        rec = self.recs[rid]
+        del self.recs[rid]  # (not `pop`: compiled, a generic method call)
         self._add(rid, rec, -1)
         self.rid_at[rec.slot] = -1
+        self.form_at[rec.slot] = None
         self.free_slots.append(rec.slot)
         if self.fresh:
             self._drop(self.fresh, self.fresh_corr, rid, self.fresh_clock)
@@ -327,9 +333,9 @@ class Cohort(Forms):
               rid: int, at: int) -> None:
         """Take a decoder's correction out of a pending one's, if it has one (`at`: the clock
         whose figures that one corrects; -1: a later clock's)."""
-        got = pending.pop(rid, None)
-        if got is not None:
-            diff = got[1]
+        if rid in pending:  # (not `pop`: compiled, a generic method call)
+            diff = pending[rid][1]
+            del pending[rid]
             self._moved(-diff[0] if at == self._blocks_clock else 0)
             for i in range(self.width):
                 corr[i] = corr[i] - diff[i]
@@ -337,15 +343,15 @@ class Cohort(Forms):
     def stepped(self, clock: int) -> None:
         """The clock is `clock`: rebuild the decoders whose event it has reached."""
         self._rotate(clock)
-        recs, rid_at = self.recs, self.rid_at
+        rid_at, form_at = self.rid_at, self.form_at
         end = clock << SLOT_BITS | SLOT_MASK
         while self.events and self.events[0] <= end:  # (`_enter` may rebuild the heap)
             entry = heappop(self.events)
-            rid = rid_at[entry & SLOT_MASK]
-            rec = recs.get(rid) if rid >= 0 else None
+            rec = form_at[entry & SLOT_MASK]
             key = entry >> SLOT_BITS
             if rec is None or rec.event != key:
                 continue
+            rid = rid_at[entry & SLOT_MASK]
             if rec.light:
                 self._final_block(rid, rec, clock)
                 continue
