@@ -100,6 +100,7 @@ from kvfrag.sim.allocators.base import (
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.cohort import Cohort
+from kvfrag.sim.hybrid.forms import Figures
 from kvfrag.sim.hybrid.managers import managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
@@ -194,7 +195,7 @@ class HybridAllocator(Allocator):
         self._first: dict[int, int] = {}  # async: decoder rid -> processed at its first step
         # rid -> the parts (`_parts_of`) a request outside the cohort adds to the running
         # totals, as added: taken out again as they are, not recounted
-        self._held: dict[int, tuple[int, ...]] = {}
+        self._held: dict[int, Figures] = {}
         self._joined: dict[int, int] = {}  # decoder rid -> clock when it joined the cohort
         # rid -> per manager, per group: (skipped blocks named so far, ids of held blocks)
         self._tables: dict[int, list[list[list[int]]]] = {}
@@ -254,7 +255,7 @@ class HybridAllocator(Allocator):
         return [ModelView.of(LayerStack(self.stack.name, tuple(ls))) if ls else None
                 for ls in layers]
 
-    def _parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
+    def _parts_of(self, tokens: int, processed: int, final: int) -> Figures:
         """(blocks, token_states, reserved, internal, padding, out_of_window, then each
         manager's held blocks per group) of one request (`Cohort.parts_of`)."""
         return self._cohort.parts_of(tokens, processed, final)
@@ -297,7 +298,7 @@ class HybridAllocator(Allocator):
         manager's held blocks per group) over live requests: the running totals."""
         return self._cohort.figures(self._clock).as_list()
 
-    def _add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
+    def _add_fixed(self, parts: Figures, sign: int) -> None:
         self._cohort.add_fixed(parts, sign)
 
     def _stepped(self) -> None:
@@ -319,7 +320,7 @@ class HybridAllocator(Allocator):
     def blocks_of(self, rid: int) -> int:
         held = self._held.get(rid)  # (outside the cohort: its parts as counted)
         if held is not None:
-            return held[0]
+            return held.f0
         return self._blocks(*self._state(self._get(rid)))
 
     def allocated_bytes(self, rid: int) -> int:
@@ -500,8 +501,8 @@ class HybridAllocator(Allocator):
         held = self._held[rid]  # (its parts at (old, processed), as added)
         proc = max(0, old - self.in_flight_now) if self._lag else old
         want = self._blocks(new, proc)
-        if want - held[0] > self.free_blocks():
-            return Refusal(rid, Reason.OUT_OF_MEMORY, (want - held[0]) * self.page,
+        if want - held.f0 > self.free_blocks():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, (want - held.f0) * self.page,
                            self.free_bytes())
         taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
                     for m in self.managers)

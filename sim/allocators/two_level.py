@@ -456,7 +456,7 @@ class TwoLevelAllocator(HybridAllocator):
         self._held[rid] = parts
         self._add_fixed(parts, 1)
         self._changed()
-        return Grant(rid, parts[0] * self.page, live.cap, blocks=self._new_ids())
+        return Grant(rid, parts.f0 * self.page, live.cap, blocks=self._new_ids())
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid

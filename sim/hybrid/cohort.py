@@ -259,7 +259,7 @@ class Cohort(Forms):
             self.fresh_clock = clock
 
     def join(self, rid: int, c: int, final: int, processed: int, clock: int,
-             held: tuple[int, ...], first: int = -1) -> None:
+             held: Figures, first: int = -1) -> None:
         """A decoder joins at `clock` holding what its prefill left (`processed` computed;
         `held`: its parts then, `parts_of(c + clock, processed, final)`, as the coordinator
         counted them outside the cohort). `first` (lag): processed at its first step."""
@@ -278,7 +278,8 @@ class Cohort(Forms):
             diff = self._shift(processed, max(0, formed))
             # (within the first window both skip nothing: its parts are its form's)
             if any(d for d in diff):  # (a generator: compiled, a loop; not a call)
-                now = tuple([held[i] - diff[i] for i in range(self.width)])
+                now = held.copy()
+                now.sub_list(diff)
             else:
                 now = held
         rec = self._build(rid, c, final, clock, now)[0]
@@ -374,14 +375,14 @@ class Cohort(Forms):
                         self.chunk_freed = set()
                     self.chunk_freed.add(rid)
 
-    def add_fixed(self, parts: tuple[int, ...], sign: int) -> None:
+    def add_fixed(self, parts: Figures, sign: int) -> None:
         """A request outside the cohort holds `parts` (sign 1) or no longer (-1)."""
-        self.fixed.add_parts(parts, sign)
+        self.fixed.add(parts, sign)
         keep = self._memo_changes == self._changes  # (the figures just before: kept valid)
         if keep:
-            self._memo.add_parts(parts, sign)
+            self._memo.add(parts, sign)
         if self._blocks_changes == self._changes:
-            self._blocks_memo += times(sign, parts[0])
+            self._blocks_memo += times(sign, parts.f0)
             self._blocks_changes += 1
         self._changes += 1
         if keep:

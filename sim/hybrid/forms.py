@@ -42,6 +42,9 @@ NEVER: Final = (1 << 62) - 1
 SLOT_BITS: Final = 32
 SLOT_MASK: Final = (1 << SLOT_BITS) - 1
 
+#: `Figures.rest` of a model with at most three managers (empty: one list for all)
+_NO_REST: Final[list[int]] = []
+
 #: Manager classes whose skipped blocks the cohort computes itself (`Forms._skipped`).
 _CODES = {"Manager": 1, "SlidingWindowManager": 2, "ChunkedLocalManager": 3}
 
@@ -67,7 +70,7 @@ class Figures:
         self.h0 = 0
         self.h1 = 0
         self.h2 = 0
-        self.rest = [0] * max(0, width - 9)
+        self.rest = [0] * (width - 9) if width > 9 else _NO_REST  # (never stored into)
 
     def get(self, i: int) -> int:
         """Figure i."""
@@ -267,6 +270,36 @@ class Figures:
                         rest = self.rest
                         for i in range(len(rest)):
                             rest[i] = rest[i] - v[9 + i]
+
+    def sub_list(self, v: list[int]) -> None:
+        """Take out a vector kept as a list."""
+        self.f0 -= v[0]
+        self.f1 -= v[1]
+        self.f2 -= v[2]
+        self.f3 -= v[3]
+        self.f4 -= v[4]
+        self.f5 -= v[5]
+        m = self.n
+        if m:
+            self.h0 -= v[6]
+            if m > 1:
+                self.h1 -= v[7]
+                if m > 2:
+                    self.h2 -= v[8]
+                    rest = self.rest
+                    for i in range(len(rest)):
+                        rest[i] = rest[i] - v[9 + i]
+
+    def set_held(self, m: int, value: int) -> None:
+        """Set manager m's figure."""
+        if m == 0:
+            self.h0 = value
+        elif m == 1:
+            self.h1 = value
+        elif m == 2:
+            self.h2 = value
+        else:
+            self.rest[m - 3] = value
 
     def set_to(self, v: Figures) -> None:
         """Become a copy of `v` (a scratch vector reused, not made anew)."""
@@ -482,13 +515,13 @@ class Forms:
             total += groups[i] * (-(-tokens // bss[i]) - self._skipped(i, processed))
         return total
 
-    def parts_of(self, tokens: int, processed: int, final: int) -> tuple[int, ...]:
+    def parts_of(self, tokens: int, processed: int, final: int) -> Figures:
         """(blocks, token_states, reserved, internal, padding, out_of_window, then each
         manager's held blocks per group) of one request: internal = padding + out_of_window +
         rounding (slots past F)."""
         blocks = token_states = reserved = padding = out = 0
         n = len(self.m_bs)
-        got = [0] * (6 + n)  # (each manager's held blocks from 6 on; the six figures last)
+        got = Figures(6 + n)  # (native figures: a tuple's made each an int object)
         bss, tbs, groups, states = self.m_bs, self.m_tb, self.m_groups, self.m_state
         pads, views = self.m_pad, self.views
         for i in range(n):
@@ -496,7 +529,7 @@ class Forms:
             ceil = -(-tokens // bs)
             skipped = self._skipped(i, processed)
             held = ceil - skipped  # (`m.held`)
-            got[6 + i] = held
+            got.set_held(i, held)
             blocks += groups[i] * held
             # tokens its layers read: all, less those out of their window (`needed` for the
             # manager's own kind; promoted layers by their real kind)
@@ -508,10 +541,10 @@ class Forms:
                 reserved += ((final if final < slots else slots) - tokens) * tb
             padding += held * pads[i] - states[i]
             out += unread - skipped * bs * tb
-        got[0], got[1], got[2] = blocks, token_states, reserved
-        got[3] = blocks * self.page - token_states - reserved  # internal
-        got[4], got[5] = padding, out
-        return tuple(got)
+        got.f0, got.f1, got.f2 = blocks, token_states, reserved
+        got.f3 = blocks * self.page - token_states - reserved  # internal
+        got.f4, got.f5 = padding, out
+        return got
 
     def _term_value(self, terms: list[tuple[int, int]], k: int) -> list[int]:
         """Sum over these terms of v x floor((x + k) / mod)."""
@@ -526,7 +559,7 @@ class Forms:
         return out
 
     def _build(self, rid: int, c: int, final: int, clock: int,
-               now: tuple[int, ...] | None = None) -> tuple[Form, tuple[int, ...]]:
+               now: Figures | None = None) -> tuple[Form, Figures]:
         """A decoder's form from clock `clock` (L = c + clock tokens, L - 1 - lag processed),
         and its parts then (`now`: those parts where the caller has them)."""
         tokens = c + clock
@@ -554,7 +587,8 @@ class Forms:
             after = self.parts_of(tokens + 1, tokens - lag, final)
             tv = self._term_value(terms, clock)
             tv1 = self._term_value(terms, clock + 1)
-            s = figures_of(tuple([after[i] - now[i] - tv1[i] + tv[i] for i in range(width)]))
+            s = figures_of(tuple([after.get(i) - now.get(i) - tv1[i] + tv[i]
+                                  for i in range(width)]))
             sid = self._slopes[passed] = len(self.slopes)
             self.slopes.append(s)
             self.slope_n.append(0)
@@ -565,7 +599,7 @@ class Forms:
         # Its constant: its parts now less the slope's and the terms' values now (native
         # figures: a list's every store makes an int object)
         rec = Form(width, c, final, terms, s, sid)
-        rec.add_parts(now, 1)
+        rec.set_to(now)
         rec.add_times(s, -clock)
         vecf = self.vecf
         for kind, x in terms:
