@@ -116,104 +116,40 @@ class Figures:
         """Add q x `v`. Compiled, a product stays native only where both operands are in
         [0, 2**30) (`times`): the signs are taken out here, q's once, not in a call per
         figure (a call each was most of this method's cost)."""
-        rest, vr = self.rest, v.rest
-        if q < 0:
+        neg = q < 0
+        if neg:
             q = -q
-            c = v.f0
-            if c >= 0:
-                self.f0 -= c * q
-            else:
-                self.f0 += -c * q
-            c = v.f1
-            if c >= 0:
-                self.f1 -= c * q
-            else:
-                self.f1 += -c * q
-            c = v.f2
-            if c >= 0:
-                self.f2 -= c * q
-            else:
-                self.f2 += -c * q
-            c = v.f3
-            if c >= 0:
-                self.f3 -= c * q
-            else:
-                self.f3 += -c * q
-            c = v.f4
-            if c >= 0:
-                self.f4 -= c * q
-            else:
-                self.f4 += -c * q
-            c = v.f5
-            if c >= 0:
-                self.f5 -= c * q
-            else:
-                self.f5 += -c * q
-            c = v.h0
-            if c >= 0:
-                self.h0 -= c * q
-            else:
-                self.h0 += -c * q
-            c = v.h1
-            if c >= 0:
-                self.h1 -= c * q
-            else:
-                self.h1 += -c * q
-            c = v.h2
-            if c >= 0:
-                self.h2 -= c * q
-            else:
-                self.h2 += -c * q
-            for i in range(len(rest)):
-                rest[i] = rest[i] - times(vr[i], q)
-            return
         c = v.f0
-        if c >= 0:
-            self.f0 += c * q
-        else:
-            self.f0 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.f0 = self.f0 - p if neg else self.f0 + p
         c = v.f1
-        if c >= 0:
-            self.f1 += c * q
-        else:
-            self.f1 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.f1 = self.f1 - p if neg else self.f1 + p
         c = v.f2
-        if c >= 0:
-            self.f2 += c * q
-        else:
-            self.f2 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.f2 = self.f2 - p if neg else self.f2 + p
         c = v.f3
-        if c >= 0:
-            self.f3 += c * q
-        else:
-            self.f3 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.f3 = self.f3 - p if neg else self.f3 + p
         c = v.f4
-        if c >= 0:
-            self.f4 += c * q
-        else:
-            self.f4 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.f4 = self.f4 - p if neg else self.f4 + p
         c = v.f5
-        if c >= 0:
-            self.f5 += c * q
-        else:
-            self.f5 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.f5 = self.f5 - p if neg else self.f5 + p
         c = v.h0
-        if c >= 0:
-            self.h0 += c * q
-        else:
-            self.h0 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.h0 = self.h0 - p if neg else self.h0 + p
         c = v.h1
-        if c >= 0:
-            self.h1 += c * q
-        else:
-            self.h1 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.h1 = self.h1 - p if neg else self.h1 + p
         c = v.h2
-        if c >= 0:
-            self.h2 += c * q
-        else:
-            self.h2 -= -c * q
+        p = c * q if c >= 0 else -(-c * q)
+        self.h2 = self.h2 - p if neg else self.h2 + p
+        rest, vr = self.rest, v.rest
         for i in range(len(rest)):
-            rest[i] = rest[i] + times(vr[i], q)
+            p = times(vr[i], q)
+            rest[i] = rest[i] - p if neg else rest[i] + p
 
     def add_list(self, v: list[int]) -> None:
         """Add a vector kept as a list (a correction)."""
