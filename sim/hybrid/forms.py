@@ -170,43 +170,6 @@ class Figures:
                     for i in range(len(rest)):
                         rest[i] = rest[i] + v[9 + i]
 
-    def add_parts(self, v: tuple[int, ...], sign: int) -> None:
-        """`add` for a request's parts (a tuple: indexed natively as such, not as a list)."""
-        if sign > 0:
-            self.f0 += v[0]
-            self.f1 += v[1]
-            self.f2 += v[2]
-            self.f3 += v[3]
-            self.f4 += v[4]
-            self.f5 += v[5]
-            m = self.n
-            if m:
-                self.h0 += v[6]
-                if m > 1:
-                    self.h1 += v[7]
-                    if m > 2:
-                        self.h2 += v[8]
-                        rest = self.rest
-                        for i in range(len(rest)):
-                            rest[i] = rest[i] + v[9 + i]
-        else:
-            self.f0 -= v[0]
-            self.f1 -= v[1]
-            self.f2 -= v[2]
-            self.f3 -= v[3]
-            self.f4 -= v[4]
-            self.f5 -= v[5]
-            m = self.n
-            if m:
-                self.h0 -= v[6]
-                if m > 1:
-                    self.h1 -= v[7]
-                    if m > 2:
-                        self.h2 -= v[8]
-                        rest = self.rest
-                        for i in range(len(rest)):
-                            rest[i] = rest[i] - v[9 + i]
-
     def sub_list(self, v: list[int]) -> None:
         """Take out a vector kept as a list."""
         self.f0 -= v[0]
@@ -259,10 +222,10 @@ class Figures:
         return out
 
 
-def figures_of(v: tuple[int, ...]) -> Figures:
-    """A vector (a request's parts) as `Figures`."""
+def figures_of(v: list[int]) -> Figures:
+    """A vector kept as a list (a term's, a slope) as `Figures`."""
     out = Figures(len(v))
-    out.add_parts(v, 1)
+    out.add_list(v)
     return out
 
 
@@ -349,7 +312,7 @@ class Forms:
         #: block sizes whose reserved slots stop at the final length's block
         self.reserving = tuple(sorted({m.block_size for m in self.managers if m.token_bytes}))
         self.blocks_vec = [v[0] for v in self.vecs]
-        self.vecf = [figures_of(tuple(v)) for v in self.vecs]  # (`vecs`, unboxed)
+        self.vecf = [figures_of(v) for v in self.vecs]  # (`vecs`, unboxed)
         # per term kind, the figures its vector moves (about half: the sums skip the rest)
         self.moved_ix = [[i for i in range(width) if v[i]] for v in self.vecs]
         # Per manager, what `parts_of` reads for every request it counts (kept flat: an
@@ -523,8 +486,7 @@ class Forms:
             after = self.parts_of(tokens + 1, tokens - lag, final)
             tv = self._term_value(terms, clock)
             tv1 = self._term_value(terms, clock + 1)
-            s = figures_of(tuple([after.get(i) - now.get(i) - tv1[i] + tv[i]
-                                  for i in range(width)]))
+            s = figures_of([after.get(i) - now.get(i) - tv1[i] + tv[i] for i in range(width)])
             sid = self._slopes[passed] = len(self.slopes)
             self.slopes.append(s)
             self.slope_n.append(0)
