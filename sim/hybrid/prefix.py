@@ -202,27 +202,18 @@ def find_kind(pool: Lookup, req: Request, chain: list[object], k: Kind,
     """One kind's hit within `max_len` tokens (see the module's Hits): per group of the kind
     its hit's ids (0 where no layer reads a block), and the hit's tokens."""
     bs = k.block_size
-    if k.kind == "full":
-        out: list[list[int]] = [[] for _ in k.groups]
-        for j in range(max_len // bs):
+    if k.kind in ("full", "chunked_local"):
+        # Left to right. Chunked local attention: the chunks before max_len's are past every
+        # window, hit without a lookup (null blocks), then the blocks of its chunk.
+        start = 0 if k.kind == "full" else max(0, max_len) // k.window * k.window // bs
+        out: list[list[int]] = [[0] * start for _ in k.groups]
+        for j in range(start, max_len // bs):
             ids = [pool.lookup(block_key(req, chain, j, g)) for g in k.groups]
             if not all(ids):
                 break
             for lst, b in zip(out, ids, strict=True):
                 lst.append(b)
         return out, len(out[0]) * bs
-    if k.kind == "chunked_local":
-        # The chunks before max_len's are past every window: hit without a lookup
-        # (null blocks), then the blocks of its chunk left to right.
-        start = max(0, max_len) // k.window * k.window // bs
-        chunked: list[list[int]] = [[0] * start for _ in k.groups]
-        for j in range(start, max_len // bs):
-            ids = [pool.lookup(block_key(req, chain, j, g)) for g in k.groups]
-            if not all(ids):
-                break
-            for lst, b in zip(chunked, ids, strict=True):
-                lst.append(b)
-        return chunked, len(chunked[0]) * bs
     if k.kind == "mamba":
         # Right to left: the state block ending at the hit (the blocks before are null).
         for i in range(max_len // bs - 1, -1, -1):
