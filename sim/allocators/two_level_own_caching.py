@@ -157,6 +157,8 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
     """`two-level` in its own layout with prefix caching (`make_allocator` builds it for
     `prefix_caching: true` without `vllm_groups`): see the module."""
 
+    _row_width = 7  # (`_step_row`: the usable bytes too)
+
     kind = "two-level"
 
     def __init__(
@@ -550,14 +552,15 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         return (held, *held_figures(st, self._live, clock, self._kinds, self._manager_of,
                                     self._tb, self._sb, self.small_pages))
 
-    def _totals(self) -> tuple[int, ...]:
-        memo = self._totals_memo  # (as `HybridPrefixCaching._totals`: kept per instant)
-        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2]
-        held, token_states, reserved, padding, out = self._figures(self._st, self._clock)
-        totals = (held, token_states, reserved, held - token_states - reserved, padding, out)
-        self._totals_memo = (self._clock, self._version, totals)
-        return totals
+    def _totals_at(self, st: PrefixState, clock: int) -> tuple[int, ...]:
+        held, token_states, reserved, padding, out = self._figures(st, clock)
+        return held, token_states, reserved, held - token_states - reserved, padding, out
+
+    def _step_row(self, st: PrefixState, clock: int) -> tuple[int, ...]:
+        """The totals (held bytes first), then the usable bytes: free and evictable large
+        pages, which the held small pages do not tell."""
+        pool: TwoLevelCachePool = st.pool.pool  # type: ignore[attr-defined]
+        return (*self._totals_at(st, clock), pool.usable_large_pages() * self.large)
 
     def _allocated_total(self) -> int:
         """Bytes of the large pages held (what `free_bytes` leaves out: the usable large
@@ -568,33 +571,6 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         held, token_states, reserved, internal = self._totals()[:4]
         usable = self.pool.usable_large_pages() * self.large
         return token_states, reserved, internal, self.capacity - held - usable, usable
-
-    def _sums(self, n: int, w0: float, w1: float) -> list[float]:
-        """Over the next n decode steps (weighed w0 + w1 (j - 1)), the weighted sums of (held
-        bytes, token_states, reserved, internal, padding, out_of_window, usable bytes),
-        stepped on a copy of the state."""
-        key = (self._clock, self._version, n, w0, w1)
-        memo = self._sums_memo
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        self._flush()
-        st = self._st.light_copy()
-        pool: TwoLevelCachePool = st.pool.pool  # type: ignore[attr-defined]
-        sums = [0.0] * 7
-        for j in range(1, n + 1):
-            failed = self._step(st, self._clock + j)
-            assert failed < 0, "integrals past steps_until_full"
-            held, token_states, reserved, padding, out = self._figures(st, self._clock + j)
-            w = w0 + w1 * (j - 1)
-            sums[0] += held * w
-            sums[1] += token_states * w
-            sums[2] += reserved * w
-            sums[3] += (held - token_states - reserved) * w
-            sums[4] += padding * w
-            sums[5] += out * w
-            sums[6] += pool.usable_large_pages() * self.large * w
-        self._sums_memo = (key, sums)
-        return sums
 
     def integrals(
         self, n: int, probe: Request | None, w0: float, w1: float

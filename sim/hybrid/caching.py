@@ -73,6 +73,9 @@ class HybridPrefixCaching(HybridAllocator):
     """`HybridAllocator` with vLLM's prefix caching (`make_allocator` builds it for
     `prefix_caching=True`)."""
 
+    #: The figures in a row of `_step_row`.
+    _row_width = 6
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         p = self.plan
@@ -654,6 +657,17 @@ class HybridPrefixCaching(HybridAllocator):
         return (st.held(), *held_figures(st, self._live, clock, self._kinds, self._manager_of,
                                          self._tb, self._sb, self._pages))
 
+    def _totals_at(self, st: PrefixState, clock: int) -> tuple[int, ...]:
+        """(blocks, token_states, reserved, internal, padding, out_of_window) of `st` at
+        `clock`."""
+        blocks, token_states, reserved, padding, out = self._figures(st, clock)
+        internal = blocks * self.page - token_states - reserved
+        return blocks, token_states, reserved, internal, padding, out
+
+    def _step_row(self, st: PrefixState, clock: int) -> tuple[int, ...]:
+        """What `_sums` weighs at each step it looks ahead: the totals."""
+        return self._totals_at(st, clock)
+
     def _totals(self) -> tuple[int, ...]:
         # (no flush: `step` asks the bytes in use between the engine's preemptions for a
         # step and the step, which frees them; kept while the state and clock stay: the
@@ -661,9 +675,7 @@ class HybridPrefixCaching(HybridAllocator):
         memo = self._totals_memo
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
             return memo[2]
-        blocks, token_states, reserved, padding, out = self._figures(self._st, self._clock)
-        internal = blocks * self.page - token_states - reserved
-        totals = (blocks, token_states, reserved, internal, padding, out)
+        totals = self._totals_at(self._st, self._clock)
         self._totals_memo = (self._clock, self._version, totals)
         return totals
 
@@ -711,27 +723,22 @@ class HybridPrefixCaching(HybridAllocator):
 
     def _sums(self, n: int, w0: float, w1: float) -> list[float]:
         """Over the next n decode steps (each weighed w0 + w1 (j - 1)), the weighted sums of
-        (blocks, token_states, reserved, internal, padding, out_of_window), stepped on a
-        copy of the state; the last answer kept (the engine asks the parts, then the waste,
-        of one stretch)."""
+        each step's row (`_step_row`: blocks, token_states, reserved, internal, padding,
+        out_of_window), stepped on a copy of the state; the last answer kept (the engine asks
+        the parts, then the waste, of one stretch)."""
         key = (self._clock, self._version, n, w0, w1)
         memo = self._sums_memo
         if memo is not None and memo[0] == key:
             return memo[1]
         self._flush()
         st = self._st.light_copy()
-        sums = [0.0] * 6
+        sums = [0.0] * self._row_width
         for j in range(1, n + 1):
             failed = self._step(st, self._clock + j)
             assert failed < 0, "integrals past steps_until_full"
-            blocks, token_states, reserved, padding, out = self._figures(st, self._clock + j)
             w = w0 + w1 * (j - 1)
-            sums[0] += blocks * w
-            sums[1] += token_states * w
-            sums[2] += reserved * w
-            sums[3] += (blocks * self.page - token_states - reserved) * w
-            sums[4] += padding * w
-            sums[5] += out * w
+            for i, x in enumerate(self._step_row(st, self._clock + j)):
+                sums[i] += x * w
         self._sums_memo = (key, sums)
         return sums
 
