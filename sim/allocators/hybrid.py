@@ -101,7 +101,7 @@ from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.cohort import Cohort
 from kvfrag.sim.hybrid.forms import Figures
-from kvfrag.sim.hybrid.managers import managers_for
+from kvfrag.sim.hybrid.managers import Manager, managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
 from kvfrag.sim.model_view import ModelView
@@ -179,14 +179,21 @@ class HybridAllocator(Allocator):
                 "max_num_batched_tokens", max_num_batched_tokens),
             concurrent_batches=positive_int("concurrent_batches", concurrent_batches),
         )
-        self.block_size = bs
-        self.block_bytes = self.page = self.plan.page_bytes
-        self.num_blocks = self.plan.usable_blocks  # block ids requests can hold
         # One manager per kind of group; plan group -> its manager's index.
-        self.managers, self._manager_of = managers_for(self.plan, stack, in_flight,
-                                                       self.max_model_len)
-        # Group index -> (manager index, group within it), in the plan's group order.
-        self._stack_ids = FreeIds(self.plan.num_blocks)
+        managers, manager_of = managers_for(self.plan, stack, in_flight, self.max_model_len)
+        self._setup(bs, managers, manager_of, self._manager_views(managers, manager_of),
+                    self.plan.page_bytes, self.plan.usable_blocks)
+
+    def _setup(self, block_size: int, managers: tuple[Manager, ...], manager_of: list[int],
+               reads: list[ModelView | None], page: int, num_blocks: int) -> None:
+        """The state every coordinator over these managers keeps (`static-partition` builds
+        its own managers and pools, then this): `page` the bytes of one block id of the
+        running totals, `num_blocks` the ids requests can hold."""
+        self.block_size = block_size
+        self.block_bytes = self.page = page
+        self.num_blocks = num_blocks  # block ids requests can hold
+        self.managers, self._manager_of = managers, manager_of
+        self._stack_ids = FreeIds(num_blocks + 1)
         self._stack_ids.pop()  # block 0: the null block
         self._proc: dict[int, int] = {}  # rid -> tokens processed at its last allocation
         # Async scheduling: a decoder's last token is in flight when it steps (1; 0: not async)
@@ -206,7 +213,7 @@ class HybridAllocator(Allocator):
         # What each manager's real layers read: promoted groups (the manager off) keep every
         # token, but their sliding and chunked layers read only their window; None where
         # every layer of the manager reads every token.
-        self._reads = self._manager_views()
+        self._reads = reads
         self.waste_split = True
         # Running totals of (blocks, token_states, reserved, internal, padding,
         # out_of_window, then each manager's held blocks per group): over the
@@ -247,10 +254,11 @@ class HybridAllocator(Allocator):
     def _blocks(self, tokens: int, processed: int) -> int:
         return self._cohort.blocks_of(tokens, processed)
 
-    def _manager_views(self) -> list[ModelView | None]:
+    def _manager_views(self, managers: tuple[Manager, ...],
+                       manager_of: list[int]) -> list[ModelView | None]:
         """Per manager, the model view of its groups' real layers (`sim.model_view`)."""
-        layers: list[list] = [[] for _ in self.managers]
-        for g, mi in zip(self.plan.groups, self._manager_of, strict=True):
+        layers: list[list] = [[] for _ in managers]
+        for g, mi in zip(self.plan.groups, manager_of, strict=True):
             layers[mi].extend(self.stack.layers[i] for i in g.layers)
         return [ModelView.of(LayerStack(self.stack.name, tuple(ls))) if ls else None
                 for ls in layers]

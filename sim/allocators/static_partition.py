@@ -5,26 +5,31 @@ A model's layers fall into types: `full` (full attention), `sliding` (sliding wi
 `chunked` (chunked-local attention), `mla` and `mamba`. Each type present gets its own pool of
 `partition[type]` x the budget, its own paged blocks of `block_size` tokens holding every
 layer of that type together (a page of block_size x the bytes per token of the type's
-layers), and a block table per request. Sliding and chunked blocks are freed as vLLM frees
-them: each attention type's pool is a `HybridAllocator` over the sub-stack of that type's
-layers with the hybrid manager on (vLLM v1's shape: one single-type manager per type, a
-coordinator over them; here the pools do not share block ids). A `mamba` pool holds one state
-block per request (the states of every Mamba layer together: no padding, no attention block
-aligned to it).
+layers: the plan of the hybrid manager over that type's layers alone, null block included),
+and a block table per request. Sliding and chunked blocks are freed as vLLM frees them. A
+`mamba` pool holds one state block per request (the states of every Mamba layer together: no
+padding, no attention block aligned to it).
 
-The coordinator (this class) keeps the requests' lengths and the decode clock as any
-allocator does and forwards every operation to every pool: an admission or a chunk is granted
-when every pool grants it, and none is changed otherwise (each pool is asked what it lacks
-first); a decode step is refused when any pool is short (`steps_until_full` is the least of
-the pools'); a preemption frees the request in every pool.
+This is the `hybrid` allocator's coordinator over vLLM's single-type managers (vLLM v1's
+shape: one manager per kind of layer, a coordinator over them), every type's managers under
+one decode cohort, with the pools kept apart: each manager's blocks are counted in its own
+pool. The running totals count bytes in units of the greatest common divisor of the pools'
+pages (a manager's block of a pool of page P is P / unit units), so that one set of figures
+is exact to the byte for every pool together, and each decoder's form is built once, not
+once per pool. A pool's blocks are a weighted sum of its managers' held-block figures (a
+`Gauge`), what its admissions, chunks and look-ahead are checked against: an admission or a
+chunk is granted when every pool has the blocks it takes, and none is changed otherwise; a
+decode step is refused when any pool is short (`steps_until_full` is the least of the
+pools', each walked in running order as vLLM's scheduler walks it); a preemption frees the
+request in every pool.
 
-Accounting: each pool's own parts, summed (exact to the byte): token_states per layer as the
-hybrid allocator counts them (the need: `sim.allocators.floor`); reserved and internal within
-pools (padding is 0 within a type: its layers share one page; out-of-window bytes in blocks
-not yet freed are internal); external: each pool's null block and the tail of its share that
-is not a whole page, and the bytes the shares leave over; usable_free: every pool's free
-blocks. A free block of one pool cannot hold another type's tokens, so a request can be
-refused while the budget has free blocks: the cost of a fixed ratio.
+Accounting (exact to the byte): token_states per layer as the hybrid allocator counts them
+(the need: `sim.allocators.floor`); reserved and internal within pools (padding is 0 within a
+type: its layers share one page; out-of-window bytes in blocks not yet freed are internal);
+external: each pool's null block and the tail of its share that is not a whole page, and the
+bytes the shares leave over; usable_free: every pool's free blocks. A free block of one pool
+cannot hold another type's tokens, so a request can be refused while the budget has free
+blocks: the cost of a fixed ratio.
 
 `partition`: a mapping from type to share, each share above 0, summing to 1 within 1e-9,
 naming every type of the model and no other. Left out, each type's share is its bytes for one
@@ -37,6 +42,7 @@ budget that holds one such request in each pool gives every pool its own.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from kvfrag.sim.allocators.base import (
     Allocator,
@@ -50,8 +56,12 @@ from kvfrag.sim.allocators.base import (
 from kvfrag.sim.allocators.floor import stack_of
 from kvfrag.sim.allocators.hybrid import HybridAllocator
 from kvfrag.sim.geometry import KVGeometry
+from kvfrag.sim.hybrid.forms import NEVER, Figures
+from kvfrag.sim.hybrid.lookahead import Gauge
+from kvfrag.sim.hybrid.managers import MambaManager, Manager, managers_for
 from kvfrag.sim.hybrid.planner import layer_kind, plan
 from kvfrag.sim.layers import Layer, LayerStack
+from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
 #: The layer types a partition names, in the order pools are kept.
@@ -125,22 +135,69 @@ def shares_of(partition: object, sizes: dict[str, int]) -> dict[str, float]:
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
-class StatePool:
-    """The `mamba` type's pool: one block per request holding every Mamba layer's state."""
+class Pool:
+    """One layer type's share of the budget: its page and usable blocks, its managers (as
+    its plan makes them, one group's blocks of `page` each), and, once the coordinator counts
+    them among its own (`attach`), which of those are its and its gauge."""
 
-    def __init__(self, capacity: int, page: int) -> None:
-        self.capacity = capacity
+    #: per manager of the coordinator's, this pool's blocks per held block of a group
+    gauge: Gauge
+
+    def __init__(self, kind: str, size: int, page: int, num_blocks: int,
+                 max_request_blocks: int, group_kinds: tuple[str, ...],
+                 managers: list[Manager], reads: list[ModelView | None],
+                 manager_of: list[int]) -> None:
+        self.kind = kind  # its layer type (`TYPES`)
+        self.size = size  # its share of the budget, bytes
         self.page = page
-        self.num_blocks = capacity // page
-        self.held = 0
+        self.num_blocks = num_blocks  # blocks requests can hold (less the null block)
+        self.max_request_blocks = max_request_blocks  # one max_model_len request's (plan's)
+        self.group_kinds = group_kinds  # its plan's groups (vLLM's kinds), in order
+        self.own = managers  # its plan's managers, unscaled
+        self.reads = reads  # what each one's layers read (`sim.model_view`)
+        self.manager_of = manager_of  # per plan group, its manager (the coordinator's, attached)
 
-    def parts(self) -> tuple[int, int, int, int, int]:
-        return (self.held * self.page, 0, 0, self.capacity - self.num_blocks * self.page,
-                (self.num_blocks - self.held) * self.page)
+    def attach(self, start: int, gauge: Gauge) -> None:
+        """Its managers are the coordinator's from `start` on."""
+        self.manager_of = [start + mi for mi in self.manager_of]
+        self.gauge = gauge
+
+    def blocks(self, figures: Figures) -> int:
+        """This pool's blocks in a vector of figures (a request's, or the totals)."""
+        return self.gauge.of(figures)
+
+
+def type_pool(kind: str, sub: LayerStack, size: int, share: float, block_size: int,
+              max_model_len: int, max_num_batched_tokens: int, concurrent_batches: int) -> Pool:
+    """The pool of one type's layers (`sub`) on `size` bytes: the hybrid manager's plan over
+    them (vLLM's memory check included), or a Mamba pool of whole states."""
+    if kind == "mamba":
+        page = sub.state_bytes_per_request
+        if size // page < 1:
+            raise ValueError(f"partition.mamba ({share:.4g} of the budget) holds no "
+                             "request's state")
+        state = MambaManager(max_model_len, 0, 1, 0, None, page)
+        return Pool(kind, size, page, size // page, 1, ("mamba",), [state], [None], [0])
+    try:
+        p = plan(sub, size, block_size, True, max_model_len=max_model_len,
+                 mamba_cache_mode="none", prefix_caching=False,
+                 max_num_batched_tokens=max_num_batched_tokens,
+                 concurrent_batches=concurrent_batches)
+    except ValueError as exc:
+        raise ValueError(f"partition.{kind} ({share:.4g} of the budget): {exc}") from None
+    managers, manager_of = managers_for(p, sub, max_num_batched_tokens * concurrent_batches,
+                                        max_model_len)
+    layers: list[list[Layer]] = [[] for _ in managers]
+    for g, mi in zip(p.groups, manager_of, strict=True):
+        layers[mi].extend(sub.layers[i] for i in g.layers)
+    reads: list[ModelView | None] = [ModelView.of(LayerStack(sub.name, tuple(ls))) if ls
+                                     else None for ls in layers]
+    return Pool(kind, size, p.page_bytes, p.usable_blocks, p.max_request_blocks,
+                tuple(g.kind for g in p.groups), list(managers), reads, manager_of)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
-class StaticPartitionAllocator(Allocator):
+class StaticPartitionAllocator(HybridAllocator):
     """One pool per layer type, each a fixed share of the budget (see the module)."""
 
     kind = "static-partition"
@@ -157,269 +214,225 @@ class StaticPartitionAllocator(Allocator):
         concurrent_batches: object = 2,
         geometry: KVGeometry | None = None,
     ) -> None:
-        super().__init__(capacity, bytes_per_token, max_model_len)
+        Allocator.__init__(self, capacity, bytes_per_token, max_model_len)
         self.stack = stack_of(stack, geometry, self.bytes_per_token)
-        self.block_size = positive_int("block_size", block_size)
+        bs = positive_int("block_size", block_size)
         types = layers_by_type(self.stack)
         tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
         batches = positive_int("concurrent_batches", concurrent_batches)
         self.shares = shares_of(partition, {
-            t: type_bytes(sub, self.block_size, self.max_model_len, tokens, batches)
+            t: type_bytes(sub, bs, self.max_model_len, tokens, batches)
             for t, sub in types.items()})
-        self.types: tuple[str, ...] = tuple(t for t in types if t != "mamba")
-        self.pools: list[HybridAllocator] = []
-        used = 0
-        for t in self.types:
-            sub = types[t]
-            size = int(self.shares[t] * self.capacity)
-            used += size
-            try:
-                pool = HybridAllocator(
-                    size, sub.full_bytes_per_token, self.max_model_len, self.block_size, True,
-                    sub, tokens, batches)
-            except ValueError as exc:
-                raise ValueError(f"partition.{t} ({self.shares[t]:.4g} of the budget): "
-                                 f"{exc}") from None
-            self.pools.append(pool)
-        self.state: StatePool | None = None
-        if "mamba" in types:
-            size = int(self.shares["mamba"] * self.capacity)
-            used += size
-            self.state = StatePool(size, types["mamba"].state_bytes_per_request)
-            if self.state.num_blocks < 1:
-                raise ValueError(f"partition.mamba ({self.shares['mamba']:.4g} of the budget) "
-                                 "holds no request's state")
-        self.left_over = self.capacity - used  # (the shares' rounding: external)
-        self.waste_split = True
-        # `parts()` as of (clock, changes): the engine asks the free bytes and the parts several
-        # times between two changes, and each asks every pool
-        self._changes = 0
-        self._parts_memo: tuple[int, int, tuple[int, int, int, int, int]] | None = None
-
-    # ------------------------------------------------------------- per request
-    def allocated_bytes(self, rid: int) -> int:
-        self._get(rid)
-        out = sum(p.allocated_bytes(rid) for p in self.pools)
-        return out + (self.state.page if self.state is not None else 0)
-
-    def bytes_for(self, req: Request, tokens: int) -> int:
-        out = sum(p.bytes_for(req, tokens) for p in self.pools)
-        return out + (self.state.page if self.state is not None else 0)
-
-    def too_large(self, req: Request) -> bool:
-        return any(p.too_large(req) for p in self.pools)
-
-    def pool_bytes(self) -> int:
-        out = sum(p.pool_bytes() for p in self.pools)
-        return out + (self.state.num_blocks * self.state.page if self.state is not None else 0)
-
-    def watermark_bytes(self, fraction: float) -> int:
-        out = sum(p.watermark_bytes(fraction) for p in self.pools)
-        state = self.state
-        return out + (int(fraction * state.num_blocks) * state.page if state is not None else 0)
-
-    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
-        """Every pool's admission gate (vLLM's, per pool): their figures summed when each
-        pool's fits in its own free blocks; else more than the whole budget's free bytes (a
-        free block of one pool cannot hold another's)."""
-        need = 0
+        self.retention = 0
+        self.pools = [type_pool(t, sub, int(self.shares[t] * self.capacity), self.shares[t],
+                                bs, self.max_model_len, tokens, batches)
+                      for t, sub in types.items()]
+        self.left_over = self.capacity - sum(p.size for p in self.pools)  # (external)
+        # Every pool's managers under one cohort, counted in units of the pages' gcd: a block
+        # of a pool of page P is P / unit units
+        unit = math.gcd(*[p.page for p in self.pools])
+        managers: list[Manager] = []
+        reads: list[ModelView | None] = []
+        manager_of: list[int] = []
+        starts: list[int] = []
         for p in self.pools:
-            one = p.admission_bytes(req, tokens, hit)
-            if one > p.free_bytes():
-                return self.free_bytes() + 1
-            need += one
-        state = self.state
-        if state is not None:
-            if state.held >= state.num_blocks:
-                return self.free_bytes() + 1
-            need += state.page
-        return need
-
-    # -------------------------------------------------------------------- hooks
-    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
-        req, rid = live.req, live.req.rid
-        state = self.state
-        if state is not None and state.held >= state.num_blocks:
-            reason = Reason.TOO_LARGE if state.num_blocks == 0 else Reason.OUT_OF_MEMORY
-            return Refusal(rid, reason, state.page, self.free_bytes(), "no free state block")
-        for i, p in enumerate(self.pools):  # (not zip: no tuple per pool on this path)
-            if p.admit_shortfall(tokens) > 0:  # (its refusal, which changes nothing)
-                got = p.admit(req, tokens, decoding=False)
-                assert isinstance(got, Refusal)
-                return Refusal(rid, got.reason, got.needed, self.free_bytes(),
-                               f"{self.types[i]} pool: {got.detail}".rstrip(": "))
-        self._changes += 1  # (a refusal changes nothing: the parts memo stands)
-        nbytes = 0
+            starts.append(len(managers))
+            manager_of.extend(len(managers) + mi for mi in p.manager_of)
+            managers.extend(replace(m, groups=m.groups * (p.page // unit)) for m in p.own)
+            reads.extend(p.reads)
+        self._setup(bs, tuple(managers), manager_of, reads, unit,
+                     sum(p.num_blocks * (p.page // unit) for p in self.pools))
+        for p, start in zip(self.pools, starts, strict=True):
+            weights = [0] * len(managers)
+            for mi, m in enumerate(p.own):
+                weights[start + mi] = m.groups
+            p.attach(start, self._cohort.pool_gauge(weights))
+        # (attention pools: the ones decoders take blocks of; the state pool, if any)
+        self._growing = [p for p in self.pools if p.kind != "mamba"]
+        self._state_pool: Pool | None = None
         for p in self.pools:
-            granted = p.admit(req, tokens, decoding=False)
-            assert isinstance(granted, Grant)  # (its shortfall was 0)
-            nbytes += granted.nbytes
-        if state is not None:
-            state.held += 1
-            nbytes += state.page
-        return Grant(rid, nbytes, live.cap)
-
-    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
-        rid = live.req.rid
-        for i, p in enumerate(self.pools):
-            short = p.grow_shortfall(rid, new - old, self.in_flight_now)
-            if short > 0:
-                return Refusal(rid, Reason.OUT_OF_MEMORY, short * p.page, self.free_bytes(),
-                               f"{self.types[i]} pool")
-        self._changes += 1
-        nbytes = 0
-        for p in self.pools:
-            got = p.grow(rid, new - old, self.in_flight_now)
-            assert isinstance(got, Grant)  # (its shortfall was 0)
-            nbytes += got.nbytes
-        return Grant(rid, nbytes, live.cap)
-
-    def _release(self, live: Live) -> None:
-        self._changes += 1
-        for p in self.pools:
-            p.free(live.req.rid)
-        if self.state is not None:
-            self.state.held -= 1
-
-    def _cohort_changed(self, live: Live, decoding: bool) -> None:
-        self._changes += 1
-        for p in self.pools:
-            p.set_decoding(live.req.rid, decoding)
-
-    def advance(self, n: int) -> None:
-        super().advance(n)
-        for p in self.pools:
-            p.advance(n)
-
-    def set_async(self) -> None:
-        if self._live:
-            raise ValueError("set_async before any request is admitted")
-        super().set_async()
-        for p in self.pools:
-            p.set_async()
-
-    def unscheduled(self, rid: int) -> None:
-        self._changes += 1
-        for p in self.pools:
-            p.unscheduled(rid)
-
-    def defer_block_ids(self) -> None:
-        for p in self.pools:
-            p.defer_block_ids()
+            if p.kind == "mamba":
+                self._state_pool = p
+        self.types: tuple[str, ...] = tuple(p.kind for p in self._growing)
+        self._cohort_parts = True  # (`_totals` is the hybrid allocator's)
 
     def view_model(self, stack: LayerStack) -> None:
         raise ValueError("static-partition lays out its model's layers itself (`stack`)")
 
-    # ----------------------------------------------------------------- totals
-    def parts(self, probe: Request | None = None) -> tuple[int, int, int, int, int]:
-        memo = self._parts_memo
-        if memo is not None and memo[0] == self._clock and memo[1] == self._changes:
-            return memo[2]
-        # (unpacked, not iterated: each pool's parts come back as a native tuple, unboxed)
-        tokens, reserved, internal, external, usable = 0, 0, 0, self.left_over, 0
-        for p in self.pools:
-            a, b, c, d, e = p.parts()
-            tokens, reserved, internal = tokens + a, reserved + b, internal + c
-            external, usable = external + d, usable + e
-        if self.state is not None:
-            a, b, c, d, e = self.state.parts()
-            tokens, reserved, internal = tokens + a, reserved + b, internal + c
-            external, usable = external + d, usable + e
-        out = (tokens, reserved, internal, external, usable)
-        self._parts_memo = (self._clock, self._changes, out)
-        return out
+    # (its pools' block ids are not named: their counts are what is modelled)
+    def block_table(self, rid: int) -> tuple[int, ...]:
+        return Allocator.block_table(self, rid)
 
-    def _allocated_total(self) -> int:
-        """The pools' blocks held, as each counts them (`free_bytes` on every admission
-        asks it: their blocks, not all their parts)."""
+    def block_tables(self, rid: int) -> list[tuple[int, ...]]:
+        return Allocator.block_tables(self, rid)
+
+    def group_tables(self, rid: int) -> list[tuple[int, ...]]:
+        raise ValueError("static-partition names no block ids (its pools' counts are modelled)")
+
+    # ---------------------------------------------------------------- the pools
+    def held_in(self, pool: Pool) -> int:
+        """Blocks of `pool` the live requests hold."""
+        return pool.blocks(self._cohort.figures(self._clock))
+
+    def free_in(self, pool: Pool) -> int:
+        """Free blocks of `pool`."""
+        return pool.num_blocks - self.held_in(pool)
+
+    def _need(self, pool: Pool, tokens: int, processed: int) -> int:
+        """Blocks of `pool` a request holds with `tokens` slots, freed by `processed`."""
+        return pool.gauge.blocks_of(self._cohort, tokens, processed)
+
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.page
+
+    def watermark_bytes(self, fraction: float) -> int:
         out = 0
         for p in self.pools:
-            out += p._allocated_total()
-        state = self.state
-        return out + (state.held * state.page if state is not None else 0)
+            out += int(fraction * p.num_blocks) * p.page
+        return out
 
-    def _internal_total(self) -> int:
-        return self.parts()[2]
-
-    def _usable_free(self, probe: Request | None) -> int:
-        return self.parts()[4]
-
-    def _largest_hole(self) -> int:
-        return self.parts()[4]
-
-    def integrals(
-        self, n: int, probe: Request | None, w0: float, w1: float
-    ) -> tuple[float, float, float, float, float, float]:
-        weight = n * w0 + w1 * n * (n - 1) / 2
-        sums = [0.0, 0.0, 0.0, self.left_over * weight, 0.0, 0.0]
+    def admission_bytes(self, req: Request, tokens: int, hit: int) -> int:
+        """Every pool's admission gate (vLLM's, per pool: the whole sequence, sliding and
+        chunked groups capped; the pool's unusable tail), summed when each fits in its own
+        free blocks; else more than the whole budget's free bytes (a free block of one pool
+        cannot hold another's)."""
+        need = 0
+        figures = self._cohort.figures(self._clock)
+        managers = self.managers
         for p in self.pools:
-            for i, x in enumerate(p.integrals(n, probe, w0, w1)):
-                sums[i] += x
-        if self.state is not None:
-            for i, y in enumerate(self.state.parts()):
-                sums[i] += y * weight
-        return (sums[0], sums[1], sums[2], sums[3], sums[4], 0.0)
+            blocks = 0
+            for mi in p.gauge.ix:
+                m = managers[mi]
+                want = -(-tokens // m.block_size)
+                blocks += p.gauge.w[mi] * (want if m.cap is None else min(want, m.cap))
+            tail = (p.size - p.num_blocks * p.page) // p.page
+            one = (blocks + tail) * p.page
+            if one > p.size - p.blocks(figures) * p.page:
+                return self.free_bytes() + 1
+            need += one
+        return need
 
-    def waste_parts(self) -> tuple[int, int]:
-        padding = out = 0
-        for p in self.pools:
-            a, b = p.waste_parts()
-            padding += a
-            out += b
-        return padding, out
+    def too_large(self, req: Request) -> bool:
+        """Whether some pool holds fewer blocks than the request, decoding to its final
+        length, ever needs of it."""
+        final = min(req.final, self.max_model_len)
+        lo = max(1, final - max(m.peak_span() for m in self.managers))
+        lag = self._lag
+        for p in self._growing:
+            peak = max(self._need(p, t, max(0, t - 1 - lag)) for t in range(lo, final + 1))
+            if peak > p.num_blocks:
+                return True
+        return False
 
-    def waste_integrals(self, n: int, w0: float, w1: float) -> tuple[float, float]:
-        padding = out = 0.0
-        for p in self.pools:
-            a, b = p.waste_integrals(n, w0, w1)
-            padding += a
-            out += b
-        return padding, out
+    # -------------------------------------------------------------------- hooks
+    def _admit(self, live: Live, tokens: int) -> Grant | Refusal:
+        rid = live.req.rid
+        if live.req.n > 1:
+            raise ValueError(
+                f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
+            )
+        figures = self._cohort.figures(self._clock)
+        state = self._state_pool
+        if state is not None and state.blocks(figures) >= state.num_blocks:
+            return Refusal(rid, Reason.OUT_OF_MEMORY, state.page, self.free_bytes(),
+                           "no free state block")
+        for p in self._growing:
+            need = self._need(p, tokens, 0)
+            if need > p.num_blocks:
+                return Refusal(rid, Reason.TOO_LARGE, need * p.page, self.free_bytes(),
+                               f"{p.kind} pool: needs more blocks than exist")
+            if need > p.num_blocks - p.blocks(figures):
+                return Refusal(rid, Reason.OUT_OF_MEMORY, need * p.page, self.free_bytes(),
+                               f"{p.kind} pool")
+        self._proc[rid] = 0
+        self._last_n[rid] = tokens
+        self._admissions += 1
+        self._rank[rid] = self._admissions
+        parts = self._parts_of(tokens, 0, live.final)
+        self._held[rid] = parts
+        self._add_fixed(parts, 1)
+        self._changed()
+        return Grant(rid, parts.f0 * self.page, live.cap)
 
-    def waste_breakdown(self) -> dict[str, int]:
-        sums = {"overreservation": 0, "padding": 0, "out_of_window": 0, "rounding": 0}
-        for p in self.pools:
-            for key, x in p.waste_breakdown().items():
-                sums[key] += x
-        return sums
+    def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
+        rid = live.req.rid
+        held = self._held[rid]  # (its parts at (old, processed), as added)
+        proc = max(0, old - self.in_flight_now) if self._lag else old
+        figures = self._cohort.figures(self._clock)
+        for p in self._growing:
+            short = (self._need(p, new, proc) - p.blocks(held)
+                     - (p.num_blocks - p.blocks(figures)))
+            if short > 0:
+                return Refusal(rid, Reason.OUT_OF_MEMORY, short * p.page, self.free_bytes(),
+                               f"{p.kind} pool")
+        taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
+                    for m in self.managers)
+        parts = self._parts_of(new, proc, live.final)
+        self._add_fixed(held, -1)
+        self._add_fixed(parts, 1)
+        self._held[rid] = parts
+        self._proc[rid] = proc
+        self._last_n[rid] = new - old
+        self._changed()
+        return Grant(rid, taken * self.page, live.cap)
 
+    # ----------------------------------------------------------------- totals
     def group_kinds(self) -> tuple[str, ...]:
-        kinds = tuple(k for p in self.pools for k in p.group_kinds())
-        return kinds + (("mamba",) if self.state is not None else ())
+        return tuple(k for p in self.pools for k in p.group_kinds)
 
     def group_blocks(self) -> tuple[int, ...]:
-        blocks = tuple(b for p in self.pools for b in p.group_blocks())
-        return blocks + ((self.state.held,) if self.state is not None else ())
+        figures = self._cohort.figures(self._clock)
+        return tuple(figures.get(6 + mi) for p in self.pools for mi in p.manager_of)
 
     def summary_stats(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {}
-        for t, p in zip(self.types, self.pools, strict=True):
-            out[f"partition_{t}_share"] = self.shares[t]
-            out[f"partition_{t}_blocks"] = p.num_blocks
-            out[f"partition_{t}_page_bytes"] = p.page
-        if self.state is not None:
-            out["partition_mamba_share"] = self.shares["mamba"]
-            out["partition_mamba_blocks"] = self.state.num_blocks
-            out["partition_mamba_page_bytes"] = self.state.page
+        for p in self.pools:
+            out[f"partition_{p.kind}_share"] = self.shares[p.kind]
+            out[f"partition_{p.kind}_blocks"] = p.num_blocks
+            out[f"partition_{p.kind}_page_bytes"] = p.page
         return out
 
     # ------------------------------------------------------------- the cohort
+    def _pool_full(self, p: Pool, done: int, walk: int) -> int:
+        """Steps (at most `done`) before a decoder finds too few free blocks of pool `p`."""
+        return self._cohort.steps_until_full(self._clock, done, self.free_in(p),
+                                             self._rank.__getitem__, walk, p.gauge)
+
+    def pool_steps_until_full(self, p: Pool) -> int | None:
+        """`steps_until_full` of pool `p` alone (None: no decoder ends)."""
+        done = self.steps_until_done()
+        return None if done is None else self._pool_full(p, done, NEVER)
+
     def steps_until_full(self) -> int | None:
-        out: int | None = None
-        for p in self.pools:
-            full = p.steps_until_full()
-            if full is not None and (out is None or full < out):
-                out = full
-        return out
+        if self._full_clock == self._clock and self._full_version == self._version:
+            return self._full_result
+        result = self.steps_until_done()
+        if result is not None:
+            for p in self._growing:  # (the least of the pools': each asked up to it)
+                result = self._pool_full(p, result, NEVER)
+                if result == 0:
+                    break
+        self._full_clock, self._full_version, self._full_result = (
+            self._clock, self._version, result)
+        return result
 
     def can_step(self) -> bool:
-        """(Each pool's own answer for the next step, which walks no further.)"""
-        return all(p.can_step() for p in self.pools)
-
-    def steps_until_shrink(self) -> int | None:
-        out: int | None = None
-        for p in self.pools:
-            shrink = p.steps_until_shrink()
-            if shrink is not None and (out is None or shrink < out):
-                out = shrink
-        return out
+        """(`Allocator.can_step`.) Each pool's next step alone where its closed-form bound
+        does not settle it (`HybridAllocator.can_step`)."""
+        if self._full_clock == self._clock and self._full_version == self._version:
+            return self._full_result != 0
+        done = self.steps_until_done()
+        if done is None:
+            return True
+        exact = True
+        for p in self._growing:
+            got = self._pool_full(p, done, 1)
+            if got == 0:
+                self._full_clock, self._full_version, self._full_result = (
+                    self._clock, self._version, 0)
+                return False
+            exact = exact and got == done
+        if exact:
+            self._full_clock, self._full_version, self._full_result = (
+                self._clock, self._version, done)
+        return True

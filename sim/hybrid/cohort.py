@@ -38,7 +38,13 @@ class Cohort(Forms):
     def __init__(self, managers: Sequence[Manager], views: Sequence[ModelView | None],
                  page: int, max_len: int) -> None:
         super().__init__(managers, views, page, max_len)
+        self.gauge = lookahead.Gauge(self, None)  # (every block id: the look-ahead's default)
         self.clear()
+
+    def pool_gauge(self, weights: list[int]) -> lookahead.Gauge:
+        """A gauge of one pool's blocks (per manager, the pool's blocks per held block of
+        each group: 0 for other pools' managers), for `steps_until_full`."""
+        return lookahead.Gauge(self, weights)
 
     def set_lag(self, lag: int) -> None:
         """Async scheduling (lag 1): decoders free by L - 1 - lag processed (see the module).
@@ -62,8 +68,6 @@ class Cohort(Forms):
         self._blocks_clock = -1
         self._blocks_changes = -1
         self._terms = 0  # every change of the terms (`_add`): `steps_until_full` keeps its sum
-        self._taken = 0
-        self._taken_clock = self._taken_done = self._taken_terms = -1
         self.slope_n = [0] * len(self.slopes)  # per slope (`_build`), the decoders with it
         self.slope_counted = [0] * len(self.slopes)  # per slope, those `S` counts
         self.recs: dict[int, Form] = {}
@@ -530,9 +534,12 @@ class Cohort(Forms):
 
     # ------------------------------------------------------------------ look-ahead
     def steps_until_full(self, clock: int, done: int, free: int,
-                         order: Callable[[int], int], walk: int = NEVER) -> int:
-        """(`kvfrag.sim.hybrid.lookahead.steps_until_full`)"""
-        return lookahead.steps_until_full(self, clock, done, free, order, walk)
+                         order: Callable[[int], int], walk: int = NEVER,
+                         gauge: lookahead.Gauge | None = None) -> int:
+        """(`kvfrag.sim.hybrid.lookahead.steps_until_full`; `gauge`: the pool whose `free`
+        blocks these are, default every block id)"""
+        return lookahead.steps_until_full(self, clock, done, free, order, walk,
+                                          self.gauge if gauge is None else gauge)
 
     def steps_until_shrink(self, clock: int, done: int | None) -> int | None:
         """(`kvfrag.sim.hybrid.lookahead.steps_until_shrink`)"""

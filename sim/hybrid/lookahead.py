@@ -10,6 +10,11 @@ it can take before a decoder finds too few free blocks, and before one frees a b
   in-window or chunked decoder reaches its next free (a heap), exact up to the first decoder's
   end (what the engine and the checks use); beyond it, a lower bound, or None when no decoder
   frees again before its end (a heap of each decoder's last free).
+
+What `steps_until_full` counts is a `Gauge`: every block id (figure 0, the hybrid allocator's
+one shared pool), or one pool of a partitioned model (`static-partition`: a pool per layer
+type, its blocks a weighted sum of its managers' held-block figures), so that one cohort,
+each decoder's form built once, answers for every pool.
 """
 
 from __future__ import annotations
@@ -19,10 +24,65 @@ from heapq import heappop
 from typing import TYPE_CHECKING
 
 from kvfrag.sim.floor_sum import times
-from kvfrag.sim.hybrid.forms import NEVER, SLOT_BITS, Form
+from kvfrag.sim.hybrid.forms import NEVER, SLOT_BITS, Figures, Form, Forms
+from mypy_extensions import mypyc_attr
 
 if TYPE_CHECKING:  # (cohort.py imports this module)
     from kvfrag.sim.hybrid.cohort import Cohort
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
+class Gauge:
+    """The blocks a pool holds, as the look-ahead reads them from the cohort's figures:
+    `weights` None, figure 0 (every block id: one shared pool); else the sum over managers of
+    weight x held blocks per group (figure 6 + m), weight 0 for the managers of other pools.
+    Keeps the look-ahead's sum of the blocks the ceil terms take (`steps_until_full`)."""
+
+    def __init__(self, forms: Forms, weights: list[int] | None) -> None:
+        self.whole = weights is None
+        self.w = list(forms.m_groups) if weights is None else list(weights)
+        self.ix = [m for m in range(len(self.w)) if self.w[m]]  # the managers counted
+        # per term kind, its coefficient on these blocks (the whole: `blocks_vec`)
+        self.bv = [sum(self.w[m] * v[6 + m] for m in self.ix) for v in forms.vecs]
+        self.taken = 0  # (the ceil terms' blocks over a stretch, as of the three below)
+        self.taken_clock = self.taken_done = self.taken_terms = -1
+
+    def of(self, f: Figures) -> int:
+        """These blocks in a vector of figures."""
+        if self.whole:
+            return f.f0
+        total = 0
+        for m in self.ix:
+            total += self.w[m] * f.get(6 + m)
+        return total
+
+    def of_list(self, v: list[int]) -> int:
+        """These blocks in a vector kept as a list (a correction)."""
+        if self.whole:
+            return v[0]
+        total = 0
+        for m in self.ix:
+            total += self.w[m] * v[6 + m]
+        return total
+
+    def blocks_of(self, co: Forms, tokens: int, processed: int) -> int:
+        """These blocks of a request with `tokens` slots, freed by `processed` computed."""
+        if self.whole:
+            return co.blocks_of(tokens, processed)
+        total = 0
+        for m in self.ix:
+            total += self.w[m] * (-(-tokens // co.m_bs[m]) - co._skipped(m, processed))
+        return total
+
+    def rec_blocks(self, co: Cohort, rec: Form, clock: int) -> int:
+        """These blocks by a decoder's form at `clock` (what the running sums count)."""
+        if self.whole:
+            return co._rec_blocks(rec, clock)
+        total = self.of(rec) + times(self.of(rec.s), clock)
+        for kind, x in rec.terms:
+            total += times(self.bv[kind], (x + clock) // co.mods[kind])
+        return total
+
 
 def _hit(co: Cohort, kind: int, clock: int) -> int:
     """Decoders whose term of this kind moves at the step into `clock`."""
@@ -30,12 +90,12 @@ def _hit(co: Cohort, kind: int, clock: int) -> int:
     return 0 if group is None else len(group)
 
 def steps_until_full(co: Cohort, clock: int, done: int, free: int,
-                     order: Callable[[int], int], walk: int = NEVER) -> int:
+                     order: Callable[[int], int], walk: int, g: Gauge) -> int:
     """Steps (at most `done`) the cohort can take before some decoder, in running order
-    (`order`: its rank), finds too few of the `free` blocks (free now). `walk`: the most
-    steps walked where the closed-form bound does not settle it (the answer is then `walk`
-    where the steps walked all fit: a lower bound)."""
-    n_ceil, sums, bv = co.n_ceil, co.sums, co.blocks_vec
+    (`order`: its rank), finds too few of the `free` blocks (free now) of the pool `g`
+    counts. `walk`: the most steps walked where the closed-form bound does not settle it
+    (the answer is then `walk` where the steps walked all fit: a lower bound)."""
+    n_ceil, sums, bv = co.n_ceil, co.sums, g.bv
     lag = co.lag
     # blocks the ceil terms take over the whole stretch: frees only lower it (async: and
     # what the first steps' corrections may add, `first_*`)
@@ -44,28 +104,29 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
     first_now = co.first_now if lag and co.first_clock == clock else co.empty
     if lag:
         if co.fresh_clock == clock:
-            taken += max(0, -co.fresh_corr[0]) + max(0, co.first_next_corr[0])
+            taken += max(0, -g.of_list(co.fresh_corr)) + max(0, g.of_list(co.first_next_corr))
         if first_now:
-            taken += max(0, -co.first_now_corr[0])
+            taken += max(0, -g.of_list(co.first_now_corr))
     # (the ceil terms' part is asked again as the free pool changes with the cohort as it
     # is: kept while the terms, clock and stretch stay)
-    if (co._taken_clock != clock or co._taken_done != done
-            or co._taken_terms != co._terms):
+    if g.taken_clock != clock or g.taken_done != done or g.taken_terms != co._terms:
         ceil = 0
         for k in range(n_ceil):
             if bv[k]:
                 ceil += times(bv[k], sums[k].value_far(clock + done) - sums[k].value(clock))
-        co._taken = ceil
-        co._taken_clock, co._taken_done, co._taken_terms = clock, done, co._terms
-    taken += co._taken
+        g.taken = ceil
+        g.taken_clock, g.taken_done, g.taken_terms = clock, done, co._terms
+    taken += g.taken
     if taken <= free:
         return done
-    now = co.blocks_now(clock) - co.fixed.f0  # (`blocks`, as the caller just asked)
+    # (`blocks`, as the caller just asked; a pool's from the figures)
+    now = (co.blocks_now(clock) - co.fixed.f0 if g.whole
+           else g.of(co.figures(clock)) - g.of(co.fixed))
     limit = now + free
     # Decoders whose blocks leave their forms by the step walked (their events up to
     # `horizon`, looked up a stretch at a time, and only from the first such event on: the
     # walk often stops at its first steps)
-    slope = co.slope_sum().f0
+    slope = g.of(co.slope_sum())
     horizon = min(done, 32)
     # (the heap's top bounds `first_due` from below, stale entries included: the first due
     # clock is looked up only once a step reaches that bound)
@@ -107,15 +168,15 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
             if rec.bev <= k1:  # (light events keep the blocks' form)
                 tokens = rec.c + k1
                 p = max(0, tokens - 1 - lag)
-                delta += (co.blocks_of(tokens, p) - co._rec_blocks(rec, k1)
-                          - co.blocks_of(tokens - 1, max(0, p - 1))
-                          + co._rec_blocks(rec, k1 - 1))
+                delta += (g.blocks_of(co, tokens, p) - g.rec_blocks(co, rec, k1)
+                          - g.blocks_of(co, tokens - 1, max(0, p - 1))
+                          + g.rec_blocks(co, rec, k1 - 1))
         if t == 1 and co.fresh_clock == clock and co.fresh:
-            delta -= co.fresh_corr[0]
+            delta -= g.of_list(co.fresh_corr)
         if t == 1 and first_now:
-            delta -= co.first_now_corr[0]
+            delta -= g.of_list(co.first_now_corr)
         if first_next and t <= 2:
-            delta += co.first_next_corr[0] * (1 if t == 1 else -1)
+            delta += g.of_list(co.first_next_corr) * (1 if t == 1 else -1)
         if cur + up <= limit:
             cur += delta
             continue
@@ -136,8 +197,8 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         for rid in sorted(cands, key=order):
             rec = recs[rid]
             tokens = rec.c + k1
-            change = (_exact(co, rid, rec, tokens, k1)
-                      - _exact(co, rid, rec, tokens - 1, k1 - 1))
+            change = (_exact(co, g, rid, tokens, k1)
+                      - _exact(co, g, rid, tokens - 1, k1 - 1))
             if change:
                 walked += change
                 if walked > limit:
@@ -146,12 +207,13 @@ def steps_until_full(co: Cohort, clock: int, done: int, free: int,
         assert walked == cur, (walked, cur)
     return done
 
-def _exact(co: Cohort, rid: int, rec: Form, tokens: int, clock: int) -> int:
-    """A decoder's blocks at `clock`, from its managers (its prefill's at its join)."""
+def _exact(co: Cohort, g: Gauge, rid: int, tokens: int, clock: int) -> int:
+    """A decoder's blocks at `clock` (those `g` counts), from its managers (its prefill's at
+    its join)."""
     if clock == co.fresh_clock:
         got = co.fresh.get(rid)
         if got is not None:
-            return co.blocks_of(tokens, got[0])
+            return g.blocks_of(co, tokens, got[0])
     if co.lag:
         got = None
         if clock == co.fresh_clock + 1:
@@ -159,8 +221,8 @@ def _exact(co: Cohort, rid: int, rec: Form, tokens: int, clock: int) -> int:
         elif clock == co.first_clock:
             got = co.first_now.get(rid)
         if got is not None:
-            return co.blocks_of(tokens, got[0])
-    return co.blocks_of(tokens, max(0, tokens - 1 - co.lag))
+            return g.blocks_of(co, tokens, got[0])
+    return g.blocks_of(co, tokens, max(0, tokens - 1 - co.lag))
 
 def steps_until_shrink(co: Cohort, clock: int, done: int | None) -> int | None:
     """See the module: exact up to `done`, a lower bound past it, None if no decoder

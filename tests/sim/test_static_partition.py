@@ -1,8 +1,9 @@
 """The `static-partition` allocator: one pool per layer type, a fixed share of the budget each.
-Its pools are the hybrid allocator's (held to vLLM elsewhere); here: the partition option and
-its errors, all-or-nothing admissions and chunks across pools, the identity and no leak, the
-closed forms (integrate, steps_until_full) against stepping, the fast engine against the
-per-iteration reference, and a sweep over a share."""
+Each pool is held, operation by operation, to a `hybrid` allocator over its type's layers
+alone (itself held to vLLM elsewhere); here too: the partition option and its errors,
+all-or-nothing admissions and chunks across pools, the identity and no leak, the closed forms
+(integrate, steps_until_full) against stepping, the fast engine against the per-iteration
+reference, and a sweep over a share."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def make(stack: LayerStack, capacity: int, **options):
 def smallest(stack: LayerStack, **options) -> int:
     """A budget each pool of which holds one request of MML (the default shares)."""
     a = make(stack, 10**9, **options)
-    return sum(p.plan.max_request_blocks * p.page + 2 * p.page for p in a.pools) * 2 + (
-        2 * a.state.page if a.state is not None else 0)
+    return 2 * sum((p.max_request_blocks + 2) * p.page if p.kind != "mamba" else p.page
+                   for p in a.pools)
 
 
 # ------------------------------------------------------------------ the partition option
@@ -120,14 +121,13 @@ def test_an_admission_or_chunk_one_pool_refuses_changes_no_pool():
         rid += 1
     refused = a.admit(Request(rid, 60, 60), decoding=False)
     assert isinstance(refused, Refusal) and "full pool" in refused.detail
-    assert sliding.free_blocks() > 0 and full.free_blocks() < 8  # only the full pool was short
-    before = (a.parts(), [p.parts() for p in a.pools], a.rids(), [p.rids() for p in a.pools])
+    assert a.free_in(sliding) > 0 and a.free_in(full) < 8  # only the full pool was short
+    before = (a.parts(), [a.held_in(p) for p in a.pools], a.rids())
     assert not a.admit(Request(rid, 60, 60), decoding=False)
-    assert (a.parts(), [p.parts() for p in a.pools], a.rids(), [p.rids() for p in a.pools]
-            ) == before
+    assert (a.parts(), [a.held_in(p) for p in a.pools], a.rids()) == before
     grown = a.grow(0, 60)  # more blocks than the full pool has free
     assert isinstance(grown, Refusal) and grown.detail == "full pool"
-    assert (a.parts(), [p.parts() for p in a.pools]) == before[:2]
+    assert (a.parts(), [a.held_in(p) for p in a.pools]) == before[:2]
     a.account().check()
 
 
@@ -156,6 +156,74 @@ def test_lifecycle_identity_and_no_leak(stack):
     assert a.parts()[:3] == (0, 0, 0)
 
 
+def _per_type(a, stack: LayerStack) -> list:
+    """A `hybrid` allocator over each attention type's layers alone, on that type's share:
+    what each pool of `a` must hold and answer, pool by pool."""
+    from kvfrag.sim.allocators.static_partition import layers_by_type
+
+    subs = layers_by_type(stack)
+    return [make_allocator("hybrid", capacity=p.size, bytes_per_token=subs[p.kind]
+                           .full_bytes_per_token, max_model_len=MML, stack=subs[p.kind],
+                           block_size=8, max_num_batched_tokens=40)
+            for p in a.pools if p.kind != "mamba"]
+
+
+@pytest.mark.parametrize("stack", STACKS, ids=[s.name for s in STACKS])
+@settings(max_examples=20, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("agsf"), st.integers(1, 90), st.integers(1, 60)),
+                    min_size=1, max_size=30),
+       slack=st.sampled_from([1.0, 1.5]))
+def test_each_pool_is_a_hybrid_allocator_over_its_types_layers(stack, ops, slack):
+    """One cohort over every pool's managers (the pools apart): each pool holds, grants and
+    looks ahead exactly as a `hybrid` allocator over its type's layers alone would."""
+    a = make(stack, int(smallest(stack) * slack))
+    pools = [p for p in a.pools if p.kind != "mamba"]
+    alone = _per_type(a, stack)
+    state = [p for p in a.pools if p.kind == "mamba"]
+    rid = 0
+    for op, x, y in ops:
+        if op == "a":
+            got = a.admit(Request(rid, x, y), decoding=x % 2 == 0)
+            state_short = bool(state) and a.free_in(state[0]) == 0
+            if got:
+                for h in alone:
+                    assert h.admit(Request(rid, x, y), decoding=x % 2 == 0)
+            elif not state_short:
+                assert any(h.admit_shortfall(x) > 0 for h in alone)
+            rid += 1
+        elif op == "g" and a.rids():
+            r = a.rids()[x % len(a.rids())]
+            if not a.is_decoding(r) and a.tokens(r) < a.final_tokens(r):
+                n = min(y, a.final_tokens(r) - a.tokens(r))
+                if a.grow(r, n):
+                    for h in alone:
+                        assert h.grow(r, n)
+                else:
+                    assert any(h.grow_shortfall(r, n) > 0 for h in alone)
+        elif op == "s" and a.steps_until_done():
+            n = min(x % 5 + 1, a.steps_until_done())
+            ok = bool(a.step(n))
+            assert ok == all(h.steps_until_full() is None or h.steps_until_full() >= n
+                             for h in alone)
+            if ok:
+                for h in alone:
+                    assert h.step(n)
+            while a.steps_until_done() == 0:
+                done = a.first_done()
+                a.free(done)
+                for h in alone:
+                    h.free(done)
+        elif op == "f" and a.rids():
+            r = a.rids()[x % len(a.rids())]
+            a.free(r)
+            for h in alone:
+                h.free(r)
+        for p, h in zip(pools, alone, strict=True):
+            assert a.held_in(p) == h.num_blocks - h.free_blocks()
+            assert a.pool_steps_until_full(p) == h.steps_until_full()
+        a.account().check()
+
+
 @pytest.mark.parametrize("stack", STACKS, ids=[s.name for s in STACKS])
 @settings(max_examples=25, deadline=None)
 @given(
@@ -180,7 +248,7 @@ def test_integrate_is_the_stepped_sum_and_full_is_the_last_step(stack, phases, c
     if done is not None and full is not None and full < done:
         c = copy.deepcopy(a)
         assert c.step(full)
-        assert any(p.steps_until_full() == 0 for p in c.pools)  # a pool is short next step
+        assert any(c.pool_steps_until_full(p) == 0 for p in c.pools)  # a pool is short next
     limits = [x for x in (done, full) if x is not None]
     n = data.draw(st.integers(0, min([40, *limits])))
     got = a.integrate(n, None, w0, w1)
