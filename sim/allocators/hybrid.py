@@ -493,16 +493,23 @@ class HybridAllocator(Allocator):
                            "needs more blocks than exist")
         if need > self.free_blocks():
             return Refusal(rid, Reason.OUT_OF_MEMORY, need * self.page, self.free_bytes())
+        ids = self._name_new(live, tokens, 0)
+        self._admitted(live, tokens)
+        return Grant(rid, need * self.page, live.cap, blocks=ids)
+
+    def _admitted(self, live: Live, tokens: int) -> Figures:
+        """Count an admission of `tokens` granted (its parts, made only then: refusals are
+        common), in running order; its parts."""
+        rid = live.req.rid
         self._proc[rid] = 0
         self._last_n[rid] = tokens
         self._admissions += 1
         self._rank[rid] = self._admissions
-        ids = self._name_new(live, tokens, 0)
-        parts = self._parts_of(tokens, 0, live.final)  # (once granted: refusals are common)
+        parts = self._parts_of(tokens, 0, live.final)
         self._held[rid] = parts
         self._add_fixed(parts, 1)
         self._changed()
-        return Grant(rid, need * self.page, live.cap, blocks=ids)
+        return parts
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
@@ -512,17 +519,22 @@ class HybridAllocator(Allocator):
         if want - held.f0 > self.free_blocks():
             return Refusal(rid, Reason.OUT_OF_MEMORY, (want - held.f0) * self.page,
                            self.free_bytes())
-        taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
-                    for m in self.managers)
         ids = self._name_new(live, new, proc)
+        return Grant(rid, self._grown(live, old, new, proc) * self.page, live.cap, blocks=ids)
+
+    def _grown(self, live: Live, old: int, new: int, proc: int) -> int:
+        """Count a chunk from `old` to `new` tokens granted, freed by `proc` processed; the
+        blocks it took (those it freed not netted out: vLLM's count of new blocks)."""
+        rid = live.req.rid
         parts = self._parts_of(new, proc, live.final)
-        self._add_fixed(held, -1)
+        self._add_fixed(self._held[rid], -1)
         self._add_fixed(parts, 1)
         self._held[rid] = parts
         self._proc[rid] = proc
         self._last_n[rid] = new - old
         self._changed()
-        return Grant(rid, taken * self.page, live.cap, blocks=ids)
+        return sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
+                   for m in self.managers)
 
     def free(self, rid: int) -> int:
         """(`Allocator.free`.) A decoder freed leaves the cohort without its parts counted

@@ -344,15 +344,7 @@ class StaticPartitionAllocator(HybridAllocator):
             if need > p.num_blocks - p.blocks(figures):
                 return Refusal(rid, Reason.OUT_OF_MEMORY, need * p.page, self.free_bytes(),
                                f"{p.kind} pool")
-        self._proc[rid] = 0
-        self._last_n[rid] = tokens
-        self._admissions += 1
-        self._rank[rid] = self._admissions
-        parts = self._parts_of(tokens, 0, live.final)
-        self._held[rid] = parts
-        self._add_fixed(parts, 1)
-        self._changed()
-        return Grant(rid, parts.f0 * self.page, live.cap)
+        return Grant(rid, self._admitted(live, tokens).f0 * self.page, live.cap)
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
@@ -365,16 +357,7 @@ class StaticPartitionAllocator(HybridAllocator):
             if short > 0:
                 return Refusal(rid, Reason.OUT_OF_MEMORY, short * p.page, self.free_bytes(),
                                f"{p.kind} pool")
-        taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
-                    for m in self.managers)
-        parts = self._parts_of(new, proc, live.final)
-        self._add_fixed(held, -1)
-        self._add_fixed(parts, 1)
-        self._held[rid] = parts
-        self._proc[rid] = proc
-        self._last_n[rid] = new - old
-        self._changed()
-        return Grant(rid, taken * self.page, live.cap)
+        return Grant(rid, self._grown(live, old, new, proc) * self.page, live.cap)
 
     # ----------------------------------------------------------------- totals
     def group_kinds(self) -> tuple[str, ...]:
