@@ -173,8 +173,12 @@ class TwoLevelPool:
         (`hint` first) if it has a free slot, else the lowest-numbered partly used page of the
         type, else a fresh one, the lowest free slot first; a large page at a time. False,
         part done, when the pool runs short (the caller undoes its trial)."""
+        # (`lowest_partly` and `_sync` inline, the type's free slots counted once at the end:
+        # the walk's takes are mostly of one page, where each call and list store shows)
         per = self.per[t]
         owner, mask_of, used_of = self.owner, self.mask, self.used
+        words = self.partly[t]
+        took = 0
         while n > 0:
             lid = -1
             fresh = False
@@ -183,16 +187,26 @@ class TwoLevelPool:
                 if owner[h] == t and mask_of[h] != 0:
                     lid = h
             if lid < 0:
-                lid = self.lowest_partly(t)
-                if lid < 0:
+                first = i = self.first[t]
+                nw = len(words)
+                while i < nw and words[i] == 0:
+                    i += 1
+                if i != first:
+                    self.first[t] = i
+                if i < nw:
+                    w = words[i]
+                    lid = (i << WORD_BITS) + (w & -w).bit_length() - 1
+                else:
                     if not len(self.free_large):
+                        self.free_small[t] = self.free_small[t] - took
                         return False
                     lid = self._fresh(t)
                     fresh = True
             mask = mask_of[lid]
             base = lid * per
             if fresh and n >= per:  # (the whole page, its slots in order)
-                out.extend(range(base, base + per))
+                for sid in range(base, base + per):
+                    out.append(sid)
                 taken, count, mask = mask, per, 0
             else:
                 taken = 0
@@ -204,14 +218,24 @@ class TwoLevelPool:
                     out.append(base + bit.bit_length() - 1)
                     count += 1
             n -= count
+            took += count
             mask_of[lid] = mask
             used_of[lid] = used_of[lid] + count
-            self.free_small[t] = self.free_small[t] - count
-            if fresh or not mask:  # (a fresh page partly used now, or a page full now)
-                self._sync(lid, t)
+            if not mask:  # (full now: out of the partly used bitmap)
+                i = lid >> WORD_BITS
+                words[i] = words[i] & ~(1 << (lid & (WORD - 1)))
+            elif fresh:  # (a fresh page partly used now)
+                i = lid >> WORD_BITS
+                words[i] = words[i] | 1 << (lid & (WORD - 1))
+                if i < self.first[t]:
+                    self.first[t] = i
             if self.journaling:
-                self._log(_TAKEN, lid, taken)
-            hint = out[-1]
+                journal = self.journal
+                journal.append(_TAKEN)
+                journal.append(lid)
+                journal.append(taken)
+            hint = -1  # (n left: this page is full, so its hint would fail)
+        self.free_small[t] = self.free_small[t] - took
         return True
 
     def give(self, t: int, ids: list[int]) -> None:
@@ -219,34 +243,53 @@ class TwoLevelPool:
         the order they empty (one `FreeIds.give`, as the hybrid allocator gives a list)."""
         per = self.per[t]
         mask_of, used_of = self.mask, self.used
+        words = self.partly[t]
         emptied: list[int] = []
         journaling = self.journaling
+        freed = 0
         # a run of ids in one large page at a time (a table's ids mostly are: placement keeps
         # a request's pages together), as slot by slot
         i, n = 0, len(ids)
         while i < n:
-            lid = ids[i] // per
+            sid = ids[i]
+            lid = sid // per
             base = lid * per
-            bits = 0
-            count = 0
-            while i < n and base <= ids[i] < base + per:
-                bits |= 1 << (ids[i] - base)
+            top = base + per
+            bits = 1 << (sid - base)
+            count = 1
+            i += 1
+            while i < n:
+                sid = ids[i]
+                if sid < base or sid >= top:
+                    break
+                bits |= 1 << (sid - base)
                 count += 1
                 i += 1
             before = mask_of[lid]
-            mask_of[lid] = before | bits
             used = used_of[lid] - count
-            used_of[lid] = used
             if journaling:
-                self._log(_GIVE, lid, bits)
-            self.free_small[t] = self.free_small[t] + count
+                journal = self.journal
+                journal.append(_GIVE)
+                journal.append(lid)
+                journal.append(bits)
+            w = lid >> WORD_BITS
             if used:
+                mask_of[lid] = before | bits
+                used_of[lid] = used
+                freed += count
                 if not before:  # (it was full: partly used now)
-                    self._sync(lid, t)
-            else:
-                self._drop(lid, t)
-                self.free_small[t] = self.free_small[t] - per
+                    words[w] = words[w] | 1 << (lid & (WORD - 1))
+                    if w < self.first[t]:
+                        self.first[t] = w
+            else:  # (all free: back to the shared pool; `_drop` inline)
+                self.owner[lid] = -1
+                mask_of[lid] = 0
+                used_of[lid] = 0
+                self.owned[t] = self.owned[t] - 1
+                words[w] = words[w] & ~(1 << (lid & (WORD - 1)))
+                freed += count - per
                 emptied.append(lid)
+        self.free_small[t] = self.free_small[t] + freed
         if emptied:
             if journaling:  # (undone last first: popped in the order given)
                 for lid in reversed(emptied):
