@@ -78,11 +78,15 @@ from kvfrag.sim.allocators.base import (
 from kvfrag.sim.allocators.hybrid import HybridAllocator
 from kvfrag.sim.allocators.two_level_plan import (
     CHUNKED,
+    FULL,
     SLIDING,
+    count_takes,
     large_page,
     layer_types,
     manager_code,
+    next_step,
     skipped_blocks,
+    weights,
 )
 from kvfrag.sim.allocators.two_level_pool import TwoLevelPool
 from kvfrag.sim.geometry import KVGeometry
@@ -97,8 +101,7 @@ from kvfrag.sim.layers import LayerStack, MambaState
 from kvfrag.sim.model_view import ModelView
 from mypy_extensions import mypyc_attr
 
-#: The decoders' event keys: clock << RANK_BITS | admission rank (`_walk`).
-RANK_BITS: Final = 32
+#: The most admissions the decoders' event order counts (`_walk`: admission ranks).
 RANK_MASK: Final = (1 << 32) - 1
 
 
@@ -152,10 +155,12 @@ class TwoLevelAllocator(HybridAllocator):
         self._mbs = [m.block_size for m in self.managers]
         self._mwin = [m.window for m in self.managers]
         self._mcap = [-1 if m.cap is None else m.cap for m in self.managers]  # (-1: none)
-        # The decoders' next events: a heap of keys clock << RANK_BITS | rank (one int: no
-        # tuple made and compared per event), valid while `_ev_at` says that clock for the
-        # rank's rid (`_rid_of`)
-        self._events: list[int] = []
+        # The decoders' next events: per clock, the admission ranks due then (a bucket,
+        # sorted when its clock comes), and a heap of the clocks with a bucket (a heap
+        # operation per clock, not per event: a step's events mostly share it); an entry is
+        # valid while `_ev_at` says that clock for the rank's rid (`_rid_of`)
+        self._events: dict[int, list[int]] = {}
+        self._clocks: list[int] = []
         self._ev_at: dict[int, int] = {}
         self._rid_of: dict[int, int] = {}  # rank -> rid, for the live requests
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
@@ -172,7 +177,7 @@ class TwoLevelAllocator(HybridAllocator):
         # the last look-ahead's walk, to replay if the decoders then step as far (`_redo`):
         # (clock, version, horizon, the pool's journal, the tables' journal, the events after)
         self._replay: tuple[int, int, int, list[int], list[tuple[int, int, int, int, list[int]]],
-                            list[int], dict[int, int]] | None = None
+                            dict[int, list[int]], list[int], dict[int, int]] | None = None
 
     def set_async(self) -> None:
         """Async scheduling. With `vllm_groups`, vLLM's freeing by the tokens processed (the
@@ -246,32 +251,41 @@ class TwoLevelAllocator(HybridAllocator):
         """Bring the request's small pages to its counts at (tokens, processed): its skipped
         ones given back, then new ones taken, manager by manager (vLLM's order). False, part
         done, when a take finds no page (the caller undoes the trial)."""
-        tables = self._tables_of(rid)
+        tables = self._tables.get(rid)
+        if tables is None:
+            tables = self._tables_of(rid)
         starts = self._named_start[rid]
         pool, journaling = self.pool, self.pool.journaling
-        kinds, sizes, windows = self._mkind, self._mbs, self._mwin
-        for mi in range(len(kinds)):
-            skip = skipped_blocks(kinds[mi], sizes[mi], windows[mi], processed)
+        kinds, sizes, windows, ptype = self._mkind, self._mbs, self._mwin, self._ptype
+        nm = len(kinds)
+        for mi in range(nm):
+            kind = kinds[mi]
+            if kind == FULL:
+                continue  # (nothing skipped, ever)
+            skip = skipped_blocks(kind, sizes[mi], windows[mi], processed)
             drop = skip - starts[mi]
             if drop > 0:
                 for gi, ids in enumerate(tables[mi]):
                     gone = ids[:drop]
                     del ids[:drop]
-                    pool.give(self._ptype[mi], gone)
+                    pool.give(ptype[mi], gone)
                     if journaling:
                         self._tj.append((0, rid, mi, gi, gone))
                 if journaling:
                     self._tj.append((1, rid, mi, drop, []))
                 starts[mi] = skip
-        for mi in range(len(kinds)):
-            bs = sizes[mi]
-            want = -(-tokens // bs) - skipped_blocks(kinds[mi], bs, windows[mi], processed)
-            t = self._ptype[mi]
-            for gi, ids in enumerate(tables[mi]):
-                take = want - len(ids)
-                if take > 0:
-                    n0 = len(ids)
-                    ok = pool.take_many(t, take, ids[-1] if ids else -1, ids)
+        for mi in range(nm):
+            bs, kind = sizes[mi], kinds[mi]
+            want = -(-tokens // bs)
+            if kind != FULL:
+                want -= skipped_blocks(kind, bs, windows[mi], processed)
+            t = ptype[mi]
+            groups = tables[mi]
+            for gi in range(len(groups)):
+                ids = groups[gi]
+                n0 = len(ids)
+                if want > n0:
+                    ok = pool.take_many(t, want - n0, ids[-1] if n0 else -1, ids)
                     if self._collect:
                         self._taken.extend(ids[n0:])
                     if journaling:
@@ -293,9 +307,10 @@ class TwoLevelAllocator(HybridAllocator):
                 tables[mi][arg][:0] = ids
             elif op == 1:  # the start moved on by `arg`
                 self._named_start[rid][mi] -= arg
-            else:  # ids appended to table `arg`
-                if ids:
-                    del tables[mi][arg][-len(ids):]
+            else:  # ids appended to table `arg` (mostly one: popped, no slice made)
+                table = tables[mi][arg]
+                for _ in range(len(ids)):
+                    table.pop()
         self.pool.undo(pmark)
         self._commit(mark)
 
@@ -305,8 +320,8 @@ class TwoLevelAllocator(HybridAllocator):
             self._tj.clear()
 
     def _redo(self, replay: tuple[int, int, int, list[int],
-                                  list[tuple[int, int, int, int, list[int]]], list[int],
-                                  dict[int, int]]) -> None:
+                                  list[tuple[int, int, int, int, list[int]]],
+                                  dict[int, list[int]], list[int], dict[int, int]]) -> None:
         """The decoders' events up to the clock, as the look-ahead walked them from this very
         state and undid: its journals applied again, its events taken over (a walk's cost
         without its choices: which page, which heap entry)."""
@@ -319,12 +334,12 @@ class TwoLevelAllocator(HybridAllocator):
                 starts[rid][mi] += arg
             else:  # ids appended to table `arg`
                 tables[rid][mi][arg].extend(ids)
-        self._events, self._ev_at = replay[5], replay[6]
+        self._events, self._clocks, self._ev_at = replay[5], replay[6], replay[7]
 
     def _place_taking(self, rid: int, tokens: int, processed: int) -> bool:
         """`_place`, the small pages it takes kept in `_taken` (a walk keeps none)."""
         self._taken = []
-        self._collect = True
+        self._collect = not self._deferred  # (deferred: no grant names them)
         ok = self._place(rid, tokens, processed)
         self._collect = False
         return ok
@@ -352,27 +367,11 @@ class TwoLevelAllocator(HybridAllocator):
 
     def _next_event(self, tokens: int, clock: int, joined: int) -> int:
         """The next clock after `clock` at which the counts of a decoder of `tokens` then,
-        which joined the cohort at `joined`, may change: every step until its processed count
-        follows its length, then the nearest block boundary of its length, window edge or
-        chunk start of its processed tokens."""
+        which joined the cohort at `joined`, may change (`two_level_plan.next_event`)."""
         if clock < joined + 1 + self._lag:
-            return clock + 1
-        processed = tokens - 1 - self._lag
-        step = 1 << 60  # (none: a small int, where 1 << 62 would be boxed in the compiled code)
-        kinds, sizes, windows = self._mkind, self._mbs, self._mwin
-        for mi in range(len(kinds)):
-            bs, kind, window = sizes[mi], kinds[mi], windows[mi]
-            if bs < self.max_model_len:
-                step = min(step, -tokens % bs + 1)
-            if kind == SLIDING:
-                x = processed - window + 1
-                d = -x % bs or bs
-                if x + d < bs:
-                    d = bs - x
-                step = min(step, d)
-            elif kind == CHUNKED:
-                step = min(step, -processed % window or window)
-        return clock + step
+            return clock + 1  # (every step until its processed count follows its length)
+        return clock + next_step(self._mkind, self._mbs, self._mwin, self.max_model_len,
+                                 tokens, tokens - 1 - self._lag)
 
     def _push(self, rid: int, rank: int, clock: int) -> None:
         """Decoder `rid` (admission `rank`)'s next event at `clock`, unless it is done by
@@ -380,7 +379,12 @@ class TwoLevelAllocator(HybridAllocator):
         done = self._done_at.get(rid)
         if done is not None and clock <= done:
             self._ev_at[rid] = clock
-            heappush(self._events, clock << RANK_BITS | rank)
+            bucket = self._events.get(clock)
+            if bucket is None:
+                self._events[clock] = [rank]
+                heappush(self._clocks, clock)
+            else:
+                bucket.append(rank)
         else:
             self._ev_at.pop(rid, None)
 
@@ -388,25 +392,32 @@ class TwoLevelAllocator(HybridAllocator):
         """Apply the decoders' events up to clock `limit`, in order (step, then admission
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
-        events, ev_at = self._events, self._ev_at
-        end = (limit + 1) << RANK_BITS  # (the first key past `limit`)
-        while events and events[0] < end:
-            key = heappop(events)
-            clock = key >> RANK_BITS
-            rank = key & RANK_MASK
-            rid = self._rid_of.get(rank, -1)
-            if ev_at.get(rid, -1) != clock:
-                continue
-            tokens = self._live[rid].base + clock
-            joined = self._joined[rid]
-            if not self._place(rid, tokens, self._processed_at(rid, tokens, clock, joined)):
-                return clock
-            self._push(rid, rank, self._next_event(tokens, clock, joined))
-            if timeline is not None:
-                if timeline and timeline[-1][0] == clock:
-                    timeline[-1] = (clock, self.pool.free_large_pages())
-                else:
-                    timeline.append((clock, self.pool.free_large_pages()))
+        events, clocks, ev_at, rid_of = self._events, self._clocks, self._ev_at, self._rid_of
+        live, joined_at, lag = self._live, self._joined, self._lag
+        while clocks and clocks[0] <= limit:
+            clock = heappop(clocks)
+            bucket = events.pop(clock)
+            if len(bucket) > 1:
+                bucket.sort()  # (admission order)
+            placed = False  # (whether an event of this clock was applied)
+            for rank in bucket:
+                rid = rid_of.get(rank, -1)
+                if ev_at.get(rid, -1) != clock:
+                    continue  # (stale: the decoder left, or its event moved)
+                tokens = live[rid].base + clock
+                joined = joined_at[rid]
+                if joined == clock or (lag and joined == clock - 1):
+                    processed = self._processed_at(rid, tokens, clock, joined)
+                else:  # (`_processed_at`'s rule for a settled decoder)
+                    processed = tokens - 1 - lag
+                if not self._place(rid, tokens, processed):
+                    if timeline is not None and placed:
+                        timeline.append((clock, self.pool.free_large_pages()))
+                    return clock
+                placed = True
+                self._push(rid, rank, self._next_event(tokens, clock, joined))
+            if timeline is not None and placed:
+                timeline.append((clock, self.pool.free_large_pages()))
         return -1
 
     def _look(self, horizon: int) -> tuple[int, list[tuple[int, int]]]:
@@ -416,15 +427,16 @@ class TwoLevelAllocator(HybridAllocator):
         if (memo is not None and memo[0] == self._clock and memo[1] == self._version
                 and (memo[2] >= horizon or memo[3] < memo[2])):
             return min(memo[3], horizon), memo[4]
-        events, ev_at = list(self._events), dict(self._ev_at)
+        events = {clock: list(bucket) for clock, bucket in self._events.items()}
+        clocks, ev_at = list(self._clocks), dict(self._ev_at)
         mark = self._mark()
         timeline: list[tuple[int, int]] = []
         failed = self._walk(self._clock + horizon, timeline)
         if failed < 0 and mark[0] == 0:  # (for `_stepped`: the journals, the events after)
             self._replay = (self._clock, self._version, horizon, self.pool.journal[mark[0]:],
-                            self._tj[mark[1]:], self._events, self._ev_at)
+                            self._tj[mark[1]:], self._events, self._clocks, self._ev_at)
         self._undo(mark)
-        self._events, self._ev_at = events, ev_at
+        self._events, self._clocks, self._ev_at = events, clocks, ev_at
         fit = horizon if failed < 0 else failed - self._clock - 1
         self._walk_memo = (self._clock, self._version, horizon, fit, timeline)
         return fit, timeline
@@ -589,9 +601,9 @@ class TwoLevelAllocator(HybridAllocator):
             if step > n:
                 break
             if step > j:  # steps j .. step - 1 at `free`
-                total += free * _weights(j, step - 1, w0, w1)
+                total += free * weights(j, step - 1, w0, w1)
             free, j = after, step
-        total += free * _weights(j, n, w0, w1)
+        total += free * weights(j, n, w0, w1)
         return total
 
     def steps_until_full(self) -> int | None:
@@ -615,10 +627,45 @@ class TwoLevelAllocator(HybridAllocator):
         horizon = min(limit, done)
         if self.pool.large_needed(self._most_extra(horizon)) <= self.pool.free_large_pages():
             return horizon
-        fit = self._look(horizon)[0]
+        fit = self._next_step_fits() if horizon == 1 else -1
+        if fit < 0:
+            fit = self._look(horizon)[0]
         if fit < horizon or horizon == done:  # (exact: memo it)
             self._full_exact = (self._clock, self._version, fit)
         return fit
+
+    def _next_step_fits(self) -> int:
+        """Whether the next decode step fits (1) or not (0), counted without a walk where none
+        of its events gives a page back (-1 where one does: walk it). Takes alone fit exactly
+        when the fresh large pages their count needs do (`TwoLevelPool.large_needed`), in any
+        order; the engine asks this of every step near fullness, before each preemption."""
+        clock = self._clock + 1
+        bucket = self._events.get(clock)
+        if bucket is None:
+            return 1
+        if len(set(bucket)) != len(bucket):
+            return -1  # (a rank twice: left to the walk)
+        need = [0] * len(self.pool.per)
+        kinds, sizes, windows, ptype = self._mkind, self._mbs, self._mwin, self._ptype
+        ev_at, lag = self._ev_at, self._lag
+        for rank in bucket:
+            rid = self._rid_of.get(rank, -1)
+            if ev_at.get(rid, -1) != clock:
+                continue
+            tables = self._tables.get(rid)
+            if tables is None:
+                return -1
+            starts = self._named_start[rid]
+            tokens = self._live[rid].base + clock
+            joined = self._joined[rid]
+            if joined == clock or (lag and joined == clock - 1):
+                processed = self._processed_at(rid, tokens, clock, joined)
+            else:
+                processed = tokens - 1 - lag
+            if not count_takes(kinds, sizes, windows, ptype, tables, starts, tokens,
+                               processed, need):
+                return -1  # (a page given back: where it frees room is placement's)
+        return 1 if self.pool.large_needed(need) <= self.pool.free_large_pages() else 0
 
     def _most_extra(self, steps: int) -> list[int]:
         """Per pool type, a bound on how many more small pages than now the decoders hold at
@@ -752,10 +799,3 @@ class TwoLevelAllocator(HybridAllocator):
         for t, per in enumerate(self.pool.per):
             assert self.pool.owned[t] * per - self.pool.free_small[t] == held[t]
 
-
-def _weights(a: int, b: int, w0: float, w1: float) -> float:
-    """Sum over j = a..b of w0 + w1 (j - 1)."""
-    if b < a:
-        return 0.0
-    n = b - a + 1
-    return n * w0 + w1 * (n * (a - 1) + n * (n - 1) / 2)

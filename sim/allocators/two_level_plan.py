@@ -54,6 +54,56 @@ def skipped_blocks(kind: int, bs: int, window: int, processed: int) -> int:
     return 0
 
 
+def next_step(kinds: list[int], sizes: list[int], windows: list[int], max_model_len: int,
+              tokens: int, processed: int) -> int:
+    """Steps from now to the next at which the counts of a settled decoder of `tokens` and
+    `processed` tokens now may change: the nearest block boundary of its length, window
+    edge or chunk start of its processed tokens."""
+    step = 1 << 60  # (none: a small int, where 1 << 62 would be boxed in the compiled code)
+    for mi in range(len(kinds)):
+        bs, kind, window = sizes[mi], kinds[mi], windows[mi]
+        if bs < max_model_len:
+            step = min(step, -tokens % bs + 1)
+        if kind == SLIDING:
+            x = processed - window + 1
+            d = -x % bs or bs
+            if x + d < bs:
+                d = bs - x
+            step = min(step, d)
+        elif kind == CHUNKED:
+            step = min(step, -processed % window or window)
+    return step
+
+
+def count_takes(kinds: list[int], sizes: list[int], windows: list[int], ptype: list[int],
+                tables: list[list[list[int]]], starts: list[int], tokens: int, processed: int,
+                need: list[int]) -> bool:
+    """Add to `need` (per pool type) the small pages a request placed at (`tables`,
+    `starts`) takes to reach its counts at (tokens, processed), as `TwoLevelAllocator._place`
+    would; False (`need` part done) if it would give one back first."""
+    for mi in range(len(kinds)):
+        bs, kind = sizes[mi], kinds[mi]
+        want = -(-tokens // bs)
+        if kind != FULL:
+            skip = skipped_blocks(kind, bs, windows[mi], processed)
+            if skip > starts[mi]:
+                return False
+            want -= skip
+        t = ptype[mi]
+        for ids in tables[mi]:
+            if want > len(ids):
+                need[t] = need[t] + want - len(ids)
+    return True
+
+
+def weights(a: int, b: int, w0: float, w1: float) -> float:
+    """Sum over j = a..b of w0 + w1 (j - 1)."""
+    if b < a:
+        return 0.0
+    n = b - a + 1
+    return n * w0 + w1 * (n * (a - 1) + n * (n - 1) / 2)
+
+
 def layer_types(stack: LayerStack) -> list[tuple[str, int, list[int]]]:
     """(kind, window or chunk (0: none), layer indices) per distinct layer type, in order of
     first appearance."""
