@@ -80,6 +80,7 @@ from kvfrag.sim.allocators.two_level_plan import (
     CHUNKED,
     FULL,
     SLIDING,
+    Decoder,
     count_takes,
     large_page,
     layer_types,
@@ -158,11 +159,11 @@ class TwoLevelAllocator(HybridAllocator):
         # The decoders' next events: per clock, the admission ranks due then (a bucket,
         # sorted when its clock comes), and a heap of the clocks with a bucket (a heap
         # operation per clock, not per event: a step's events mostly share it); an entry is
-        # valid while `_ev_at` says that clock for the rank's rid (`_rid_of`)
+        # valid while `_ev_at` says that clock for the rank's decoder's rid (`_decoders`)
         self._events: dict[int, list[int]] = {}
         self._clocks: list[int] = []
         self._ev_at: dict[int, int] = {}
-        self._rid_of: dict[int, int] = {}  # rank -> rid, for the live requests
+        self._decoders: dict[int, Decoder] = {}  # rank -> the decoder's record
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
         self._taken: list[int] = []  # small pages the last placement took (`_try_place`)
         self._collect = False  # whether `_place` keeps them (not in the walks)
@@ -254,7 +255,11 @@ class TwoLevelAllocator(HybridAllocator):
         tables = self._tables.get(rid)
         if tables is None:
             tables = self._tables_of(rid)
-        starts = self._named_start[rid]
+        return self._place_in(rid, tables, self._named_start[rid], tokens, processed)
+
+    def _place_in(self, rid: int, tables: list[list[list[int]]], starts: list[int],
+                  tokens: int, processed: int) -> bool:
+        """`_place` on the request's tables and starts."""
         pool, journaling = self.pool, self.pool.journaling
         kinds, sizes, windows, ptype = self._mkind, self._mbs, self._mwin, self._ptype
         nm = len(kinds)
@@ -373,27 +378,26 @@ class TwoLevelAllocator(HybridAllocator):
         return clock + next_step(self._mkind, self._mbs, self._mwin, self.max_model_len,
                                  tokens, tokens - 1 - self._lag)
 
-    def _push(self, rid: int, rank: int, clock: int) -> None:
-        """Decoder `rid` (admission `rank`)'s next event at `clock`, unless it is done by
+    def _push(self, dec: Decoder, rank: int, clock: int) -> None:
+        """Decoder `dec` (admission `rank`)'s next event at `clock`, unless it is done by
         then."""
-        done = self._done_at.get(rid)
-        if done is not None and clock <= done:
-            self._ev_at[rid] = clock
+        if clock <= dec.done:
+            self._ev_at[dec.rid] = clock
             bucket = self._events.get(clock)
             if bucket is None:
                 self._events[clock] = [rank]
                 heappush(self._clocks, clock)
             else:
                 bucket.append(rank)
-        else:
-            self._ev_at.pop(rid, None)
+        elif dec.rid in self._ev_at:
+            del self._ev_at[dec.rid]
 
     def _walk(self, limit: int, timeline: list[tuple[int, int]] | None) -> int:
         """Apply the decoders' events up to clock `limit`, in order (step, then admission
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
-        events, clocks, ev_at, rid_of = self._events, self._clocks, self._ev_at, self._rid_of
-        live, joined_at, lag = self._live, self._joined, self._lag
+        events, clocks, ev_at, decoders = self._events, self._clocks, self._ev_at, self._decoders
+        lag = self._lag
         while clocks and clocks[0] <= limit:
             clock = heappop(clocks)
             bucket = events.pop(clock)
@@ -401,21 +405,22 @@ class TwoLevelAllocator(HybridAllocator):
                 bucket.sort()  # (admission order)
             placed = False  # (whether an event of this clock was applied)
             for rank in bucket:
-                rid = rid_of.get(rank, -1)
-                if ev_at.get(rid, -1) != clock:
+                dec = decoders.get(rank)
+                if dec is None or ev_at.get(dec.rid, -1) != clock:
                     continue  # (stale: the decoder left, or its event moved)
-                tokens = live[rid].base + clock
-                joined = joined_at[rid]
+                rid = dec.rid
+                tokens = dec.base + clock
+                joined = dec.joined
                 if joined == clock or (lag and joined == clock - 1):
                     processed = self._processed_at(rid, tokens, clock, joined)
                 else:  # (`_processed_at`'s rule for a settled decoder)
                     processed = tokens - 1 - lag
-                if not self._place(rid, tokens, processed):
+                if not self._place_in(rid, dec.tables, dec.starts, tokens, processed):
                     if timeline is not None and placed:
                         timeline.append((clock, self.pool.free_large_pages()))
                     return clock
                 placed = True
-                self._push(rid, rank, self._next_event(tokens, clock, joined))
+                self._push(dec, rank, self._next_event(tokens, clock, joined))
             if timeline is not None and placed:
                 timeline.append((clock, self.pool.free_large_pages()))
         return -1
@@ -463,7 +468,6 @@ class TwoLevelAllocator(HybridAllocator):
         self._admissions += 1
         assert self._admissions <= RANK_MASK, "more admissions than event keys order"
         self._rank[rid] = self._admissions
-        self._rid_of[self._admissions] = rid
         parts = self._parts_of(tokens, 0, live.final)
         self._held[rid] = parts
         self._add_fixed(parts, 1)
@@ -494,32 +498,43 @@ class TwoLevelAllocator(HybridAllocator):
 
     def _release(self, live: Live) -> None:
         rid = live.req.rid
-        tables = self._tables.pop(rid, None)
-        if tables is not None:
-            for mi, groups in enumerate(tables):
+        # (`in`, then `del`: compiled, `dict.pop` is a generic method call, as the hybrid
+        # allocator's `_release` says)
+        if rid in self._tables:
+            for mi, groups in enumerate(self._tables[rid]):
                 for ids in groups:
                     self.pool.give(self._ptype[mi], ids)
-        self._named_start.pop(rid, None)
-        self._ev_at.pop(rid, None)
-        held = self._held.pop(rid, None)
-        if held is not None:
-            self._add_fixed(held, -1)
-        rank = self._rank.get(rid)
-        if rank is not None:
-            self._rid_of.pop(rank, None)
-        for d in (self._rank, self._proc, self._joined, self._last_n, self._first):
-            d.pop(rid, None)
+            del self._tables[rid]
+        if rid in self._held:
+            self._add_fixed(self._held[rid], -1)
+            del self._held[rid]
+        if rid in self._named_start:
+            del self._named_start[rid]
+        rank = self._rank.get(rid, -1)
+        for d in (self._ev_at, self._rank, self._proc, self._joined, self._last_n, self._first):
+            if rid in d:
+                del d[rid]
+        if rank in self._decoders:
+            del self._decoders[rank]
         self._changed()
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         super()._cohort_changed(live, decoding)
+        rid = live.req.rid
         if decoding:
-            rid = live.req.rid
-            self._push(rid, self._rank[rid], self._clock + 1)
-            self._fresh[live.req.rid] = self._clock
+            rank = self._rank[rid]
+            dec = Decoder(rid, live.base, self._joined[rid], self._done_at[rid],
+                          self._tables_of(rid), self._named_start[rid])
+            self._decoders[rank] = dec
+            self._push(dec, rank, self._clock + 1)
+            self._fresh[rid] = self._clock
         else:
-            self._ev_at.pop(live.req.rid, None)
-            self._fresh.pop(live.req.rid, None)
+            rank = self._rank.get(rid, -1)
+            for d in (self._ev_at, self._fresh):
+                if rid in d:
+                    del d[rid]
+            if rank in self._decoders:
+                del self._decoders[rank]
 
     def _stepped(self) -> None:
         super()._stepped()
@@ -649,15 +664,12 @@ class TwoLevelAllocator(HybridAllocator):
         kinds, sizes, windows, ptype = self._mkind, self._mbs, self._mwin, self._ptype
         ev_at, lag = self._ev_at, self._lag
         for rank in bucket:
-            rid = self._rid_of.get(rank, -1)
-            if ev_at.get(rid, -1) != clock:
+            dec = self._decoders.get(rank)
+            if dec is None or ev_at.get(dec.rid, -1) != clock:
                 continue
-            tables = self._tables.get(rid)
-            if tables is None:
-                return -1
-            starts = self._named_start[rid]
-            tokens = self._live[rid].base + clock
-            joined = self._joined[rid]
+            rid, tables, starts = dec.rid, dec.tables, dec.starts
+            tokens = dec.base + clock
+            joined = dec.joined
             if joined == clock or (lag and joined == clock - 1):
                 processed = self._processed_at(rid, tokens, clock, joined)
             else:

@@ -15,6 +15,7 @@ from kvfrag.sim.hybrid.managers import (
 )
 from kvfrag.sim.hybrid.planner import layer_kind, layer_window
 from kvfrag.sim.layers import LayerStack
+from mypy_extensions import mypyc_attr
 
 #: The most a large page may be, in largest small pages, before the fallback (see the module).
 MAX_LCM_RATIO = 64
@@ -28,6 +29,22 @@ FULL: Final = 0
 SLIDING: Final = 1
 CHUNKED: Final = 2
 MAMBA: Final = 3
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
+class Decoder:
+    """A decoder as the walk reads it at each of its events, found by its admission rank in
+    one lookup: set when it joins the cohort (its length's base and the clock it joined
+    change only then), dropped when it leaves."""
+
+    def __init__(self, rid: int, base: int, joined: int, done: int,
+                 tables: list[list[list[int]]], starts: list[int]) -> None:
+        self.rid = rid
+        self.base = base  # its length: base + clock
+        self.joined = joined
+        self.done = done  # the clock it is done at
+        self.tables = tables  # its small pages per manager and group (the allocator's lists)
+        self.starts = starts  # per manager, its blocks skipped
 
 
 def manager_code(m: Manager) -> int:
