@@ -63,10 +63,11 @@ class TwoLevelPool:
         self.usable = len(self.free_large)
         # Per large page id, for the ids handed out so far (FreeIds hands out the lowest
         # first: the lists grow with the pages in use, not with the budget): its type (-1: in
-        # the shared pool), the bit mask of its free slots, its small pages held
+        # the shared pool) and the bit mask of its free slots (its small pages held: per[t]
+        # less the mask's bits; none held is the type's `full` mask)
         self.owner: list[int] = []
         self.mask: list[int] = []
-        self.used: list[int] = []
+        self.full = [(1 << n) - 1 for n in per]  # per type: a large page's slots all free
         # Per type, its large pages used and with a free slot ("partly" used) as a bitmap:
         # words of WORD pages, as many as `owner` needs; and the lowest word that may be
         # nonzero (every word below it is zero)
@@ -101,7 +102,7 @@ class TwoLevelPool:
 
     def is_partly(self, lid: int, t: int) -> bool:
         """Whether large page `lid` is type t's, used, with a free slot."""
-        return self.owner[lid] == t and self.used[lid] > 0 and self.mask[lid] != 0
+        return self.owner[lid] == t and self.mask[lid] != 0 and self.mask[lid] != self.full[t]
 
     def lowest_partly(self, t: int) -> int:
         """The lowest-numbered partly used large page of type t (-1: none)."""
@@ -121,7 +122,8 @@ class TwoLevelPool:
         words = self.partly[t]
         i = lid >> WORD_BITS
         bit = 1 << (lid & (WORD - 1))
-        if self.used[lid] > 0 and self.mask[lid] != 0:
+        mask = self.mask[lid]
+        if mask != 0 and mask != self.full[t]:
             words[i] = words[i] | bit
             if i < self.first[t]:
                 self.first[t] = i
@@ -134,7 +136,8 @@ class TwoLevelPool:
         small pages held; per type its free small pages and its partly used large pages."""
         held = [lid for lid, t in enumerate(self.owner) if t >= 0]
         return ({lid: self.owner[lid] for lid in held}, {lid: self.mask[lid] for lid in held},
-                {lid: self.used[lid] for lid in held}, list(self.free_small),
+                {lid: self.per[self.owner[lid]] - self.mask[lid].bit_count() for lid in held},
+                list(self.free_small),
                 [{lid for lid in held if self.is_partly(lid, t)} for t in range(len(self.per))])
 
     # ------------------------------------------------------------------ changes
@@ -160,7 +163,6 @@ class TwoLevelPool:
         slot = bit.bit_length() - 1
         mask ^= bit
         self.mask[lid] = mask
-        self.used[lid] = self.used[lid] + 1
         self.free_small[t] = self.free_small[t] - 1
         if fresh or not mask:
             self._sync(lid, t)
@@ -176,7 +178,7 @@ class TwoLevelPool:
         # (`lowest_partly` and `_sync` inline, the type's free slots counted once at the end:
         # the walk's takes are mostly of one page, where each call and list store shows)
         per = self.per[t]
-        owner, mask_of, used_of = self.owner, self.mask, self.used
+        owner, mask_of = self.owner, self.mask
         words = self.partly[t]
         took = 0
         while n > 0:
@@ -220,7 +222,6 @@ class TwoLevelPool:
             n -= count
             took += count
             mask_of[lid] = mask
-            used_of[lid] = used_of[lid] + count
             if not mask:  # (full now: out of the partly used bitmap)
                 i = lid >> WORD_BITS
                 words[i] = words[i] & ~(1 << (lid & (WORD - 1)))
@@ -242,7 +243,7 @@ class TwoLevelPool:
         """Small pages of type t back; large pages left empty go back to the shared pool, in
         the order they empty (one `FreeIds.give`, as the hybrid allocator gives a list)."""
         per = self.per[t]
-        mask_of, used_of = self.mask, self.used
+        mask_of, full = self.mask, self.full[t]
         words = self.partly[t]
         emptied: list[int] = []
         journaling = self.journaling
@@ -266,16 +267,15 @@ class TwoLevelPool:
                 count += 1
                 i += 1
             before = mask_of[lid]
-            used = used_of[lid] - count
+            after = before | bits
             if journaling:
                 journal = self.journal
                 journal.append(_GIVE)
                 journal.append(lid)
                 journal.append(bits)
             w = lid >> WORD_BITS
-            if used:
-                mask_of[lid] = before | bits
-                used_of[lid] = used
+            if after != full:
+                mask_of[lid] = after
                 freed += count
                 if not before:  # (it was full: partly used now)
                     words[w] = words[w] | 1 << (lid & (WORD - 1))
@@ -284,7 +284,6 @@ class TwoLevelPool:
             else:  # (all free: back to the shared pool; `_drop` inline)
                 self.owner[lid] = -1
                 mask_of[lid] = 0
-                used_of[lid] = 0
                 self.owned[t] = self.owned[t] - 1
                 words[w] = words[w] & ~(1 << (lid & (WORD - 1)))
                 freed += count - per
@@ -305,7 +304,7 @@ class TwoLevelPool:
     def undo(self, mark: int) -> None:
         """Take back every change since `mark`, restoring the state by value."""
         journal = self.journal
-        owner, mask_of, used_of = self.owner, self.mask, self.used
+        owner, mask_of = self.owner, self.mask
         while len(journal) > mark:
             arg = journal.pop()
             lid = journal.pop()
@@ -325,20 +324,18 @@ class TwoLevelPool:
                 if op == _GIVE:
                     count = arg.bit_count()
                     mask_of[lid] = mask_of[lid] & ~arg
-                    used_of[lid] = used_of[lid] + count
                     self.free_small[t] = self.free_small[t] - count
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
                     count = bits.bit_count()
                     mask_of[lid] = mask_of[lid] | bits
-                    used_of[lid] = used_of[lid] - count
                     self.free_small[t] = self.free_small[t] + count
                 self._sync(lid, t)
 
     def redo(self, journal: list[int]) -> None:
         """Apply again, in order, the changes of a trial's journal (entries from its mark on)
         that `undo` took back: the state it reached, from the state it started in."""
-        owner, mask_of, used_of = self.owner, self.mask, self.used
+        owner, mask_of = self.owner, self.mask
         emptied: list[int] = []
         i, n = 0, len(journal)
         while i < n:
@@ -357,11 +354,10 @@ class TwoLevelPool:
                 t = owner[lid]
                 if op == _GIVE:
                     count = arg.bit_count()
-                    mask_of[lid] = mask_of[lid] | arg
-                    used = used_of[lid] - count
-                    used_of[lid] = used
+                    after = mask_of[lid] | arg
+                    mask_of[lid] = after
                     self.free_small[t] = self.free_small[t] + count
-                    if not used:  # (emptied: its _EMPTY entry gives it back)
+                    if after == self.full[t]:  # (emptied: its _EMPTY entry gives it back)
                         self._drop(lid, t)
                         self.free_small[t] = self.free_small[t] - self.per[t]
                         continue
@@ -369,7 +365,6 @@ class TwoLevelPool:
                     bits = arg if op == _TAKEN else 1 << arg
                     count = bits.bit_count()
                     mask_of[lid] = mask_of[lid] & ~bits
-                    used_of[lid] = used_of[lid] + count
                     self.free_small[t] = self.free_small[t] - count
                 self._sync(lid, t)
 
@@ -391,7 +386,6 @@ class TwoLevelPool:
         while lid >= len(self.owner):
             self.owner.append(-1)
             self.mask.append(0)
-            self.used.append(0)
             if len(self.owner) > len(self.partly[0]) << WORD_BITS:  # (a word more per type)
                 for words in self.partly:
                     words.append(0)
@@ -404,15 +398,13 @@ class TwoLevelPool:
         """(All its slots free, none used: not partly used, its bit clear already.)"""
         per = self.per[t]
         self.owner[lid] = t
-        self.mask[lid] = (1 << per) - 1
-        self.used[lid] = 0
+        self.mask[lid] = self.full[t]
         self.free_small[t] = self.free_small[t] + per
         self.owned[t] = self.owned[t] + 1
 
     def _drop(self, lid: int, t: int) -> None:
         self.owner[lid] = -1
         self.mask[lid] = 0
-        self.used[lid] = 0
         self.owned[t] = self.owned[t] - 1
         self._sync(lid, t)
 
@@ -424,13 +416,12 @@ class TwoLevelPool:
         owned = [0] * len(self.per)
         for lid, t in enumerate(self.owner):
             if t < 0:
-                assert self.mask[lid] == 0 and self.used[lid] == 0
+                assert self.mask[lid] == 0
                 continue
-            per = self.per[t]
             mask = self.mask[lid]
-            assert 0 < self.used[lid] <= per or self.journaling
-            assert mask.bit_count() + self.used[lid] == per
-            free_small[t] += per - self.used[lid]
+            assert 0 <= mask <= self.full[t]
+            assert mask != self.full[t] or self.journaling  # (a page held holds a slot)
+            free_small[t] += mask.bit_count()
             owned[t] += 1
         for t, words in enumerate(self.partly):
             assert len(words) << WORD_BITS >= len(self.owner)
