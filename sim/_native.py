@@ -63,6 +63,7 @@ HOT = (
     "hybrid/lookahead",
     "allocators/two_level_pool",
     "allocators/two_level_plan",
+    "allocators/two_level_bounds",
     "allocators/two_level",
     "model_view",
 )

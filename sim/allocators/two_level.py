@@ -50,9 +50,11 @@ slots, the remainder of budget // large page, vLLM's null block with `vllm_group
 Decode steps: placement depends on the order of takes and frees, so the decoders' small pages
 are placed eagerly, at the steps where a decoder's counts may change (block boundaries, window
 and chunk edges: events, not tokens), in vLLM's order (step by step, decoders in admission
-order, each freeing then taking). `steps_until_full_within(limit)` answers at once where a
-bound on the decoders' most pages over the stretch fits (`_most_extra`, from the cohort's
-sums), else walks those events on the pool, no further than `limit`, and undoes them (the
+order, each freeing then taking); a decoder's next event waits in a bucket of its clock.
+`steps_until_full_within(limit)` answers at once where a bound on the decoders' most pages
+over the stretch fits (`two_level_bounds`: the events' count over a few steps, or the
+cohort's sums), or where the next step alone is asked and gives no page back (its takes
+counted), else walks those events on the pool, no further than `limit`, and undoes them (the
 pool's journal); the integrals (of the free large pages) walk the stretch likewise. When the
 decoders then step as far as a look walked, nothing having changed since, its journals are
 applied again (`_redo`: the pool's and the tables' changes, no placement chosen twice). Cost:
@@ -76,12 +78,10 @@ from kvfrag.sim.allocators.base import (
     positive_int,
 )
 from kvfrag.sim.allocators.hybrid import HybridAllocator
+from kvfrag.sim.allocators.two_level_bounds import few_fit, most_extra, next_step_fits
 from kvfrag.sim.allocators.two_level_plan import (
-    CHUNKED,
     FULL,
-    SLIDING,
     Decoder,
-    count_takes,
     large_page,
     layer_types,
     manager_code,
@@ -156,6 +156,7 @@ class TwoLevelAllocator(HybridAllocator):
         self._mbs = [m.block_size for m in self.managers]
         self._mwin = [m.window for m in self.managers]
         self._mcap = [-1 if m.cap is None else m.cap for m in self.managers]  # (-1: none)
+        self._min_bs = min([b for b in self._mbs if b < self.max_model_len], default=1 << 60)
         # The decoders' next events: per clock, the admission ranks due then (a bucket,
         # sorted when its clock comes), and a heap of the clocks with a bucket (a heap
         # operation per clock, not per event: a step's events mostly share it); an entry is
@@ -168,7 +169,7 @@ class TwoLevelAllocator(HybridAllocator):
         self._taken: list[int] = []  # small pages the last placement took (`_try_place`)
         self._collect = False  # whether `_place` keeps them (not in the walks)
         # decoders in their first steps (rid -> clock it joined), whose processed tokens do
-        # not follow their length yet (`_most_extra`)
+        # not follow their length yet (`two_level_bounds.most_extra`)
         self._fresh: dict[int, int] = {}
         # the last look-ahead: (clock, version, horizon, steps that fit, [(clock, free
         # large pages after its events)])
@@ -632,7 +633,7 @@ class TwoLevelAllocator(HybridAllocator):
 
     def steps_until_full_within(self, limit: int) -> int | None:
         """Exact up to `limit`: at once where the decoders' most pages over the stretch fit
-        (`_most_extra`), else the stretch walked on the pool up to its first refusal."""
+        (`two_level_bounds`), else the stretch walked on the pool up to its first refusal."""
         done = self.steps_until_done()
         if done is None:
             return None
@@ -640,84 +641,16 @@ class TwoLevelAllocator(HybridAllocator):
         if memo is not None and memo[0] == self._clock and memo[1] == self._version:
             return min(memo[2], limit)
         horizon = min(limit, done)
-        if self.pool.large_needed(self._most_extra(horizon)) <= self.pool.free_large_pages():
+        if few_fit(self, horizon):
             return horizon
-        fit = self._next_step_fits() if horizon == 1 else -1
+        if self.pool.large_needed(most_extra(self, horizon)) <= self.pool.free_large_pages():
+            return horizon
+        fit = next_step_fits(self) if horizon == 1 else -1
         if fit < 0:
             fit = self._look(horizon)[0]
         if fit < horizon or horizon == done:  # (exact: memo it)
             self._full_exact = (self._clock, self._version, fit)
         return fit
-
-    def _next_step_fits(self) -> int:
-        """Whether the next decode step fits (1) or not (0), counted without a walk where none
-        of its events gives a page back (-1 where one does: walk it). Takes alone fit exactly
-        when the fresh large pages their count needs do (`TwoLevelPool.large_needed`), in any
-        order; the engine asks this of every step near fullness, before each preemption."""
-        clock = self._clock + 1
-        bucket = self._events.get(clock)
-        if bucket is None:
-            return 1
-        if len(set(bucket)) != len(bucket):
-            return -1  # (a rank twice: left to the walk)
-        need = [0] * len(self.pool.per)
-        kinds, sizes, windows, ptype = self._mkind, self._mbs, self._mwin, self._ptype
-        ev_at, lag = self._ev_at, self._lag
-        for rank in bucket:
-            dec = self._decoders.get(rank)
-            if dec is None or ev_at.get(dec.rid, -1) != clock:
-                continue
-            rid, tables, starts = dec.rid, dec.tables, dec.starts
-            tokens = dec.base + clock
-            joined = dec.joined
-            if joined == clock or (lag and joined == clock - 1):
-                processed = self._processed_at(rid, tokens, clock, joined)
-            else:
-                processed = tokens - 1 - lag
-            if not count_takes(kinds, sizes, windows, ptype, tables, starts, tokens,
-                               processed, need):
-                return -1  # (a page given back: where it frees room is placement's)
-        return 1 if self.pool.large_needed(need) <= self.pool.free_large_pages() else 0
-
-    def _most_extra(self, steps: int) -> list[int]:
-        """Per pool type, a bound on how many more small pages than now the decoders hold at
-        any moment of the next `steps` decode steps. If fresh large pages for that many fit,
-        every step fits: a type takes a fresh large page only when its own are full, so it
-        never owns more than its most pages need (see the module).
-
-        Per manager, the blocks its ceil terms take over the stretch (the cohort's sums:
-        every decoder's length's blocks, frees ignored); for a sliding or chunked manager at
-        most, besides, each settled decoder's room under its window's most blocks (cap less
-        what it holds: the decoders' held blocks are the cohort's figures) and each decoder
-        still in its first steps (`_fresh`, walked) its blocks taken."""
-        extra = [0] * len(self.pool.per)
-        co = self._cohort
-        clock, lag = self._clock, self._lag
-        figures = co.figures(clock)
-        fresh = self._fresh
-        for rid in [r for r, j in fresh.items() if clock >= j + 1 + lag]:
-            del fresh[rid]
-        n_dec = len(self._joined)
-        for mi in range(len(self._mkind)):
-            kind, bs, window = self._mkind[mi], self._mbs[mi], self._mwin[mi]
-            if bs >= self.max_model_len:
-                continue  # (Mamba: one state page for its life)
-            k = co.mods.index(bs)  # (its ceil term kind: the first of that block size)
-            taken = co.sums[k].value(clock + steps) - co.sums[k].value(clock)
-            if kind in (SLIDING, CHUNKED):
-                cap = ((window + lag + 2 * bs - 2) // bs if kind == SLIDING
-                       else (window + 1 + lag) // bs + 2)
-                held = figures.get(6 + mi) - co.fixed.get(6 + mi)  # (per group, over the decoders)
-                room = 0
-                for rid in fresh:
-                    tokens = self._live[rid].base + clock
-                    room += -(-(tokens + steps) // bs) - -(-tokens // bs)
-                    held -= len(self._tables[rid][mi][0])
-                room += (n_dec - len(fresh)) * cap - held
-                taken = min(taken, room)
-            if taken > 0:
-                extra[self._ptype[mi]] += self._lists[mi] * taken
-        return extra
 
     def admit_shortfall(self, tokens: int) -> int:
         """Fresh large pages an admission of `tokens` would need beyond the free ones (0: it

@@ -50,6 +50,16 @@ WORD_BITS: Final = 3
 WORD: Final = 1 << 3
 
 
+def _bits(x: int) -> int:
+    """The bits set in x (`int.bit_count`, a generic method call in the compiled code; a
+    journal entry's mask has few)."""
+    n = 0
+    while x:
+        x &= x - 1
+        n += 1
+    return n
+
+
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
 class TwoLevelPool:
     """Large pages shared by the types, each split into small pages of the type holding it."""
@@ -322,12 +332,12 @@ class TwoLevelPool:
             else:
                 t = owner[lid]
                 if op == _GIVE:
-                    count = arg.bit_count()
+                    count = _bits(arg)
                     mask_of[lid] = mask_of[lid] & ~arg
                     self.free_small[t] = self.free_small[t] - count
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
-                    count = bits.bit_count()
+                    count = _bits(bits)
                     mask_of[lid] = mask_of[lid] | bits
                     self.free_small[t] = self.free_small[t] + count
                 self._sync(lid, t)
@@ -353,7 +363,7 @@ class TwoLevelPool:
             else:
                 t = owner[lid]
                 if op == _GIVE:
-                    count = arg.bit_count()
+                    count = _bits(arg)
                     after = mask_of[lid] | arg
                     mask_of[lid] = after
                     self.free_small[t] = self.free_small[t] + count
@@ -363,7 +373,7 @@ class TwoLevelPool:
                         continue
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
-                    count = bits.bit_count()
+                    count = _bits(bits)
                     mask_of[lid] = mask_of[lid] & ~bits
                     self.free_small[t] = self.free_small[t] - count
                 self._sync(lid, t)

@@ -1,0 +1,106 @@
+"""The `two-level` allocator's bounds (`kvfrag.sim.allocators.two_level`): what settles
+`steps_until_full_within` without walking the decoders' events on the pool. Each says "fits"
+only where every step does (a bound on the pages taken, or an exact count), so the answer
+is the walk's; the engine asks before every decode step, and before each preemption near
+fullness."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvfrag.sim.allocators.two_level_plan import CHUNKED, SLIDING, count_takes
+
+if TYPE_CHECKING:
+    from kvfrag.sim.allocators.two_level import TwoLevelAllocator
+
+
+def few_fit(a: TwoLevelAllocator, steps: int) -> bool:
+    """Whether the next `steps` decode steps fit on a bound cheaper than `most_extra`'s
+    where few decoders' counts change: over no more steps than a block, a decoder takes
+    at most a block per group, and each change of its counts is one of its events (one
+    entry each; stale entries only loosen it). False: not settled."""
+    if steps > a._min_bs:
+        return False
+    clock, events, n = a._clock, a._events, 0
+    for c in range(clock + 1, clock + steps + 1):
+        bucket = events.get(c)
+        if bucket is not None:
+            n += len(bucket)
+    need = [0] * len(a.pool.per)
+    for mi in range(len(a._mbs)):
+        if a._mbs[mi] < a.max_model_len:
+            t = a._ptype[mi]
+            need[t] = need[t] + a._lists[mi] * n
+    return a.pool.large_needed(need) <= a.pool.free_large_pages()
+
+
+def next_step_fits(a: TwoLevelAllocator) -> int:
+    """Whether the next decode step fits (1) or not (0), counted without a walk where none
+    of its events gives a page back (-1 where one does: walk it). Takes alone fit exactly
+    when the fresh large pages their count needs do (`TwoLevelPool.large_needed`), in any
+    order; the engine asks this of every step near fullness, before each preemption."""
+    clock = a._clock + 1
+    bucket = a._events.get(clock)
+    if bucket is None:
+        return 1
+    if len(set(bucket)) != len(bucket):
+        return -1  # (a rank twice: left to the walk)
+    need = [0] * len(a.pool.per)
+    kinds, sizes, windows, ptype = a._mkind, a._mbs, a._mwin, a._ptype
+    ev_at, lag = a._ev_at, a._lag
+    for rank in bucket:
+        dec = a._decoders.get(rank)
+        if dec is None or ev_at.get(dec.rid, -1) != clock:
+            continue
+        rid, tables, starts = dec.rid, dec.tables, dec.starts
+        tokens = dec.base + clock
+        joined = dec.joined
+        if joined == clock or (lag and joined == clock - 1):
+            processed = a._processed_at(rid, tokens, clock, joined)
+        else:
+            processed = tokens - 1 - lag
+        if not count_takes(kinds, sizes, windows, ptype, tables, starts, tokens,
+                           processed, need):
+            return -1  # (a page given back: where it frees room is placement's)
+    return 1 if a.pool.large_needed(need) <= a.pool.free_large_pages() else 0
+
+
+def most_extra(a: TwoLevelAllocator, steps: int) -> list[int]:
+    """Per pool type, a bound on how many more small pages than now the decoders hold at
+    any moment of the next `steps` decode steps. If fresh large pages for that many fit,
+    every step fits: a type takes a fresh large page only when its own are full, so it
+    never owns more than its most pages need (see `two_level`'s module).
+
+    Per manager, the blocks its ceil terms take over the stretch (the cohort's sums:
+    every decoder's length's blocks, frees ignored); for a sliding or chunked manager at
+    most, besides, each settled decoder's room under its window's most blocks (cap less
+    what it holds: the decoders' held blocks are the cohort's figures) and each decoder
+    still in its first steps (`_fresh`, walked) its blocks taken."""
+    extra = [0] * len(a.pool.per)
+    co = a._cohort
+    clock, lag = a._clock, a._lag
+    figures = co.figures(clock)
+    fresh = a._fresh
+    for rid in [r for r, j in fresh.items() if clock >= j + 1 + lag]:
+        del fresh[rid]
+    n_dec = len(a._joined)
+    for mi in range(len(a._mkind)):
+        kind, bs, window = a._mkind[mi], a._mbs[mi], a._mwin[mi]
+        if bs >= a.max_model_len:
+            continue  # (Mamba: one state page for its life)
+        k = co.mods.index(bs)  # (its ceil term kind: the first of that block size)
+        taken = co.sums[k].value(clock + steps) - co.sums[k].value(clock)
+        if kind in (SLIDING, CHUNKED):
+            cap = ((window + lag + 2 * bs - 2) // bs if kind == SLIDING
+                   else (window + 1 + lag) // bs + 2)
+            held = figures.get(6 + mi) - co.fixed.get(6 + mi)  # (per group, over the decoders)
+            room = 0
+            for rid in fresh:
+                tokens = a._live[rid].base + clock
+                room += -(-(tokens + steps) // bs) - -(-tokens // bs)
+                held -= len(a._tables[rid][mi][0])
+            room += (n_dec - len(fresh)) * cap - held
+            taken = min(taken, room)
+        if taken > 0:
+            extra[a._ptype[mi]] += a._lists[mi] * taken
+    return extra
