@@ -160,10 +160,9 @@ class TwoLevelAllocator(HybridAllocator):
         # The decoders' next events: per clock, the admission ranks due then (a bucket,
         # sorted when its clock comes), and a heap of the clocks with a bucket (a heap
         # operation per clock, not per event: a step's events mostly share it); an entry is
-        # valid while `_ev_at` says that clock for the rank's decoder's rid (`_decoders`)
+        # valid while the rank's decoder (`_decoders`) says that clock (`Decoder.at`)
         self._events: dict[int, list[int]] = {}
         self._clocks: list[int] = []
-        self._ev_at: dict[int, int] = {}
         self._decoders: dict[int, Decoder] = {}  # rank -> the decoder's record
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
         self._taken: list[int] = []  # small pages the last placement took (`_try_place`)
@@ -178,8 +177,11 @@ class TwoLevelAllocator(HybridAllocator):
         self._full_exact: tuple[int, int, int] | None = None
         # the last look-ahead's walk, to replay if the decoders then step as far (`_redo`):
         # (clock, version, horizon, the pool's journal, the tables' journal, the events after)
+        # (and the decoders whose next event the walk moved, with that clock)
         self._replay: tuple[int, int, int, list[int], list[tuple[int, int, int, int, list[int]]],
-                            dict[int, list[int]], list[int], dict[int, int]] | None = None
+                            dict[int, list[int]], list[int],
+                            list[tuple[Decoder, int]]] | None = None
+        self._atj: list[tuple[Decoder, int]] = []  # a look's walk: (decoder, its clock before)
 
     def set_async(self) -> None:
         """Async scheduling. With `vllm_groups`, vLLM's freeing by the tokens processed (the
@@ -327,7 +329,8 @@ class TwoLevelAllocator(HybridAllocator):
 
     def _redo(self, replay: tuple[int, int, int, list[int],
                                   list[tuple[int, int, int, int, list[int]]],
-                                  dict[int, list[int]], list[int], dict[int, int]]) -> None:
+                                  dict[int, list[int]], list[int],
+                                  list[tuple[Decoder, int]]]) -> None:
         """The decoders' events up to the clock, as the look-ahead walked them from this very
         state and undid: its journals applied again, its events taken over (a walk's cost
         without its choices: which page, which heap entry)."""
@@ -340,7 +343,9 @@ class TwoLevelAllocator(HybridAllocator):
                 starts[rid][mi] += arg
             else:  # ids appended to table `arg`
                 tables[rid][mi][arg].extend(ids)
-        self._events, self._clocks, self._ev_at = replay[5], replay[6], replay[7]
+        self._events, self._clocks = replay[5], replay[6]
+        for dec, at in replay[7]:
+            dec.at = at
 
     def _place_taking(self, rid: int, tokens: int, processed: int) -> bool:
         """`_place`, the small pages it takes kept in `_taken` (a walk keeps none)."""
@@ -382,22 +387,24 @@ class TwoLevelAllocator(HybridAllocator):
     def _push(self, dec: Decoder, rank: int, clock: int) -> None:
         """Decoder `dec` (admission `rank`)'s next event at `clock`, unless it is done by
         then."""
+        if self.pool.journaling:  # (a look's walk: undone)
+            self._atj.append((dec, dec.at))
         if clock <= dec.done:
-            self._ev_at[dec.rid] = clock
+            dec.at = clock
             bucket = self._events.get(clock)
             if bucket is None:
                 self._events[clock] = [rank]
                 heappush(self._clocks, clock)
             else:
                 bucket.append(rank)
-        elif dec.rid in self._ev_at:
-            del self._ev_at[dec.rid]
+        else:
+            dec.at = -1
 
     def _walk(self, limit: int, timeline: list[tuple[int, int]] | None) -> int:
         """Apply the decoders' events up to clock `limit`, in order (step, then admission
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
-        events, clocks, ev_at, decoders = self._events, self._clocks, self._ev_at, self._decoders
+        events, clocks, decoders = self._events, self._clocks, self._decoders
         lag = self._lag
         while clocks and clocks[0] <= limit:
             clock = heappop(clocks)
@@ -407,7 +414,7 @@ class TwoLevelAllocator(HybridAllocator):
             placed = False  # (whether an event of this clock was applied)
             for rank in bucket:
                 dec = decoders.get(rank)
-                if dec is None or ev_at.get(dec.rid, -1) != clock:
+                if dec is None or dec.at != clock:
                     continue  # (stale: the decoder left, or its event moved)
                 rid = dec.rid
                 tokens = dec.base + clock
@@ -434,15 +441,20 @@ class TwoLevelAllocator(HybridAllocator):
                 and (memo[2] >= horizon or memo[3] < memo[2])):
             return min(memo[3], horizon), memo[4]
         events = {clock: list(bucket) for clock, bucket in self._events.items()}
-        clocks, ev_at = list(self._clocks), dict(self._ev_at)
+        clocks, amark = list(self._clocks), len(self._atj)
         mark = self._mark()
         timeline: list[tuple[int, int]] = []
         failed = self._walk(self._clock + horizon, timeline)
         if failed < 0 and mark[0] == 0:  # (for `_stepped`: the journals, the events after)
             self._replay = (self._clock, self._version, horizon, self.pool.journal[mark[0]:],
-                            self._tj[mark[1]:], self._events, self._clocks, self._ev_at)
+                            self._tj[mark[1]:], self._events, self._clocks,
+                            [(dec, dec.at) for dec, _at in self._atj[amark:]])
         self._undo(mark)
-        self._events, self._clocks, self._ev_at = events, clocks, ev_at
+        self._events, self._clocks = events, clocks
+        atj = self._atj
+        while len(atj) > amark:
+            dec, at = atj.pop()
+            dec.at = at
         fit = horizon if failed < 0 else failed - self._clock - 1
         self._walk_memo = (self._clock, self._version, horizon, fit, timeline)
         return fit, timeline
@@ -512,7 +524,7 @@ class TwoLevelAllocator(HybridAllocator):
         if rid in self._named_start:
             del self._named_start[rid]
         rank = self._rank.get(rid, -1)
-        for d in (self._ev_at, self._rank, self._proc, self._joined, self._last_n, self._first):
+        for d in (self._rank, self._proc, self._joined, self._last_n, self._first):
             if rid in d:
                 del d[rid]
         if rank in self._decoders:
@@ -531,9 +543,8 @@ class TwoLevelAllocator(HybridAllocator):
             self._fresh[rid] = self._clock
         else:
             rank = self._rank.get(rid, -1)
-            for d in (self._ev_at, self._fresh):
-                if rid in d:
-                    del d[rid]
+            if rid in self._fresh:
+                del self._fresh[rid]
             if rank in self._decoders:
                 del self._decoders[rank]
 
@@ -600,7 +611,7 @@ class TwoLevelAllocator(HybridAllocator):
         weight = n * w0 + w1 * n * (n - 1) / 2
         sums = self._integrals6(n, w0, w1)
         free = float(self.pool.free_large_pages()) * weight
-        if n and self._ev_at:
+        if n and any(dec.at >= 0 for dec in self._decoders.values()):
             free = self._free_integral(n, w0, w1)
         usable = free * self.large
         external = self.capacity * weight - sums[0] * self.page - usable

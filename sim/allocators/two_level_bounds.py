@@ -47,10 +47,10 @@ def next_step_fits(a: TwoLevelAllocator) -> int:
         return -1  # (a rank twice: left to the walk)
     need = [0] * len(a.pool.per)
     kinds, sizes, windows, ptype = a._mkind, a._mbs, a._mwin, a._ptype
-    ev_at, lag = a._ev_at, a._lag
+    lag = a._lag
     for rank in bucket:
         dec = a._decoders.get(rank)
-        if dec is None or ev_at.get(dec.rid, -1) != clock:
+        if dec is None or dec.at != clock:
             continue
         rid, tables, starts = dec.rid, dec.tables, dec.starts
         tokens = dec.base + clock

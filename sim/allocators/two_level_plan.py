@@ -45,6 +45,7 @@ class Decoder:
         self.done = done  # the clock it is done at
         self.tables = tables  # its small pages per manager and group (the allocator's lists)
         self.starts = starts  # per manager, its blocks skipped
+        self.at = -1  # the clock of its next event (-1: none before it is done)
 
 
 def manager_code(m: Manager) -> int:

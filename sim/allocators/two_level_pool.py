@@ -216,10 +216,12 @@ class TwoLevelPool:
                     fresh = True
             mask = mask_of[lid]
             base = lid * per
-            if fresh and n >= per:  # (the whole page, its slots in order)
-                for sid in range(base, base + per):
+            if fresh:  # (its lowest slots, in order)
+                count = min(n, per)
+                for sid in range(base, base + count):
                     out.append(sid)
-                taken, count, mask = mask, per, 0
+                taken = (1 << count) - 1
+                mask ^= taken
             else:
                 taken = 0
                 count = 0
