@@ -150,13 +150,18 @@ class TwoLevelAllocator(HybridAllocator):
             self._plan_types(positive_int("max_num_batched_tokens", max_num_batched_tokens))
         self.num_large = self.pool.usable
         # Each manager's kind (FULL...MAMBA), block size and window as plain ints: the walk's
-        # hot path (`_place`, `_next_event`) reads no attribute and calls no method of the
+        # hot path (`_place`, `_walk`) reads no attribute and calls no method of the
         # managers (dataclasses the compiler leaves interpreted)
         self._mkind = [manager_code(m) for m in self.managers]
         self._mbs = [m.block_size for m in self.managers]
         self._mwin = [m.window for m in self.managers]
         self._mcap = [-1 if m.cap is None else m.cap for m in self.managers]  # (-1: none)
         self._min_bs = min([b for b in self._mbs if b < self.max_model_len], default=1 << 60)
+        # per pool type, the groups of its managers that take blocks as tokens come (`few_fit`)
+        self._tw = [0] * len(self.pool.per)
+        for mi, m in enumerate(self.managers):
+            if m.block_size < self.max_model_len:
+                self._tw[self._ptype[mi]] += self._lists[mi]
         # The decoders' next events: per clock, the admission ranks due then (a bucket,
         # sorted when its clock comes), and a heap of the clocks with a bucket (a heap
         # operation per clock, not per event: a step's events mostly share it); an entry is
@@ -376,14 +381,6 @@ class TwoLevelAllocator(HybridAllocator):
             return tokens - 1 - self._lag
         return self._proc[rid]
 
-    def _next_event(self, tokens: int, clock: int, joined: int) -> int:
-        """The next clock after `clock` at which the counts of a decoder of `tokens` then,
-        which joined the cohort at `joined`, may change (`two_level_plan.next_event`)."""
-        if clock < joined + 1 + self._lag:
-            return clock + 1  # (every step until its processed count follows its length)
-        return clock + next_step(self._mkind, self._mbs, self._mwin, self.max_model_len,
-                                 tokens, tokens - 1 - self._lag)
-
     def _push(self, dec: Decoder, rank: int, clock: int) -> None:
         """Decoder `dec` (admission `rank`)'s next event at `clock`, unless it is done by
         then."""
@@ -405,7 +402,8 @@ class TwoLevelAllocator(HybridAllocator):
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
         events, clocks, decoders = self._events, self._clocks, self._decoders
-        lag = self._lag
+        lag, mml = self._lag, self.max_model_len
+        kinds, sizes, windows = self._mkind, self._mbs, self._mwin
         while clocks and clocks[0] <= limit:
             clock = heappop(clocks)
             bucket = events.pop(clock)
@@ -428,7 +426,13 @@ class TwoLevelAllocator(HybridAllocator):
                         timeline.append((clock, self.pool.free_large_pages()))
                     return clock
                 placed = True
-                self._push(dec, rank, self._next_event(tokens, clock, joined))
+                # its next event: every step until its processed count follows its length,
+                # then where a count may change next (`two_level_plan.next_step`)
+                if clock < joined + 1 + lag:
+                    self._push(dec, rank, clock + 1)
+                else:
+                    self._push(dec, rank, clock + next_step(kinds, sizes, windows, mml, tokens,
+                                                            tokens - 1 - lag))
             if timeline is not None and placed:
                 timeline.append((clock, self.pool.free_large_pages()))
         return -1
@@ -466,14 +470,15 @@ class TwoLevelAllocator(HybridAllocator):
             raise ValueError(f"request {rid}: the two-level allocator does not model sample "
                              "groups (n > 1) yet")
         need = self._need(tokens, 0)
-        if self._large_for(need, empty=True) > self.num_large:
-            return Refusal(rid, Reason.TOO_LARGE, self._large_for(need, True) * self.large,
-                           self.free_bytes(), "needs more large pages than exist")
+        most = self._large_for(need, empty=True)
+        if most > self.num_large:
+            return Refusal(rid, Reason.TOO_LARGE, most * self.large, self.free_bytes(),
+                           "needs more large pages than exist")
         # (an admission only takes: it fits exactly when the fresh large pages it needs do,
         # and is then placed outright, with no trial to journal)
-        if self.pool.large_needed(need) > self.pool.free_large_pages():
-            return Refusal(rid, Reason.OUT_OF_MEMORY, self._large_for(need) * self.large,
-                           self.free_bytes())
+        fresh = self.pool.large_needed(need)
+        if fresh > self.pool.free_large_pages():
+            return Refusal(rid, Reason.OUT_OF_MEMORY, fresh * self.large, self.free_bytes())
         placed = self._place_taking(rid, tokens, 0)
         assert placed, "an admission's takes did not fit the free large pages counted"
         self._proc[rid] = 0

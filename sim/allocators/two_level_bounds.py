@@ -26,12 +26,7 @@ def few_fit(a: TwoLevelAllocator, steps: int) -> bool:
         bucket = events.get(c)
         if bucket is not None:
             n += len(bucket)
-    need = [0] * len(a.pool.per)
-    for mi in range(len(a._mbs)):
-        if a._mbs[mi] < a.max_model_len:
-            t = a._ptype[mi]
-            need[t] = need[t] + a._lists[mi] * n
-    return a.pool.large_needed(need) <= a.pool.free_large_pages()
+    return a.pool.large_needed([w * n for w in a._tw]) <= a.pool.free_large_pages()
 
 
 def next_step_fits(a: TwoLevelAllocator) -> int:

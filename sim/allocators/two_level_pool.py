@@ -342,7 +342,16 @@ class TwoLevelPool:
                     count = _bits(bits)
                     mask_of[lid] = mask_of[lid] | bits
                     self.free_small[t] = self.free_small[t] + count
-                self._sync(lid, t)
+                # (`_sync`, inline)
+                mask = mask_of[lid]
+                words = self.partly[t]
+                w = lid >> WORD_BITS
+                if mask != 0 and mask != self.full[t]:
+                    words[w] = words[w] | 1 << (lid & (WORD - 1))
+                    if w < self.first[t]:
+                        self.first[t] = w
+                else:
+                    words[w] = words[w] & ~(1 << (lid & (WORD - 1)))
 
     def redo(self, journal: list[int]) -> None:
         """Apply again, in order, the changes of a trial's journal (entries from its mark on)
