@@ -78,7 +78,12 @@ from kvfrag.sim.allocators.base import (
     positive_int,
 )
 from kvfrag.sim.allocators.hybrid import HybridAllocator
-from kvfrag.sim.allocators.two_level_bounds import few_fit, most_extra, next_step_fits
+from kvfrag.sim.allocators.two_level_bounds import (
+    few_fit,
+    most_extra,
+    next_step_fits,
+    next_step_need,
+)
 from kvfrag.sim.allocators.two_level_plan import (
     FULL,
     Decoder,
@@ -624,9 +629,14 @@ class TwoLevelAllocator(HybridAllocator):
 
     def _free_integral(self, n: int, w0: float, w1: float) -> float:
         """Sum over steps j = 1..n of the free large pages after step j x (w0 + w1 (j - 1))."""
+        free = self.pool.free_large_pages()
+        if n == 1:  # (one step that gives no page back: its takes counted, no walk)
+            need = next_step_need(self)
+            short = -1 if need is None else self.pool.large_needed(need)
+            if 0 <= short <= free:  # (0.0 +: the sum below, to the sign of a zero)
+                return 0.0 + (free - short) * weights(1, 1, w0, w1)
         _fit, timeline = self._look(n)
         total = 0.0
-        free = self.pool.free_large_pages()
         j = 1  # the first step whose figure `free` is
         for clock, after in timeline:
             step = clock - self._clock

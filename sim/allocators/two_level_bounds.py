@@ -34,13 +34,22 @@ def next_step_fits(a: TwoLevelAllocator) -> int:
     of its events gives a page back (-1 where one does: walk it). Takes alone fit exactly
     when the fresh large pages their count needs do (`TwoLevelPool.large_needed`), in any
     order; the engine asks this of every step near fullness, before each preemption."""
+    need = next_step_need(a)
+    if need is None:
+        return -1
+    return 1 if a.pool.large_needed(need) <= a.pool.free_large_pages() else 0
+
+
+def next_step_need(a: TwoLevelAllocator) -> list[int] | None:
+    """The small pages per pool type that the next decode step's events take, or None where
+    one of them gives a page back first (or a rank is due twice): only a walk knows then."""
     clock = a._clock + 1
+    need = [0] * len(a.pool.per)
     bucket = a._events.get(clock)
     if bucket is None:
-        return 1
+        return need
     if len(set(bucket)) != len(bucket):
-        return -1  # (a rank twice: left to the walk)
-    need = [0] * len(a.pool.per)
+        return None
     kinds, sizes, windows, ptype = a._mkind, a._mbs, a._mwin, a._ptype
     lag = a._lag
     for rank in bucket:
@@ -56,8 +65,8 @@ def next_step_fits(a: TwoLevelAllocator) -> int:
             processed = tokens - 1 - lag
         if not count_takes(kinds, sizes, windows, ptype, tables, starts, tokens,
                            processed, need):
-            return -1  # (a page given back: where it frees room is placement's)
-    return 1 if a.pool.large_needed(need) <= a.pool.free_large_pages() else 0
+            return None
+    return need
 
 
 def most_extra(a: TwoLevelAllocator, steps: int) -> list[int]:
