@@ -486,20 +486,12 @@ class TwoLevelAllocator(HybridAllocator):
             return Refusal(rid, Reason.OUT_OF_MEMORY, fresh * self.large, self.free_bytes())
         placed = self._place_taking(rid, tokens, 0)
         assert placed, "an admission's takes did not fit the free large pages counted"
-        self._proc[rid] = 0
-        self._last_n[rid] = tokens
-        self._admissions += 1
+        parts = self._admitted(live, tokens)
         assert self._admissions <= RANK_MASK, "more admissions than event keys order"
-        self._rank[rid] = self._admissions
-        parts = self._parts_of(tokens, 0, live.final)
-        self._held[rid] = parts
-        self._add_fixed(parts, 1)
-        self._changed()
         return Grant(rid, parts.f0 * self.page, live.cap, blocks=self._new_ids())
 
     def _grow(self, live: Live, old: int, new: int) -> Grant | Refusal:
         rid = live.req.rid
-        held = self._held[rid]
         proc = max(0, old - self.in_flight_now) if self._lag else old
         if not self._try_place(rid, new, proc):
             short = self._need(new, proc)  # (less what it holds: the pages it must take)
@@ -508,15 +500,7 @@ class TwoLevelAllocator(HybridAllocator):
             return Refusal(rid, Reason.OUT_OF_MEMORY,
                            self.pool.large_needed([max(0, n) for n in short]) * self.large,
                            self.free_bytes())
-        parts = self._parts_of(new, proc, live.final)
-        self._add_fixed(held, -1)
-        self._add_fixed(parts, 1)
-        self._held[rid] = parts
-        self._proc[rid] = proc
-        self._last_n[rid] = new - old
-        self._changed()
-        taken = sum(m.groups * (-(-new // m.block_size) - -(-old // m.block_size))
-                    for m in self.managers)
+        taken = self._grown(live, old, new, proc)
         return Grant(rid, taken * self.page, live.cap, blocks=self._new_ids())
 
     def _release(self, live: Live) -> None:
