@@ -100,7 +100,7 @@ from kvfrag.sim.allocators.base import (
 from kvfrag.sim.allocators.paged import FreeIds
 from kvfrag.sim.geometry import KVGeometry
 from kvfrag.sim.hybrid.cohort import Cohort
-from kvfrag.sim.hybrid.forms import Figures
+from kvfrag.sim.hybrid.forms import NEVER, Figures
 from kvfrag.sim.hybrid.managers import Manager, managers_for
 from kvfrag.sim.hybrid.planner import MAMBA_CACHE_MODES, Plan, plan
 from kvfrag.sim.layers import FullAttention, LayerStack
@@ -627,11 +627,17 @@ class HybridAllocator(Allocator):
         if self._full_clock == self._clock and self._full_version == self._version:
             return self._full_result
         done = self.steps_until_done()
-        result = None if done is None else self._cohort.steps_until_full(
-            self._clock, done, self.free_blocks(), self._rank.__getitem__)
+        result = None if done is None else self._steps_fit(done, NEVER)
         self._full_clock, self._full_version, self._full_result = (
             self._clock, self._version, result)
         return result
+
+    def _steps_fit(self, done: int, walk: int) -> int:
+        """Decode steps (at most `done`) before a decoder, in running order, finds too few
+        free blocks: the cohort's look-ahead on the one pool (`walk`: the most steps walked
+        where its bound does not settle it; `Cohort.steps_until_full`)."""
+        return self._cohort.steps_until_full(self._clock, done, self.free_blocks(),
+                                             self._rank.__getitem__, walk)
 
     def can_step(self) -> bool:
         """(`Allocator.can_step`.) Where the closed-form bound does not settle it, only the
@@ -642,8 +648,7 @@ class HybridAllocator(Allocator):
         done = self.steps_until_done()
         if done is None:
             return True
-        got = self._cohort.steps_until_full(self._clock, done, self.free_blocks(),
-                                            self._rank.__getitem__, 1)
+        got = self._steps_fit(done, 1)
         if got == 0 or got == done:  # (exact: `steps_until_full`'s answer)
             self._full_clock, self._full_version, self._full_result = (
                 self._clock, self._version, got)

@@ -331,9 +331,8 @@ class StaticPartitionAllocator(HybridAllocator):
             raise ValueError(
                 f"request {rid}: the hybrid allocator does not model sample groups (n > 1) yet"
             )
-        figures = self._cohort.figures(self._clock)
         state = self._state_pool
-        if state is not None and state.blocks(figures) >= state.num_blocks:
+        if state is not None and self.free_in(state) <= 0:
             return Refusal(rid, Reason.OUT_OF_MEMORY, state.page, self.free_bytes(),
                            "no free state block")
         for p in self._growing:
@@ -341,7 +340,7 @@ class StaticPartitionAllocator(HybridAllocator):
             if need > p.num_blocks:
                 return Refusal(rid, Reason.TOO_LARGE, need * p.page, self.free_bytes(),
                                f"{p.kind} pool: needs more blocks than exist")
-            if need > p.num_blocks - p.blocks(figures):
+            if need > self.free_in(p):
                 return Refusal(rid, Reason.OUT_OF_MEMORY, need * p.page, self.free_bytes(),
                                f"{p.kind} pool")
         return Grant(rid, self._admitted(live, tokens).f0 * self.page, live.cap)
@@ -350,10 +349,8 @@ class StaticPartitionAllocator(HybridAllocator):
         rid = live.req.rid
         held = self._held[rid]  # (its parts at (old, processed), as added)
         proc = max(0, old - self.in_flight_now) if self._lag else old
-        figures = self._cohort.figures(self._clock)
         for p in self._growing:
-            short = (self._need(p, new, proc) - p.blocks(held)
-                     - (p.num_blocks - p.blocks(figures)))
+            short = self._need(p, new, proc) - p.blocks(held) - self.free_in(p)
             if short > 0:
                 return Refusal(rid, Reason.OUT_OF_MEMORY, short * p.page, self.free_bytes(),
                                f"{p.kind} pool")
@@ -386,36 +383,11 @@ class StaticPartitionAllocator(HybridAllocator):
         done = self.steps_until_done()
         return None if done is None else self._pool_full(p, done, NEVER)
 
-    def steps_until_full(self) -> int | None:
-        if self._full_clock == self._clock and self._full_version == self._version:
-            return self._full_result
-        result = self.steps_until_done()
-        if result is not None:
-            for p in self._growing:  # (the least of the pools': each asked up to it)
-                result = self._pool_full(p, result, NEVER)
-                if result == 0:
-                    break
-        self._full_clock, self._full_version, self._full_result = (
-            self._clock, self._version, result)
-        return result
-
-    def can_step(self) -> bool:
-        """(`Allocator.can_step`.) Each pool's next step alone where its closed-form bound
-        does not settle it (`HybridAllocator.can_step`)."""
-        if self._full_clock == self._clock and self._full_version == self._version:
-            return self._full_result != 0
-        done = self.steps_until_done()
-        if done is None:
-            return True
-        exact = True
+    def _steps_fit(self, done: int, walk: int) -> int:
+        """(`HybridAllocator._steps_fit`.) The least of the pools': each asked up to the
+        answer of the ones before (a step refused in one is refused)."""
         for p in self._growing:
-            got = self._pool_full(p, done, 1)
-            if got == 0:
-                self._full_clock, self._full_version, self._full_result = (
-                    self._clock, self._version, 0)
-                return False
-            exact = exact and got == done
-        if exact:
-            self._full_clock, self._full_version, self._full_result = (
-                self._clock, self._version, done)
-        return True
+            done = self._pool_full(p, done, walk)
+            if done == 0:
+                break
+        return done
