@@ -283,7 +283,7 @@ class Cohort(Forms):
             # (within the first window both skip nothing: its parts are its form's)
             if any(d for d in diff):  # (a generator: compiled, a loop; not a call)
                 now = held.copy()
-                now.sub_list(diff)
+                now.add_list([-d for d in diff])
             else:
                 now = held
         rec = self._build(rid, c, final, clock, now)[0]

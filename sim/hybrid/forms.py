@@ -170,25 +170,6 @@ class Figures:
                     for i in range(len(rest)):
                         rest[i] = rest[i] + v[9 + i]
 
-    def sub_list(self, v: list[int]) -> None:
-        """Take out a vector kept as a list."""
-        self.f0 -= v[0]
-        self.f1 -= v[1]
-        self.f2 -= v[2]
-        self.f3 -= v[3]
-        self.f4 -= v[4]
-        self.f5 -= v[5]
-        m = self.n
-        if m:
-            self.h0 -= v[6]
-            if m > 1:
-                self.h1 -= v[7]
-                if m > 2:
-                    self.h2 -= v[8]
-                    rest = self.rest
-                    for i in range(len(rest)):
-                        rest[i] = rest[i] - v[9 + i]
-
     def set_held(self, m: int, value: int) -> None:
         """Set manager m's figure."""
         if m == 0:
