@@ -50,7 +50,8 @@ usable free memory (any type of the next request can have it whole); free slots 
 cached pages inside held large pages are usable by their type alone, so external, as the
 stranded slots of `TwoLevelPool`.
 
-No journal: a look-ahead works on a `light_copy` (as `HybridPrefixCaching` copies its state).
+No journal: a look-ahead works on a `light_copy` (as `HybridPrefixCaching` copies its state),
+whose small pages' dicts are overlays on this pool's.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import heapq
 from collections.abc import Hashable
 
 from kvfrag.sim.allocators.paged import FreeIds
+from kvfrag.sim.hybrid.overlay import Overlay
 
 
 class TwoLevelCachePool:
@@ -105,7 +107,9 @@ class TwoLevelCachePool:
     def light_copy(self) -> TwoLevelCachePool:
         """A copy that takes, frees and evicts as this pool does but keeps no cache (`cache`
         None: nothing is looked up or inserted in it): what a look-ahead needs, at the cost
-        of copying the pages' states, not the keys' tables."""
+        of copying the large pages' states, not the keys' tables; the small pages' counts,
+        stamps and keys are overlays (`sim.hybrid.overlay`: this pool must not change while
+        the copy is used)."""
         other = TwoLevelCachePool.__new__(TwoLevelCachePool)
         other.__dict__.update(self.__dict__)
         other.free_large = copy.copy(self.free_large)
@@ -113,8 +117,8 @@ class TwoLevelCachePool:
         other.free_large.chunks = [list(c) for c in self.free_large.chunks]
         for name in ("owner", "mask", "held", "idle_slots", "evictable"):
             setattr(other, name, dict(getattr(self, name)))
-        for name in ("ref", "stamp", "keys"):
-            setattr(other, name, [dict(d) for d in getattr(self, name)])
+        for name in ("ref", "stamp", "keys"):  # (large: their changes kept apart)
+            setattr(other, name, [Overlay(d) for d in getattr(self, name)])
         other.partly = [set(s) for s in self.partly]
         other.spare = [set(s) for s in self.spare]
         other.pinned = [list(h) for h in self.pinned]

@@ -265,6 +265,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         self._preempting = False
         self.waste_split = True
         self._sums_memo = None
+        self._decoders_memo = None
         self.lookups = 0
         self.hit_blocks = 0
 
@@ -387,7 +388,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         pool = typed.pool
         pool.allow(self._wanted_typed(st, rid, tokens))
         new: list[int] = []
-        for g, table in enumerate(st.tables[rid]):
+        for g, table in enumerate(st.writable(rid)):
             k = self._kinds[g]
             required = -(-tokens // k.block_size)
             if k.kind == "mamba":
@@ -451,18 +452,21 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         queue = list(victims or ())
         typed: TypedPool = st.pool  # type: ignore[assignment]
         before = typed.freed
-        rank = 0
+        rank = -1
         quiet = self._quiet
-        for rid, live in self._live.items():
-            if not live.decoding:
-                continue
+        until = st.quiet
+        for rid, live in self._decoders():
+            rank += 1
             tokens = live.base + clock
+            if until and until.get(rid, 0) > tokens:
+                continue
             processed = tokens - 1
             if self._lag:
                 processed = (self._first[rid] if self._joined[rid] == clock - 1
                              else tokens - 2)
             if quiet is not None and self._quiet_step(st, rid, tokens, quiet, processed):
-                rank += 1
+                st.note_quiet(rid, tokens, processed, quiet, self._kinds, self._manager_of,
+                              self._lag)
                 continue
             st.remove_skipped(rid, self._kinds, self._manager_of, processed)
             need = self._wanted_typed(st, rid, tokens)
@@ -474,7 +478,6 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
             self._take(st, rid, tokens)
             if typed.cache is not None:
                 self._cache(st, live.req, tokens - self._lag)
-            rank += 1
         self._victims_turn(st, queue)
         st.freed = typed.freed - before
         return -1
@@ -550,7 +553,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         pool: TwoLevelCachePool = st.pool.pool  # type: ignore[attr-defined]
         held = sum(len(pool.ref[g]) * page for g, page in enumerate(self.small_pages))
         return (held, *held_figures(st, self._live, clock, self._kinds, self._manager_of,
-                                    self._tb, self._sb, self.small_pages))
+                                    self._tb, self._sb, self.small_pages, self._apart(st)))
 
     def _totals_at(self, st: PrefixState, clock: int) -> tuple[int, ...]:
         held, token_states, reserved, padding, out = self._figures(st, clock)

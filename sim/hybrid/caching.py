@@ -144,6 +144,7 @@ class HybridPrefixCaching(HybridAllocator):
         self._preempting = False  # async: `free_preempted` is freeing
         self.waste_split = True
         self._sums_memo: tuple[tuple[int, int, int, float, float], list[float]] | None = None
+        self._decoders_memo: tuple[int, list[tuple[int, Live]]] | None = None
         self.lookups = 0
         self.hit_blocks = 0
 
@@ -355,13 +356,21 @@ class HybridPrefixCaching(HybridAllocator):
         self.hit_blocks += hit // self._hash_bs
         st.boundary[rid] = boundary
         tables: list[list[int]] = []
+        ref = st.pool.ref
+        shares = False  # (whether it hit an id some request holds)
         for g, found in enumerate(ids):
             skipped = self._kinds[self._manager_of[g]].skipped(hit)
             kept = found[skipped:]
+            shares = shares or any(b and ref[b] for b in kept)
             st.pool.touch(kept)
             tables.append([0] * skipped + kept)
         st.tables[rid] = tables
         st.ncached[rid] = [len(t) for t in tables]
+        st.quiet.pop(rid, None)
+        if shares:
+            st.hits[rid] = max(map(len, ids))
+        else:
+            st.hits.pop(rid, None)
         if self._mamba:
             st.mamba[rid] = [0, -1, 0]
         new = self._take(st, rid, tokens)
@@ -376,7 +385,7 @@ class HybridPrefixCaching(HybridAllocator):
         """Each group's table grown to `tokens` slots (vLLM's `allocate_new_blocks`)."""
         new: list[int] = []
         sizes = [-(-tokens // k.block_size) for k in self._kinds]
-        for g, table in enumerate(st.tables[rid]):
+        for g, table in enumerate(st.writable(rid)):
             k = self._kinds[self._manager_of[g]]
             if k.kind == "mamba":
                 got = st.mamba_take(table, st.mamba[rid], k.block_size, tokens)
@@ -471,6 +480,7 @@ class HybridPrefixCaching(HybridAllocator):
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
         rid = live.req.rid
+        self._st.quiet.pop(rid, None)  # (async: its first step frees by other tokens)
         if decoding:
             self._joined[rid] = self._clock
             if self._lag:  # its first step frees by the tokens before its last allocation
@@ -501,18 +511,21 @@ class HybridPrefixCaching(HybridAllocator):
         queue = list(victims or ())
         before = st.pool.free_count()
         taken = 0
-        rank = 0
+        rank = -1
         quiet = self._quiet
-        for rid, live in self._live.items():
-            if not live.decoding:
-                continue
+        until = st.quiet
+        for rid, live in self._decoders():
+            rank += 1
             tokens = live.base + clock
+            if until and until.get(rid, 0) > tokens:
+                continue
             processed = tokens - 1  # (async: less the token in flight; the first step, the
             if self._lag:  # final chunk)
                 processed = (self._first[rid] if self._joined[rid] == clock - 1
                              else tokens - 2)
             if quiet is not None and self._quiet_step(st, rid, tokens, quiet, processed):
-                rank += 1
+                st.note_quiet(rid, tokens, processed, quiet, self._kinds, self._manager_of,
+                              self._lag)
                 continue
             st.remove_skipped(rid, self._kinds, self._manager_of, processed)
             need = self._wanted(st, rid, tokens)
@@ -525,7 +538,6 @@ class HybridPrefixCaching(HybridAllocator):
             self._take(st, rid, tokens)
             if st.pool.cache is not None:
                 self._cache(st, live.req, tokens - self._lag)
-            rank += 1
         self._victims_turn(st, queue)
         st.freed = st.pool.free_count() + taken - before
         return -1
@@ -558,6 +570,15 @@ class HybridPrefixCaching(HybridAllocator):
                     return False
         return True
 
+    def _decoders(self) -> list[tuple[int, Live]]:
+        """The decoding requests in the running order (kept while the version stays)."""
+        memo = self._decoders_memo
+        if memo is not None and memo[0] == self._version:
+            return memo[1]
+        got = [(rid, live) for rid, live in self._live.items() if live.decoding]
+        self._decoders_memo = (self._version, got)
+        return got
+
     def _victims_turn(self, st: PrefixState, queue: list[tuple[int, list[list[int]], int]]
                       ) -> None:
         """The preempted requests no decoder's shortage freed: the oldest of them reaches
@@ -567,6 +588,8 @@ class HybridPrefixCaching(HybridAllocator):
             return
         rid, tables, processed = queue[-1]
         st.tables[rid] = tables
+        if st.own is not None:  # (its tables are the queue's, changed in place below)
+            st.own.add(rid)
         if rid in st.parked:
             st.mamba[rid] = st.parked.pop(rid)
         st.remove_skipped(rid, self._kinds, self._manager_of, processed)
@@ -655,7 +678,11 @@ class HybridPrefixCaching(HybridAllocator):
         """(ids in use, token_states, reserved, padding, out_of_window) of `st` at `clock`
         (`sim.hybrid.prefix_figures`)."""
         return (st.held(), *held_figures(st, self._live, clock, self._kinds, self._manager_of,
-                                         self._tb, self._sb, self._pages))
+                                         self._tb, self._sb, self._pages, self._apart(st)))
+
+    def _apart(self, st: PrefixState) -> bool:
+        """Whether requests preempted for the next step hold ids outside `st`'s tables."""
+        return st is self._st and bool(self._pending)
 
     def _totals_at(self, st: PrefixState, clock: int) -> tuple[int, ...]:
         """(blocks, token_states, reserved, internal, padding, out_of_window) of `st` at
@@ -690,11 +717,7 @@ class HybridPrefixCaching(HybridAllocator):
         """Per plan group, the ids in the requests' tables (an id two requests hold counts
         twice, as vLLM's managers count their tables)."""
         self._flush()
-        out = [0] * len(self.plan.groups)
-        for tables in self._st.tables.values():
-            for g, table in enumerate(tables):
-                out[g] += len(table) - table.count(0)
-        return tuple(out)
+        return self._st.blocks_per_group(self._manager_of, len(self.plan.groups))
 
     def blocks_of(self, rid: int) -> int:
         self._get(rid)

@@ -47,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvfrag.sim.hybrid.overlay import Overlay
+
 if TYPE_CHECKING:
     from kvfrag.sim.allocators.values import Request
 
@@ -70,13 +72,10 @@ class BlockPool:
         self.evicted: list[int] = []  # ids evicted since the allocator last handed them out
 
     def light_copy(self) -> BlockPool:
-        """A copy that counts ids as this pool does but keeps no cache (`cache` None): what
-        a look-ahead needs, which takes and frees ids but looks nothing up."""
-        other = BlockPool.__new__(BlockPool)
-        other.n, other.unused, other.evictions = self.n, self.unused, self.evictions
-        other.ref, other.keys, other.idle = dict(self.ref), dict(self.keys), dict(self.idle)
-        other.cache, other.fresh, other.evicted = None, list(self.fresh), []
-        return other
+        """A pool that counts, takes and frees ids as this one would but keeps no cache
+        (`cache` None): what a look-ahead needs, which looks nothing up (`AheadPool`: this
+        pool's dicts are read, not copied, so it must not change while the other is used)."""
+        return AheadPool(self)
 
     def free_count(self) -> int:
         return len(self.fresh) + self.n + 1 - self.unused + len(self.idle)
@@ -151,6 +150,76 @@ class BlockPool:
                 del self.cache[key]
 
 
+class AheadPool(BlockPool):
+    """`BlockPool.light_copy`: a look-ahead's pool over a base pool that stays as it is. Ids
+    are counted, taken and freed as the base would (the same order: its uncached freed ids,
+    its never-used ones, its idle cached ones least recently freed first, then those freed
+    here), with no copy of its dicts: what changes is kept here (`ref` as an overlay, `gone`
+    the ids evicted here, `idle` those made idle here); nothing is cached."""
+
+    def __init__(self, base: BlockPool) -> None:
+        self.n, self.unused, self.evictions = base.n, base.unused, base.evictions
+        self.ref = Overlay(base.ref)  # type: ignore[assignment]
+        self.keys = base.keys  # (read only: an id in `gone` has lost its keys)
+        self.gone: set[int] = set()
+        self.cache = None
+        self.fresh = list(base.fresh)
+        self.idle = {}
+        self.evicted = []
+        self._old_idle = iter(base.idle)  # the base's idle ids not evicted here, in order
+        self._old_left = len(base.idle)
+
+    def light_copy(self) -> BlockPool:
+        raise NotImplementedError("a look-ahead's pool is not copied")
+
+    def free_count(self) -> int:
+        return (len(self.fresh) + self.n + 1 - self.unused + self._old_left
+                + len(self.idle))
+
+    def take(self, n: int) -> list[int]:
+        out = []
+        ref = self.ref
+        for _ in range(n):
+            if self.fresh:
+                b = self.fresh.pop()
+            elif self.unused <= self.n:
+                b = self.unused
+                self.unused += 1
+            else:
+                if self._old_left:
+                    b = next(self._old_idle)
+                    self._old_left -= 1
+                else:
+                    b = next(iter(self.idle))
+                    del self.idle[b]
+                self.gone.add(b)  # (its count, 0, is overwritten below)
+                self.evictions += 1
+                self.evicted.append(b)
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: list[int]) -> int:
+        front: list[int] = []
+        freed = 0
+        ref = self.ref
+        for b in blocks:
+            count = ref[b] - 1
+            ref[b] = count
+            if count == 0:
+                freed += 1
+                if b in self.keys and b not in self.gone:
+                    self.idle[b] = None
+                else:
+                    del ref[b]
+                    front.append(b)
+        self.fresh.extend(reversed(front))
+        return freed
+
+    def touch(self, blocks: list[int]) -> None:
+        raise NotImplementedError("a look-ahead revives no hit")
+
+
 @dataclass
 class Kind:
     """One attention kind of the plan (vLLM's attention group: groups of one spec), as the
@@ -174,6 +243,16 @@ class Kind:
         if self.kind == "mamba":  # (only the last token's state is read)
             return max(0, processed - 1) // self.block_size
         return 0
+
+    def next_skip(self, processed: int) -> int:
+        """The fewest tokens processed past `processed` that may skip more blocks (sliding
+        and chunked kinds; at worst early)."""
+        if self.kind == "sliding_window":
+            skip = max(0, processed - self.window + 1) // self.block_size
+            return (skip + 1) * self.block_size + self.window - 1
+        if self.kind == "chunked_local":
+            return (processed // self.window + 1) * self.window
+        return processed + 1
 
     def read_from(self, tokens: int) -> int:
         """The first token a request of `tokens` tokens still reads in these groups."""
@@ -327,17 +406,96 @@ class PrefixState:
         # allocated for (`_allocated_block_reqs`)]; `parked`: a detached request's
         self.mamba: dict[int, list[int]] = {}
         self.parked: dict[int, list[int]] = {}
+        # rid -> the leading positions of its tables its admission's hit filled, where that
+        # hit took ids other requests held: an id held by two requests or more is in one of
+        # these (its last holder took it so)
+        self.hits: dict[int, int] = {}
+        # rid -> tokens before which its decode steps free, take and cache nothing
+        # (`note_quiet`; absent: ask each step)
+        self.quiet: dict[int, int] = {}
+        # a light copy: the requests whose tables (and Mamba bookkeeping) it copied, the
+        # others' shared with the state it was copied from (`writable`); None: not a copy
+        self.own: set[int] | None = None
 
     def light_copy(self) -> PrefixState:
-        """A copy to look ahead with (`BlockPool.light_copy`: nothing is cached in it)."""
+        """A copy to look ahead with (`BlockPool.light_copy`: nothing is cached in it, so
+        the cached-block counts are shared). A request's tables are copied when first
+        changed (`writable`): a look-ahead changes few of them."""
         other = PrefixState.__new__(PrefixState)
         other.pool, other.groups, other.freed = self.pool.light_copy(), self.groups, 0
-        other.tables = {rid: [list(t) for t in ts] for rid, ts in self.tables.items()}
-        other.ncached = {rid: list(n) for rid, n in self.ncached.items()}
+        other.tables = dict(self.tables)
+        other.own = set()
+        other.ncached = dict(self.ncached)
         other.boundary = dict(self.boundary)
-        other.mamba = {rid: list(m) for rid, m in self.mamba.items()}
+        other.mamba = dict(self.mamba)
         other.parked = {rid: list(m) for rid, m in self.parked.items()}
+        other.hits = dict(self.hits)
+        other.quiet = dict(self.quiet)
         return other
+
+    def writable(self, rid: int) -> list[list[int]]:
+        """The request's tables, to change: in a light copy, copied first (once)."""
+        own = self.own
+        if own is not None and rid not in own:
+            own.add(rid)
+            self.tables[rid] = [list(t) for t in self.tables[rid]]
+            mamba = self.mamba.get(rid)
+            if mamba is not None:
+                self.mamba[rid] = list(mamba)
+        return self.tables[rid]
+
+    def note_quiet(self, rid: int, tokens: int, processed: int,
+                   quiet: list[tuple[int, int, bool]], kinds: list[Kind], kind_of: list[int],
+                   lag: int) -> None:
+        """After a decode step to `tokens` that freed, took and cached nothing for the request
+        (`HybridPrefixCaching._quiet_step`, judged on `quiet`'s groups: (first group of a
+        kind, block size, Mamba?)), the tokens up to which its steps stay so, kept in `quiet`:
+        its next block boundary, block to cache, window edge or Mamba state to retire,
+        whichever comes first. A later change of its tables only moves these later (a
+        window's blocks freed, more cached) or comes with leaving the cohort (a chunk), which
+        forgets it, as an admission does. Not kept for an async decoder's first step (it
+        frees by other tokens than `tokens - 1 - lag`)."""
+        if processed != tokens - 1 - lag:
+            return
+        tables, ncached = self.tables[rid], self.ncached[rid]
+        caching = self.pool.cache is not None
+        until = 1 << 62
+        for g, bs, mamba in quiet:
+            table = tables[g]
+            until = min(until, len(table) * bs + 1)
+            if caching:
+                until = min(until, (ncached[g] + 1) * bs + lag)
+            # (the tokens at which `processed` reaches p: p + 1 + lag)
+            if mamba:
+                retired, last_state = self.mamba[rid][0], self.mamba[rid][1]
+                until = min(until, (retired + 1) * bs + 2 + lag)
+                if last_state >= 0 and table[last_state]:
+                    until = min(until, (last_state + 1) * bs + 2 + lag)
+                continue
+            k = kinds[kind_of[g]]
+            if k.kind != "full":
+                until = min(until, k.next_skip(processed) + 1 + lag)
+        self.quiet[rid] = until
+
+    def blocks_per_group(self, kind_of: list[int], groups: int) -> tuple[int, ...]:
+        """Per group, the ids in the tables (an id two requests hold counts twice). A
+        request's tables of one kind are alike: one of them is counted for all."""
+        if len(kind_of) != groups:
+            out = [0] * groups
+            for tables in self.tables.values():
+                for g, table in enumerate(tables):
+                    out[g] += len(table) - table.count(0)
+            return tuple(out)
+        first: dict[int, int] = {}
+        for g, ki in enumerate(kind_of):
+            first.setdefault(ki, g)
+        counts = dict.fromkeys(first, 0)
+        reps = list(first.items())
+        for tables in self.tables.values():
+            for ki, g in reps:
+                table = tables[g]
+                counts[ki] += len(table) - table.count(0)
+        return tuple(counts[kind_of[g]] for g in range(groups))
 
     def held(self) -> int:
         """Ids in use (held by some request)."""
@@ -349,9 +507,10 @@ class PrefixState:
         first) and replaced by the null block. Returns the ids that became free."""
         freed = 0
         skips = [k.skipped(processed) for k in kinds]
+        tables = self.writable(rid)
         mamba = self.mamba.get(rid)
         retired = -1
-        for g, table in enumerate(self.tables[rid]):
+        for g, table in enumerate(tables):
             k = kinds[kind_of[g]]
             if k.kind == "mamba":
                 assert mamba is not None
@@ -423,6 +582,8 @@ class PrefixState:
         """The request's tables, taken out of the state (their ids still held)."""
         self.ncached.pop(rid, None)
         self.boundary.pop(rid, None)
+        self.hits.pop(rid, None)
+        self.quiet.pop(rid, None)
         mamba = self.mamba.pop(rid, None)
         if mamba is not None:
             self.parked[rid] = mamba
