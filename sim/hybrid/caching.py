@@ -11,9 +11,12 @@ the coordinator's fixed point), revives the hit blocks nobody holds, takes new o
 what it filled; a prefill chunk and each decode step first free the blocks their window left
 (cached ones go idle, the others are reused first), then take and cache; a free gives back
 every table last first. Decode steps are applied in the running order (admission order),
-one step after the other; `steps_until_full`, `steps_until_shrink` and `integrals` look
-ahead on a copy of the state, at most `HORIZON` steps (the engine's decode stretches are
-then no longer than that, which costs it more events but changes no figure).
+one step after the other, a decoder's steps between its block boundaries, blocks to cache
+and window edges skipped (they change nothing: `PrefixState.quiet`); `steps_until_full`,
+`steps_until_shrink` and `integrals` look ahead on a copy of the state (overlays on its pool,
+tables copied as they change), at most `HORIZON` steps (the engine's decode stretches are
+then no longer than that, which costs it more events but changes no figure), and no further
+than the question asked needs (`sim.hybrid.caching_ahead`).
 
 Accounting: blocks in use are the ids some request holds (a shared id once); idle cached
 blocks are usable free memory, as in `prefix-caching`. token_states counts each held id's
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.hybrid import HybridAllocator
+from kvfrag.sim.hybrid.caching_ahead import HORIZON, LookAhead
 from kvfrag.sim.hybrid.prefix import (
     Kind,
     PrefixState,
@@ -64,9 +68,6 @@ from kvfrag.sim.hybrid.prefix import (
     state_kept,
 )
 from kvfrag.sim.hybrid.prefix_figures import held_figures
-
-#: The most decode steps looked ahead on a copy of the state.
-HORIZON = 32
 
 
 class HybridPrefixCaching(HybridAllocator):
@@ -132,7 +133,7 @@ class HybridPrefixCaching(HybridAllocator):
         self._boundary: dict[int, int] = {}  # rid -> junction its last lookup found
         self._chains: dict[int, tuple[Request, list[object]]] = {}
         self._freed_last = False  # whether the last decode step freed an id
-        self._ahead: tuple[int, int, int | None, int | None] | None = None
+        self._ahead: LookAhead | None = None
         self._totals_memo: tuple[int, int, tuple[int, ...]] | None = None
         # Requests preempted to make room for the next decode step, newest first, their
         # ids still held: vLLM frees each when a decoder of that step finds too few free
@@ -385,6 +386,21 @@ class HybridPrefixCaching(HybridAllocator):
         """Each group's table grown to `tokens` slots (vLLM's `allocate_new_blocks`)."""
         new: list[int] = []
         sizes = [-(-tokens // k.block_size) for k in self._kinds]
+        if not self._mamba:  # (one take for every group: the same ids in the same order)
+            kind_of = self._manager_of
+            grown = []
+            for g, table in enumerate(st.writable(rid)):
+                more = sizes[kind_of[g]] - len(table)
+                if more > 0:
+                    grown.append((table, more))
+            if grown:
+                new = st.pool.take(sum(more for _, more in grown))
+                i = 0
+                for table, more in grown:
+                    table.extend(new[i:i + more])
+                    i += more
+            self.evictions = self._st.pool.evictions
+            return new
         for g, table in enumerate(st.writable(rid)):
             k = self._kinds[self._manager_of[g]]
             if k.kind == "mamba":
@@ -629,49 +645,38 @@ class HybridPrefixCaching(HybridAllocator):
         self.evictions = self._st.pool.evictions
         self._changed()
 
-    def _look_ahead(self) -> tuple[int | None, int | None]:
-        """(steps_until_full, steps_until_shrink) from a copy of the state: the steps that
-        fit (at most HORIZON; every step up to the first decoder's end when that is nearer),
-        and the first step that frees an id, or with Mamba groups evicts a cached one (see
-        `_take`; None: none up to there)."""
+    def _look_ahead(self) -> LookAhead:
+        """The look-ahead from the clock and state of now (`sim.hybrid.caching_ahead`)."""
         memo = self._ahead
-        if memo is not None and memo[0] == self._clock and memo[1] == self._version:
-            return memo[2], memo[3]
-        done = self.steps_until_done()
-        full: int | None = None
-        shrink: int | None = None
-        if done is not None:
-            st = self._st.light_copy()
-            pending = [(rid, [list(t) for t in ts], p) for rid, ts, p in self._pending]
-            limit = min(done, HORIZON)
-            full = limit
-            evictions = st.pool.evictions
-            for s in range(1, limit + 1):
-                if self._step(st, self._clock + s, pending if s == 1 else None) >= 0:
-                    full = s - 1
-                    break
-                if shrink is None and (st.freed or (
-                        self._mamba and st.pool.evictions != evictions)):
-                    shrink = s
-            if shrink is None and full < done:
-                shrink = full + 1  # (not looked at: the stretch ends there anyway)
-        self._ahead = (self._clock, self._version, full, shrink)
-        return full, shrink
+        if memo is None or memo.clock != self._clock or memo.version != self._version:
+            memo = self._ahead = LookAhead(self)
+        return memo
+
+    def _full(self, steps: int) -> int | None:
+        """steps_until_full once it is at most `steps` (else None: more), walking no
+        further; 0 tells the engine's preemptions that the next step wants room."""
+        ahead = self._look_ahead()
+        ahead.walk(self, steps, False)
+        if ahead.full == 0:
+            self._room = self._version
+        return ahead.full
 
     def can_step(self) -> bool:
-        """(`Allocator.can_step`: the look-ahead answers for the whole stretch at once.)"""
-        return self.steps_until_full() != 0
+        return self._full(1) != 0
 
     def steps_until_full(self) -> int | None:
-        full = self._look_ahead()[0]
-        if full == 0:
-            self._room = self._version
-        return full
+        return self._full(HORIZON)
+
+    def steps_until_full_within(self, limit: int) -> int | None:
+        if self._look_ahead().done is None:
+            return None
+        full = self._full(max(limit, 1))
+        return limit if full is None or full >= limit else full
 
     def steps_until_shrink(self) -> int | None:
         if (self._freed_last and self._joined) or self._waited:
             return 1
-        return self._look_ahead()[1]
+        return self._look_ahead().until_shrink(self)
 
     # --------------------------------------------------------------- figures
     def _figures(self, st: PrefixState, clock: int) -> tuple[int, int, int, int, int]:

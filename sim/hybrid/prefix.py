@@ -83,22 +83,36 @@ class BlockPool:
     def take(self, n: int) -> list[int]:
         """n ids off the queue's front (vLLM's `get_new_blocks`): uncached first, then the
         least recently freed cached ones, evicted."""
-        out = []
-        for _ in range(n):
-            if self.fresh:
-                b = self.fresh.pop()
-            elif self.unused <= self.n:
-                b = self.unused
-                self.unused += 1
-            else:
-                b = next(iter(self.idle))
-                del self.idle[b]
-                self._uncache(b)
-                self.evictions += 1
-                self.evicted.append(b)
-            self.ref[b] = 1
+        out, left = self._take_free(n)
+        ref = self.ref
+        for b in out:
+            ref[b] = 1
+        for _ in range(left):
+            b = next(iter(self.idle))
+            del self.idle[b]
+            self._uncache(b)
+            self.evictions += 1
+            self.evicted.append(b)
+            ref[b] = 1
             out.append(b)
         return out
+
+    def _take_free(self, n: int) -> tuple[list[int], int]:
+        """Up to n uncached free ids off the queue's front (freed ones, the last freed
+        first, then never-used ones), and how many are still wanted."""
+        fresh = self.fresh
+        k = min(n, len(fresh))
+        out = fresh[:-k - 1:-1] if k else []
+        if k:
+            del fresh[-k:]
+        left = n - k
+        if left:
+            m = min(left, self.n + 1 - self.unused)
+            if m > 0:
+                out.extend(range(self.unused, self.unused + m))
+                self.unused += m
+                left -= m
+        return out, left
 
     def free(self, blocks: list[int]) -> int:
         """Drop one reference to each id (in eviction order, first evicted first); returns
@@ -177,24 +191,21 @@ class AheadPool(BlockPool):
                 + len(self.idle))
 
     def take(self, n: int) -> list[int]:
-        out = []
+        out, left = self._take_free(n)
         ref = self.ref
-        for _ in range(n):
-            if self.fresh:
-                b = self.fresh.pop()
-            elif self.unused <= self.n:
-                b = self.unused
-                self.unused += 1
+        if out:  # (ids no count names: the overlay's size grows by them)
+            ref.changed.update(dict.fromkeys(out, 1))  # type: ignore[attr-defined]
+            ref.size += len(out)  # type: ignore[attr-defined]
+        for _ in range(left):
+            if self._old_left:
+                b = next(self._old_idle)
+                self._old_left -= 1
             else:
-                if self._old_left:
-                    b = next(self._old_idle)
-                    self._old_left -= 1
-                else:
-                    b = next(iter(self.idle))
-                    del self.idle[b]
-                self.gone.add(b)  # (its count, 0, is overwritten below)
-                self.evictions += 1
-                self.evicted.append(b)
+                b = next(iter(self.idle))
+                del self.idle[b]
+            self.gone.add(b)  # (its count, 0, is overwritten below)
+            self.evictions += 1
+            self.evicted.append(b)
             ref[b] = 1
             out.append(b)
         return out
