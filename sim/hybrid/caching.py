@@ -306,19 +306,28 @@ class HybridPrefixCaching(HybridAllocator):
         named = False
         # (what a hit can use: the retention, the scheduler block, the lookup's junction)
         where = (self.retention, self.plan.scheduler_block_size, st.boundary.get(rid, 0))
+        kept: dict[tuple[int, int], bool] = {}  # (kind, block) -> cached (alike per group)
         for g, table in enumerate(st.tables[rid]):
-            k = self._kinds[self._manager_of[g]]
+            ki = self._manager_of[g]
+            k = self._kinds[ki]
             full = tokens // k.block_size
             mamba = k.kind == "mamba"
             for j in range(done[g], full):
                 b = table[j]
-                if b and (k.kind != "sliding_window" or reachable(req, k, j, *where)) and (
-                        not mamba or state_kept(req, k, j, *where)):
-                    key = self._key(req, chain, j, g)
-                    st.pool.insert(key, b)
-                    named = named or j < len(chain)
-                    if mamba and st is self._st:
-                        self._fresh.add(key)
+                if not b:
+                    continue
+                if k.kind == "sliding_window" or mamba:
+                    got = kept.get((ki, j))
+                    if got is None:
+                        got = kept[ki, j] = (state_kept(req, k, j, *where) if mamba
+                                             else reachable(req, k, j, *where))
+                    if not got:
+                        continue
+                key = self._key(req, chain, j, g)
+                st.pool.insert(key, b)
+                named = named or j < len(chain)
+                if mamba and st is self._st:
+                    self._fresh.add(key)
             done[g] = max(done[g], full)
         if named and st is self._st:
             self.frees += 1

@@ -132,12 +132,19 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
     # the attention kinds and their groups; Mamba groups on their own
     members = [[g for g in range(groups) if kind_of[g] == ki and not sb[g]]
                for ki in range(len(kinds))]
-    attention = [(kinds[ki], gs, gs[0]) for ki, gs in enumerate(members) if gs]
+    # (per attention kind: how its read range starts (0 full, 1 sliding, 2 chunked: as
+    # `Kind.read_from`), its window, block size, groups, first group, counts, whether some
+    # group of it has shared ids)
+    reads = {"full": 0, "sliding_window": 1, "chunked_local": 2}
+    attention = [(reads[kinds[ki].kind], kinds[ki].window, kinds[ki].block_size, gs, gs[0])
+                 for ki, gs in enumerate(members) if gs]
     mamba = [g for g in range(groups) if sb[g]]
     # per attention kind (one of its tables' counts): ids read whole, non-null ids, tokens
     # of window-edge ids, tokens in partly written last blocks, slots of the last blocks
     # past their tokens, slots still to be written
-    count = {first_g: [0, 0, 0, 0, 0, 0] for _, _, first_g in attention}
+    count = {first_g: [0, 0, 0, 0, 0, 0] for *_, first_g in attention}
+    runs = [(read, window, bs, gs, first_g, count[first_g], any(shared[g] for g in gs))
+            for read, window, bs, gs, first_g in attention]
     states = [0] * groups  # Mamba states counted (one per request's table)
     held_mamba = [0] * groups
     # shared ids: holders whose table has the id outside its read range; the most tokens a
@@ -149,11 +156,16 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
     for rid, tables in st.tables.items():
         live = live_of[rid]
         tokens = live.base + clock if live.decoding else live.base
-        for k, gs, first_g in attention:
+        final = live.final
+        for read, window, bs, gs, first_g, c, any_shared in runs:
             table = tables[first_g]
             size = len(table)
-            bs = k.block_size
-            lo = k.read_from(tokens)
+            if not read:
+                lo = 0
+            elif read == 1:
+                lo = tokens - window if tokens > window else 0
+            else:
+                lo = (tokens - 1) // window * window if tokens > 1 else 0
             first, full = -(-lo // bs), tokens // bs
             f = first if first < size else size
             if f < size and not table[f]:  # nulls into the read range (the prefix's end)
@@ -162,7 +174,6 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
                 z = f
                 while z and table[z - 1]:
                     z -= 1
-            c = count[first_g]
             c[1] += size - z
             top = full if full < size else size
             if top > first and top > z:
@@ -172,10 +183,14 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
             if edge >= 0 and table[edge]:  # the window's edge falls inside a block
                 n_edge = min(tokens, (edge + 1) * bs) - lo
                 c[2] += n_edge
+            slots = size * bs
             if tokens % bs:
-                c[3] += tokens - max(full * bs, lo)
-            c[4] += size * bs - tokens
-            c[5] += max(0, min(live.final, size * bs) - tokens)
+                c[3] += tokens - (full * bs if full * bs > lo else lo)
+            c[4] += slots - tokens
+            if final > tokens and slots > tokens:
+                c[5] += (final if final < slots else slots) - tokens
+            if not any_shared:
+                continue
             for g in gs:
                 sh = shared[g]
                 if not sh:
