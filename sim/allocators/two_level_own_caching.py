@@ -478,7 +478,7 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
             self._take(st, rid, tokens)
             if typed.cache is not None:
                 self._cache(st, live.req, tokens - self._lag)
-        self._victims_turn(st, queue)
+        st.victims_turn(queue, self._kinds, self._manager_of)
         st.freed = typed.freed - before
         return -1
 

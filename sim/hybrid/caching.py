@@ -563,7 +563,7 @@ class HybridPrefixCaching(HybridAllocator):
             self._take(st, rid, tokens)
             if st.pool.cache is not None:
                 self._cache(st, live.req, tokens - self._lag)
-        self._victims_turn(st, queue)
+        st.victims_turn(queue, self._kinds, self._manager_of)
         st.freed = st.pool.free_count() + taken - before
         return -1
 
@@ -604,31 +604,11 @@ class HybridPrefixCaching(HybridAllocator):
         self._decoders_memo = (self._version, got)
         return got
 
-    def _victims_turn(self, st: PrefixState, queue: list[tuple[int, list[list[int]], int]]
-                      ) -> None:
-        """The preempted requests no decoder's shortage freed: the oldest of them reaches
-        its turn, frees what its window left, finds too few free and frees the others, then
-        itself (vLLM preempts the newest first)."""
-        if not queue:
-            return
-        rid, tables, processed = queue[-1]
-        st.tables[rid] = tables
-        if st.own is not None:  # (its tables are the queue's, changed in place below)
-            st.own.add(rid)
-        if rid in st.parked:
-            st.mamba[rid] = st.parked.pop(rid)
-        st.remove_skipped(rid, self._kinds, self._manager_of, processed)
-        del st.tables[rid]
-        st.mamba.pop(rid, None)
-        for other, tables, _ in queue:
-            st.free_tables(tables)
-            st.parked.pop(other, None)
-
     def _flush(self) -> None:
         """Free the preempted requests no decode step freed (every decoder was preempted)."""
         if self._pending:
             pending, self._pending = self._pending, []
-            self._victims_turn(self._st, pending)
+            self._st.victims_turn(pending, self._kinds, self._manager_of)
             self.evictions = self._st.pool.evictions
             self._changed()
 

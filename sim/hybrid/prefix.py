@@ -584,6 +584,27 @@ class PrefixState:
         mamba[2] = 1
         return got
 
+    def victims_turn(self, queue: list[tuple[int, list[list[int]], int]], kinds: list[Kind],
+                     kind_of: list[int]) -> None:
+        """The requests preempted for a decode step (rid, tables, tokens processed; newest
+        first) that no decoder's shortage freed: the oldest of them reaches its turn, frees
+        what its window left, finds too few free and frees the others, then itself (vLLM
+        preempts the newest first)."""
+        if not queue:
+            return
+        rid, tables, processed = queue[-1]
+        self.tables[rid] = tables
+        if self.own is not None:  # (its tables are the queue's, changed in place below)
+            self.own.add(rid)
+        if rid in self.parked:
+            self.mamba[rid] = self.parked.pop(rid)
+        self.remove_skipped(rid, kinds, kind_of, processed)
+        del self.tables[rid]
+        self.mamba.pop(rid, None)
+        for other, tables, _ in queue:
+            self.free_tables(tables)
+            self.parked.pop(other, None)
+
     def release(self, rid: int) -> None:
         """Free every block of the request, group after group, each table last first."""
         self.free_tables(self.detach(rid))
