@@ -482,6 +482,11 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         st.freed = typed.freed - before
         return -1
 
+    def _surely_fits(self, steps: int) -> bool:
+        """(Not told without walking: a decoder's takes may open large pages beyond its
+        need, within the room its own fit leaves.)"""
+        return False
+
     # ------------------------------------------------------------ questions
     def _type_need(self, tokens: int, processed: int, capped: bool) -> list[int]:
         """Small pages per type a request of `tokens` holds after freeing by `processed`

@@ -651,16 +651,35 @@ class HybridPrefixCaching(HybridAllocator):
         return ahead.full
 
     def can_step(self) -> bool:
-        return self._full(1) != 0
+        return self._surely_fits(1) or self._full(1) != 0
 
     def steps_until_full(self) -> int | None:
         return self._full(HORIZON)
 
     def steps_until_full_within(self, limit: int) -> int | None:
-        if self._look_ahead().done is None:
+        done = self.steps_until_done()
+        if done is None:
             return None
+        if limit <= min(done, HORIZON) and self._surely_fits(max(limit, 1)):
+            return limit
         full = self._full(max(limit, 1))
         return limit if full is None or full >= limit else full
+
+    def _surely_fits(self, steps: int) -> bool:
+        """Whether the next `steps` decode steps fit without walking them: a decoder whose
+        steps stay quiet through them (`PrefixState.quiet`) takes nothing, any other at most
+        steps // block size + 1 blocks per group (its tables cover its tokens), and a step's
+        frees only add to the free blocks."""
+        per = len(self._manager_of) * (steps // self._hash_bs + 1)  # (one block size)
+        free = self._st.pool.free_count()
+        until, reach = self._st.quiet, self._clock + steps
+        need = 0
+        for rid, live in self._decoders():
+            if until.get(rid, 0) <= live.base + reach:
+                need += per
+                if need > free:
+                    return False
+        return True
 
     def steps_until_shrink(self) -> int | None:
         if (self._freed_last and self._joined) or self._waited:

@@ -44,23 +44,24 @@ class LookAhead:
         self.walked = 0
         self.full: int | None = None
         self.shrink: int | None = None
-        self.st: PrefixState | None = None
+        self.st: PrefixState | None = None  # (made at the first step walked)
         self.pending: list[tuple[int, list[list[int]], int]] = []
         self.evictions = 0
-        if done is None:
-            return
-        if not self.limit:
+        if done is not None and not self.limit:
             self.full = 0
-            return
-        self.st = alloc._st.light_copy()
-        # (the requests preempted for the next step: their tables copied, freed in step 1)
-        self.pending = [(rid, [list(t) for t in ts], p) for rid, ts, p in alloc._pending]
-        self.evictions = self.st.pool.evictions
 
     def walk(self, alloc: HybridPrefixCaching, steps: int, shrink: bool) -> None:
         """Walk on until `steps` steps are known to fit, or (with `shrink`) the first that
         frees is known, or `full` is."""
+        if self.full is not None or self.done is None:
+            return
         st = self.st
+        if st is None:
+            st = self.st = alloc._st.light_copy()
+            # (the requests preempted for the next step: their tables copied, freed in
+            # step 1)
+            self.pending = [(rid, [list(t) for t in ts], p) for rid, ts, p in alloc._pending]
+            self.evictions = st.pool.evictions
         while st is not None and (self.walked < steps or (shrink and self.shrink is None)):
             s = self.walked + 1
             if alloc._step(st, self.clock + s, self.pending if s == 1 else None) >= 0:
