@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from kvfrag.sim.allocators.base import Grant, Live, Reason, Refusal, Request
 from kvfrag.sim.allocators.hybrid import HybridAllocator
-from kvfrag.sim.hybrid.caching_ahead import HORIZON, LookAhead
+from kvfrag.sim.hybrid.caching_ahead import HORIZON, LookAhead, surely_fits
 from kvfrag.sim.hybrid.prefix import (
     Kind,
     PrefixState,
@@ -666,20 +666,9 @@ class HybridPrefixCaching(HybridAllocator):
         return limit if full is None or full >= limit else full
 
     def _surely_fits(self, steps: int) -> bool:
-        """Whether the next `steps` decode steps fit without walking them: a decoder whose
-        steps stay quiet through them (`PrefixState.quiet`) takes nothing, any other at most
-        steps // block size + 1 blocks per group (its tables cover its tokens), and a step's
-        frees only add to the free blocks."""
-        per = len(self._manager_of) * (steps // self._hash_bs + 1)  # (one block size)
-        free = self._st.pool.free_count()
-        until, reach = self._st.quiet, self._clock + steps
-        need = 0
-        for rid, live in self._decoders():
-            if until.get(rid, 0) <= live.base + reach:
-                need += per
-                if need > free:
-                    return False
-        return True
+        """Whether the next `steps` decode steps fit, told without walking them (False: not
+        told; `caching_ahead.surely_fits`)."""
+        return surely_fits(self, steps)
 
     def steps_until_shrink(self) -> int | None:
         if (self._freed_last and self._joined) or self._waited:

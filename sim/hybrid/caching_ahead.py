@@ -87,3 +87,21 @@ class LookAhead:
             return self.shrink
         assert self.full is not None
         return self.full + 1 if self.full < self.done else None
+
+
+def surely_fits(alloc: HybridPrefixCaching, steps: int) -> bool:
+    """Whether the next `steps` decode steps fit without walking them: a decoder whose steps
+    stay quiet through them (`PrefixState.quiet`) takes nothing, any other at most
+    steps // block size + 1 blocks per group (its tables cover its tokens; every group has
+    one block size), and a step's frees only add to the free blocks."""
+    st = alloc._st
+    per = len(alloc._manager_of) * (steps // alloc._hash_bs + 1)
+    free = st.pool.free_count()
+    until, reach = st.quiet, alloc._clock + steps
+    need = 0
+    for rid, live in alloc._decoders():
+        if until.get(rid, 0) <= live.base + reach:
+            need += per
+            if need > free:
+                return False
+    return True

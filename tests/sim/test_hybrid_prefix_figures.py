@@ -3,8 +3,10 @@ step of random runs (hybrid with prefix caching, two-level's own layout with it,
 under vLLM's constraints): the held ids' figures counted without sets (`held_figures`) against
 collecting every table's ids (`held_figures_walk`); each decoder's quiet stretch
 (`PrefixState.quiet`: steps skipped as freeing, taking and caching nothing) against asking
-`_quiet_step` at each step; the decoders' list against the live requests; and the look-ahead's
-pool (`AheadPool`, an overlay on the pool) against a full copy of the pool."""
+`_quiet_step` at each step; the decoders' list against the live requests; the look-ahead's
+answers, walked only as far as each question needs (or not at all where the free blocks
+surely suffice), against walking the whole stretch; and the look-ahead's pool (`AheadPool`, an
+overlay on the pool) against a full copy of the pool."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from kvfrag.sim.allocators.two_level_own_caching import TwoLevelOwnCaching
 from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.hybrid import caching, prefix_figures
-from kvfrag.sim.hybrid.caching import HybridPrefixCaching
+from kvfrag.sim.hybrid.caching import HORIZON, HybridPrefixCaching
 from kvfrag.sim.hybrid.prefix import AheadPool, BlockPool
 from kvfrag.sim.layers import FullAttention, LayerStack, MambaState
 
@@ -37,7 +39,7 @@ MML = 256
 
 
 class Counts:
-    figures = steps = skipped = 0
+    figures = steps = skipped = questions = 0
 
 
 @pytest.fixture
@@ -73,6 +75,9 @@ def checked(monkeypatch):
             return step(self, st, clock, victims)
 
         monkeypatch.setattr(cls, "_step", checked_step)
+        for name in ("can_step", "steps_until_full", "steps_until_full_within",
+                     "steps_until_shrink"):
+            monkeypatch.setattr(cls, name, _checked_question(getattr(cls, name), name, counts))
 
     monkeypatch.setattr(caching, "held_figures", figures)
     import kvfrag.sim.allocators.two_level_own_caching as own
@@ -80,6 +85,52 @@ def checked(monkeypatch):
     wrap(HybridPrefixCaching)
     wrap(TwoLevelOwnCaching)
     return counts
+
+
+def _whole_walk(alloc) -> tuple[int | None, int | None]:
+    """(steps_until_full, steps_until_shrink) from a walk of the whole stretch (at most
+    HORIZON steps) on a copy of the state, as the look-ahead answers them."""
+    done = alloc.steps_until_done()
+    if done is None:
+        return None, None
+    st = alloc._st.light_copy()
+    pending = [(rid, [list(t) for t in ts], p) for rid, ts, p in alloc._pending]
+    limit = full = min(done, HORIZON)
+    shrink = None
+    evictions = st.pool.evictions
+    for s in range(1, limit + 1):
+        if alloc._step(st, alloc._clock + s, pending if s == 1 else None) >= 0:
+            full = s - 1
+            break
+        if shrink is None and (st.freed or (alloc._mamba and st.pool.evictions != evictions)):
+            shrink = s
+    if shrink is None and full < done:
+        shrink = full + 1
+    return full, shrink
+
+
+def _checked_question(ask, name, counts):
+    """A look-ahead question whose answer is checked against the whole stretch walked."""
+
+    def checked(self, *args):
+        got = ask(self, *args)
+        if name == "steps_until_shrink" and ((self._freed_last and self._joined)
+                                             or self._waited):
+            return got
+        full, shrink = _whole_walk(self)
+        if name == "can_step":
+            want = full != 0
+        elif name == "steps_until_full":
+            want = full
+        elif name == "steps_until_full_within":
+            want = full if full is None or full < args[0] else args[0]
+        else:
+            want = shrink
+        assert got == want, (name, args, got, want)
+        counts.questions += 1
+        return got
+
+    return checked
 
 
 def make(kind: str, stack: LayerStack, capacity: int, tokens: int, **extra):
@@ -110,6 +161,7 @@ def test_kept_answers_equal_the_recomputed_ones_at_every_step(checked, kind, nam
     res = run(wl, make(kind, stack, capacity, tokens, **extra), cfg)
     assert res.summary["prefix_hit_blocks"] > 0
     assert checked.figures > 0 and checked.steps > 0 and checked.skipped > 0
+    assert checked.questions > 0
 
 
 def _reference_copy(pool: BlockPool) -> BlockPool:
