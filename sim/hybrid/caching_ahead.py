@@ -50,6 +50,11 @@ class LookAhead:
         if done is not None and not self.limit:
             self.full = 0
 
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        """A copy (or pickle) of the allocator asks again: a walk under way, on overlays of
+        the state, is not copied."""
+        return _stale, ()
+
     def walk(self, alloc: HybridPrefixCaching, steps: int, shrink: bool) -> None:
         """Walk on until `steps` steps are known to fit, or (with `shrink`) the first that
         frees is known, or `full` is."""
@@ -87,6 +92,16 @@ class LookAhead:
             return self.shrink
         assert self.full is not None
         return self.full + 1 if self.full < self.done else None
+
+
+def _stale() -> LookAhead:
+    """A look-ahead that matches no clock (`HybridPrefixCaching._look_ahead` makes anew)."""
+    ahead = LookAhead.__new__(LookAhead)
+    ahead.clock = ahead.version = -1
+    ahead.done = ahead.full = ahead.shrink = ahead.st = None
+    ahead.limit = ahead.walked = ahead.evictions = 0
+    ahead.pending = []
+    return ahead
 
 
 def surely_fits(alloc: HybridPrefixCaching, steps: int) -> bool:

@@ -211,3 +211,26 @@ def test_the_look_aheads_pool_takes_and_frees_as_a_copy_would(seed):
         for b in range(1, 31):
             assert ahead.ref.get(b) == want.ref.get(b), b
     assert pool.__dict__ == before  # the pool looked ahead from is left as it was
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "two-level"])
+def test_a_copy_taken_while_the_look_ahead_walks_answers_as_the_original(monkeypatch, kind):
+    stack = STACKS["ssf"]
+    alloc = make(kind, stack, int(1.3 * MML * stack.full_bytes_per_token), MML)
+    ask = HybridPrefixCaching.steps_until_shrink
+    copies = []
+
+    def shrink_then_copy(self):
+        got = ask(self)
+        if self is alloc:  # (the look-ahead walked part of the stretch: copied mid-walk)
+            other = copy.deepcopy(self)
+            assert other.steps_until_full() == self.steps_until_full()
+            assert ask(other) == ask(self) == got
+            copies.append(other)
+        return got
+
+    monkeypatch.setattr(HybridPrefixCaching, "steps_until_shrink", shrink_then_copy)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=MML,
+                       step_time=StepTime(0.05, 1e-3, 1e-4))
+    run(shared(1, 30, 100, 150), alloc, cfg)
+    assert copies
