@@ -65,7 +65,6 @@ events of the stretches walked.
 from __future__ import annotations
 
 import math
-from heapq import heappop, heappush
 from typing import Final
 
 from kvfrag.sim.allocators.base import (
@@ -105,7 +104,7 @@ from kvfrag.sim.hybrid.managers import (
 )
 from kvfrag.sim.layers import LayerStack, MambaState
 from kvfrag.sim.model_view import ModelView
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 #: The most admissions the decoders' event order counts (`_walk`: admission ranks).
 RANK_MASK: Final = (1 << 32) - 1
@@ -168,9 +167,11 @@ class TwoLevelAllocator(HybridAllocator):
             if m.block_size < self.max_model_len:
                 self._tw[self._ptype[mi]] += self._lists[mi]
         # The decoders' next events: per clock, the admission ranks due then (a bucket,
-        # sorted when its clock comes), and a heap of the clocks with a bucket (a heap
-        # operation per clock, not per event: a step's events mostly share it); an entry is
-        # valid while the rank's decoder (`_decoders`) says that clock (`Decoder.at`)
+        # sorted when its clock comes), and the clocks with a bucket in descending order, the
+        # next last (an insertion per clock, not per event: a step's events mostly share it;
+        # a short list, the clocks of the next block boundaries and window edges, where a
+        # heap's pop is a generic call); an entry is valid while the rank's decoder
+        # (`_decoders`) says that clock (`Decoder.at`)
         self._events: dict[int, list[int]] = {}
         self._clocks: list[int] = []
         self._decoders: dict[int, Decoder] = {}  # rank -> the decoder's record
@@ -273,15 +274,18 @@ class TwoLevelAllocator(HybridAllocator):
     def _place_in(self, rid: int, tables: list[list[list[int]]], starts: list[int],
                   tokens: int, processed: int) -> bool:
         """`_place` on the request's tables and starts."""
+        # (i64: machine ints in the compiled code, as `two_level_pool` says)
         pool, journaling = self.pool, self.pool.journaling
         kinds, sizes, windows, ptype = self._mkind, self._mbs, self._mwin, self._ptype
-        nm = len(kinds)
+        nm: i64 = len(kinds)
+        tok: i64 = tokens
+        proc: i64 = processed
         for mi in range(nm):
-            kind = kinds[mi]
+            kind: i64 = kinds[mi]
             if kind == FULL:
                 continue  # (nothing skipped, ever)
-            skip = skipped_blocks(kind, sizes[mi], windows[mi], processed)
-            drop = skip - starts[mi]
+            skip = skipped_blocks(kind, sizes[mi], windows[mi], proc)
+            drop: i64 = skip - starts[mi]
             if drop > 0:
                 for gi, ids in enumerate(tables[mi]):
                     gone = ids[:drop]
@@ -293,15 +297,16 @@ class TwoLevelAllocator(HybridAllocator):
                     self._tj.append((1, rid, mi, drop, []))
                 starts[mi] = skip
         for mi in range(nm):
-            bs, kind = sizes[mi], kinds[mi]
-            want = -(-tokens // bs)
+            bs: i64 = sizes[mi]
+            kind = kinds[mi]
+            want = -(-tok // bs)
             if kind != FULL:
-                want -= skipped_blocks(kind, bs, windows[mi], processed)
+                want -= skipped_blocks(kind, bs, windows[mi], proc)
             t = ptype[mi]
             groups = tables[mi]
             for gi in range(len(groups)):
                 ids = groups[gi]
-                n0 = len(ids)
+                n0: i64 = len(ids)
                 if want > n0:
                     ok = pool.take_many(t, want - n0, ids[-1] if n0 else -1, ids)
                     if self._collect:
@@ -343,7 +348,7 @@ class TwoLevelAllocator(HybridAllocator):
                                   list[tuple[Decoder, int]]]) -> None:
         """The decoders' events up to the clock, as the look-ahead walked them from this very
         state and undid: its journals applied again, its events taken over (a walk's cost
-        without its choices: which page, which heap entry)."""
+        without its choices: which page, where an event goes)."""
         self.pool.redo(replay[3])
         tables, starts = self._tables, self._named_start
         for op, rid, mi, arg, ids in replay[4]:
@@ -396,7 +401,12 @@ class TwoLevelAllocator(HybridAllocator):
             bucket = self._events.get(clock)
             if bucket is None:
                 self._events[clock] = [rank]
-                heappush(self._clocks, clock)
+                clocks = self._clocks
+                at: i64 = clock
+                i: i64 = len(clocks)
+                while i > 0 and clocks[i - 1] < at:
+                    i -= 1
+                clocks.insert(i, clock)
             else:
                 bucket.append(rank)
         else:
@@ -409,9 +419,10 @@ class TwoLevelAllocator(HybridAllocator):
         events, clocks, decoders = self._events, self._clocks, self._decoders
         lag, mml = self._lag, self.max_model_len
         kinds, sizes, windows = self._mkind, self._mbs, self._mwin
-        while clocks and clocks[0] <= limit:
-            clock = heappop(clocks)
-            bucket = events.pop(clock)
+        while clocks and clocks[-1] <= limit:
+            clock = clocks.pop()
+            bucket = events[clock]  # (`dict.pop`, compiled, is a generic method call)
+            del events[clock]
             if len(bucket) > 1:
                 bucket.sort()  # (admission order)
             placed = False  # (whether an event of this clock was applied)
@@ -564,19 +575,28 @@ class TwoLevelAllocator(HybridAllocator):
         and chunked groups' admission caps)."""
         need = [0] * len(self.pool.per)
         kinds, sizes, windows, caps = self._mkind, self._mbs, self._mwin, self._mcap
+        tok: i64 = tokens
+        proc: i64 = processed
         for mi in range(len(kinds)):
-            bs = sizes[mi]  # (`Manager.held`, on ints)
-            held = -(-tokens // bs) - skipped_blocks(kinds[mi], bs, windows[mi], processed)
-            if capped and 0 <= caps[mi] < held:
-                held = caps[mi]
+            bs: i64 = sizes[mi]  # (`Manager.held`, on machine ints)
+            held = -(-tok // bs) - skipped_blocks(kinds[mi], bs, windows[mi], proc)
+            if capped:
+                cap: i64 = caps[mi]
+                if 0 <= cap < held:
+                    held = cap
             t = self._ptype[mi]
             need[t] = need[t] + self._lists[mi] * held
         return need
 
     def _large_for(self, need: list[int], empty: bool = False) -> int:
-        if empty:
+        if empty:  # (a loop on machine ints: a list summed is a generic call)
             per = self.pool.per
-            return sum([-(-need[t] // per[t]) for t in range(len(per))])
+            total: i64 = 0
+            for t in range(len(per)):
+                n: i64 = need[t]
+                p: i64 = per[t]
+                total += -(-n // p)
+            return total
         return self.pool.large_needed(need)
 
     def free_blocks(self) -> int:
@@ -749,7 +769,7 @@ class TwoLevelAllocator(HybridAllocator):
                     for sid in ids:
                         assert (t, sid) not in seen, (t, sid)
                         seen.add((t, sid))
-                        assert self.pool.owner[sid // self.pool.per[t]] == t
+                        assert self.pool.pages[sid // self.pool.per[t]].owner == t
                         held[t] += 1
         for t, per in enumerate(self.pool.per):
             assert self.pool.owned[t] * per - self.pool.free_small[t] == held[t]

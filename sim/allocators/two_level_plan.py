@@ -15,7 +15,7 @@ from kvfrag.sim.hybrid.managers import (
 )
 from kvfrag.sim.hybrid.planner import layer_kind, layer_window
 from kvfrag.sim.layers import LayerStack
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 #: The most a large page may be, in largest small pages, before the fallback (see the module).
 MAX_LCM_RATIO = 64
@@ -60,36 +60,49 @@ def manager_code(m: Manager) -> int:
     return FULL
 
 
-def skipped_blocks(kind: int, bs: int, window: int, processed: int) -> int:
+def skipped_blocks(kind: i64, bs: i64, window: i64, processed: i64) -> i64:
     """`Manager.skipped_blocks` of a manager of that kind, block size and window: its
-    formulas, on plain ints (tests/sim/test_two_level_walk.py checks them the same)."""
+    formulas, on plain ints (tests/sim/test_two_level_walk.py checks them the same; i64:
+    machine ints in the compiled code, as `two_level_pool` says)."""
     if kind == SLIDING:
-        return max(0, processed - window + 1) // bs
+        x = processed - window + 1
+        return x // bs if x > 0 else 0
     if kind == CHUNKED:
         return processed // window * window // bs
     if kind == MAMBA:
-        return max(0, processed - 1) // bs
+        return (processed - 1) // bs if processed > 1 else 0
     return 0
 
 
-def next_step(kinds: list[int], sizes: list[int], windows: list[int], max_model_len: int,
-              tokens: int, processed: int) -> int:
+def next_step(kinds: list[int], sizes: list[int], windows: list[int], max_model_len: i64,
+              tokens: i64, processed: i64) -> i64:
     """Steps from now to the next at which the counts of a settled decoder of `tokens` and
     `processed` tokens now may change: the nearest block boundary of its length, window
     edge or chunk start of its processed tokens."""
-    step = 1 << 60  # (none: a small int, where 1 << 62 would be boxed in the compiled code)
+    step: i64 = 1 << 60  # (none)
     for mi in range(len(kinds)):
-        bs, kind, window = sizes[mi], kinds[mi], windows[mi]
+        bs: i64 = sizes[mi]
+        kind: i64 = kinds[mi]
+        window: i64 = windows[mi]
         if bs < max_model_len:
-            step = min(step, -tokens % bs + 1)
+            d = -tokens % bs + 1
+            if d < step:
+                step = d
         if kind == SLIDING:
             x = processed - window + 1
-            d = -x % bs or bs
+            d = -x % bs
+            if d == 0:
+                d = bs
             if x + d < bs:
                 d = bs - x
-            step = min(step, d)
+            if d < step:
+                step = d
         elif kind == CHUNKED:
-            step = min(step, -processed % window or window)
+            d = -processed % window
+            if d == 0:
+                d = window
+            if d < step:
+                step = d
     return step
 
 

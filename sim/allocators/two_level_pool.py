@@ -31,10 +31,14 @@ from __future__ import annotations
 from typing import Final
 
 from kvfrag.sim.allocators.paged import FreeIds
-from mypy_extensions import mypyc_attr
+from mypy_extensions import i64, mypyc_attr
 
 # (A list item's `x[i] += y` is spelled `x[i] = x[i] + y` on the hot paths: the compiled code
-# does the first as a generic in-place operation on objects, the second on ints.)
+# does the first as a generic in-place operation on objects, the second on ints. `i64`: where
+# the compiled code should do machine arithmetic, with no check for Python's big ints; every
+# such value here is far below 2**62 (masks are ints: a type may have more than 64 slots a
+# large page), and no constant is shifted by one (mypyc shifts it as a C int). To Python it
+# is int.)
 
 # Journal entries: op, large page, slot or type (three ints in a row of one flat list: no
 # object per entry); ops below (Final: constants in the compiled code, not global lookups).
@@ -45,9 +49,20 @@ _EMPTY: Final = 3  # the large page, all free, went back to the shared pool (arg
 _TAKEN: Final = 4  # the slots of bit mask `arg` of the large page taken
 
 #: Large pages per word of the partly-used bitmaps (a power of two: `WORD_BITS` its log).
-#: Eight: a word is below 256, an int Python never allocates (a list holds ints as objects).
-WORD_BITS: Final = 3
-WORD: Final = 1 << 3
+#: 32: an int the compiled code holds unboxed (in a `Bits`), few words to scan for the lowest.
+WORD_BITS: Final = 5
+WORD: Final = 1 << 5
+
+
+def _slot(bit: int) -> int:
+    """The index of a mask's one bit set."""
+    return bit.bit_length() - 1
+
+
+def _bit(lid: int) -> int:
+    """Large page `lid`'s bit in its word of a partly-used bitmap. (An int: compiled, the
+    i64 `1 << 31` of a machine-int `lid` is a C int's shift, and comes out negative.)"""
+    return 1 << (lid & (WORD - 1))
 
 
 def _bits(x: int) -> int:
@@ -58,6 +73,29 @@ def _bits(x: int) -> int:
         x &= x - 1
         n += 1
     return n
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
+class LargePage:
+    """A large page handed out: its type (-1: in the shared pool) and the bit mask of its free
+    slots (its small pages held: per[t] less the mask's bits; none held is the type's `full`
+    mask). An object of its own, not two lists of ints: a list holds its ints as objects, so
+    each store of a mask above 256 (a 26-slot page's) would allocate one; a compiled object's
+    int attribute is stored as is below 2**62. (The mask is an int, not an i64: a type may
+    have more than 64 slots a large page.)"""
+
+    def __init__(self) -> None:
+        self.owner: i64 = -1
+        self.mask = 0
+
+
+@mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
+class Bits:
+    """A word of a partly-used bitmap (`WORD` large pages), an object for the reason
+    `LargePage` is: a list of ints would allocate each store of a word above 256."""
+
+    def __init__(self) -> None:
+        self.bits = 0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True, serializable=True)  # (see sim/_native.py)
@@ -72,16 +110,13 @@ class TwoLevelPool:
             self.free_large.pop()
         self.usable = len(self.free_large)
         # Per large page id, for the ids handed out so far (FreeIds hands out the lowest
-        # first: the lists grow with the pages in use, not with the budget): its type (-1: in
-        # the shared pool) and the bit mask of its free slots (its small pages held: per[t]
-        # less the mask's bits; none held is the type's `full` mask)
-        self.owner: list[int] = []
-        self.mask: list[int] = []
+        # first: the list grows with the pages in use, not with the budget)
+        self.pages: list[LargePage] = []
         self.full = [(1 << n) - 1 for n in per]  # per type: a large page's slots all free
         # Per type, its large pages used and with a free slot ("partly" used) as a bitmap:
-        # words of WORD pages, as many as `owner` needs; and the lowest word that may be
+        # words of WORD pages, as many as `pages` needs; and the lowest word that may be
         # nonzero (every word below it is zero)
-        self.partly: list[list[int]] = [[] for _ in per]
+        self.partly: list[list[Bits]] = [[] for _ in per]
         self.first = [0] * len(per)
         self.owned = [0] * len(per)  # per type: large pages it holds
         self.free_small = [0] * len(per)  # per type: free small pages in its large pages
@@ -102,51 +137,55 @@ class TwoLevelPool:
     def large_needed(self, need: list[int]) -> int:
         """Fresh large pages `need[t]` more small pages of each type would take (a take uses
         a free slot of its type while there is one: see `take`)."""
-        total = 0
-        for t, n in enumerate(need):
-            short = n - self.free_small[t]
+        total: i64 = 0
+        free_small, pers = self.free_small, self.per
+        for t in range(len(need)):
+            short: i64 = need[t] - free_small[t]
             if short > 0:
-                per = self.per[t]
+                per: i64 = pers[t]
                 total += (short + per - 1) // per
         return total
 
     def is_partly(self, lid: int, t: int) -> bool:
         """Whether large page `lid` is type t's, used, with a free slot."""
-        return self.owner[lid] == t and self.mask[lid] != 0 and self.mask[lid] != self.full[t]
+        page = self.pages[lid]
+        return page.owner == t and page.mask != 0 and page.mask != self.full[t]
 
     def lowest_partly(self, t: int) -> int:
         """The lowest-numbered partly used large page of type t (-1: none)."""
         words = self.partly[t]
         i, n = self.first[t], len(words)
-        while i < n and words[i] == 0:
+        while i < n and words[i].bits == 0:
             i += 1
         self.first[t] = i
         if i == n:
             return -1
-        w = words[i]
-        return (i << WORD_BITS) + (w & -w).bit_length() - 1
+        w = words[i].bits
+        return (i << WORD_BITS) + _slot(w & -w)
 
     def _sync(self, lid: int, t: int) -> None:
         """Large page `lid` of type t changed: its bit in the type's partly-used bitmap set
         if it is partly used now, else cleared."""
-        words = self.partly[t]
         i = lid >> WORD_BITS
+        word = self.partly[t][i]
         bit = 1 << (lid & (WORD - 1))
-        mask = self.mask[lid]
+        mask = self.pages[lid].mask
         if mask != 0 and mask != self.full[t]:
-            words[i] = words[i] | bit
+            word.bits = word.bits | bit
             if i < self.first[t]:
                 self.first[t] = i
         else:
-            words[i] = words[i] & ~bit
+            word.bits = word.bits & ~bit
 
     def state(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], list[int],
                              list[set[int]]]:
         """The pool by value (tests): per large page held its type, free slots' mask and
         small pages held; per type its free small pages and its partly used large pages."""
-        held = [lid for lid, t in enumerate(self.owner) if t >= 0]
-        return ({lid: self.owner[lid] for lid in held}, {lid: self.mask[lid] for lid in held},
-                {lid: self.per[self.owner[lid]] - self.mask[lid].bit_count() for lid in held},
+        pages = self.pages
+        held = [lid for lid, page in enumerate(pages) if page.owner >= 0]
+        return ({lid: pages[lid].owner for lid in held}, {lid: pages[lid].mask for lid in held},
+                {lid: self.per[pages[lid].owner] - pages[lid].mask.bit_count()
+                 for lid in held},
                 list(self.free_small),
                 [{lid for lid in held if self.is_partly(lid, t)} for t in range(len(self.per))])
 
@@ -159,7 +198,7 @@ class TwoLevelPool:
         fresh = False
         if hint >= 0:
             h = hint // per
-            if self.owner[h] == t and self.mask[h] != 0:
+            if self.pages[h].owner == t and self.pages[h].mask != 0:
                 lid = h
         if lid < 0:
             lid = self.lowest_partly(t)
@@ -168,11 +207,12 @@ class TwoLevelPool:
                     return -1
                 lid = self._fresh(t)
                 fresh = True
-        mask = self.mask[lid]
+        page = self.pages[lid]
+        mask = page.mask
         bit = mask & -mask
-        slot = bit.bit_length() - 1
+        slot = _slot(bit)
         mask ^= bit
-        self.mask[lid] = mask
+        page.mask = mask
         self.free_small[t] = self.free_small[t] - 1
         if fresh or not mask:
             self._sync(lid, t)
@@ -185,100 +225,119 @@ class TwoLevelPool:
         (`hint` first) if it has a free slot, else the lowest-numbered partly used page of the
         type, else a fresh one, the lowest free slot first; a large page at a time. False,
         part done, when the pool runs short (the caller undoes its trial)."""
-        # (`lowest_partly` and `_sync` inline, the type's free slots counted once at the end:
-        # the walk's takes are mostly of one page, where each call and list store shows)
-        per = self.per[t]
-        owner, mask_of = self.owner, self.mask
+        # (`lowest_partly`, `_sync` and `_slot` inline, the type's `first` and free slots read
+        # once and stored once: a take is mostly of one page, where each call and list access
+        # shows; the hint's mask asked first: its page is mostly full)
+        per: i64 = self.per[t]
+        tt: i64 = t
+        pages = self.pages
         words = self.partly[t]
-        took = 0
-        while n > 0:
-            lid = -1
+        first: i64 = self.first[t]
+        start = first
+        journaling = self.journaling
+        left: i64 = n
+        after: i64 = hint
+        took: i64 = 0
+        ok = True
+        while left > 0:
+            lid: i64 = -1
             fresh = False
-            if hint >= 0:
-                h = hint // per
-                if owner[h] == t and mask_of[h] != 0:
+            if after >= 0:
+                h = after // per
+                page = pages[h]
+                if page.mask != 0 and page.owner == tt:
                     lid = h
+                after = -1  # (n left after this page: it is full, so its hint would fail)
             if lid < 0:
-                first = i = self.first[t]
-                nw = len(words)
-                while i < nw and words[i] == 0:
-                    i += 1
-                if i != first:
-                    self.first[t] = i
-                if i < nw:
-                    w = words[i]
-                    lid = (i << WORD_BITS) + (w & -w).bit_length() - 1
+                nw: i64 = len(words)
+                while first < nw and words[first].bits == 0:
+                    first += 1
+                if first < nw:
+                    w = words[first].bits
+                    lid = (first << WORD_BITS) + _slot(w & -w)
+                elif not len(self.free_large):
+                    ok = False
+                    break
                 else:
-                    if not len(self.free_large):
-                        self.free_small[t] = self.free_small[t] - took
-                        return False
                     lid = self._fresh(t)
                     fresh = True
-            mask = mask_of[lid]
+            page = pages[lid]
+            mask = page.mask
             base = lid * per
+            count: i64 = 1
+            taken = 0  # (an int, as the mask)
             if fresh:  # (its lowest slots, in order)
-                count = min(n, per)
-                for sid in range(base, base + count):
-                    out.append(sid)
-                taken = (1 << count) - 1
+                count = left if left < per else per
+                out.extend(range(base, base + count))
+                taken = (1 << int(count)) - 1
                 mask ^= taken
+            elif mask & (mask - 1) == 0 or left == 1:  # (one slot: the page's lowest free one)
+                taken = mask & -mask
+                mask ^= taken
+                out.append(base + taken.bit_length() - 1)
             else:
-                taken = 0
                 count = 0
-                while n > count and mask:
+                while left > count and mask:
                     bit = mask & -mask
                     mask ^= bit
                     taken |= bit
                     out.append(base + bit.bit_length() - 1)
                     count += 1
-            n -= count
+            left -= count
             took += count
-            mask_of[lid] = mask
+            page.mask = mask
             if not mask:  # (full now: out of the partly used bitmap)
-                i = lid >> WORD_BITS
-                words[i] = words[i] & ~(1 << (lid & (WORD - 1)))
+                word = words[lid >> WORD_BITS]
+                word.bits = word.bits & ~_bit(lid)
             elif fresh:  # (a fresh page partly used now)
                 i = lid >> WORD_BITS
-                words[i] = words[i] | 1 << (lid & (WORD - 1))
-                if i < self.first[t]:
-                    self.first[t] = i
-            if self.journaling:
+                word = words[i]
+                word.bits = word.bits | _bit(lid)
+                if i < first:
+                    first = i
+            if journaling:
                 journal = self.journal
                 journal.append(_TAKEN)
                 journal.append(lid)
                 journal.append(taken)
-            hint = -1  # (n left: this page is full, so its hint would fail)
+        if first != start:
+            self.first[t] = first
         self.free_small[t] = self.free_small[t] - took
-        return True
+        return ok
 
     def give(self, t: int, ids: list[int]) -> None:
         """Small pages of type t back; large pages left empty go back to the shared pool, in
         the order they empty (one `FreeIds.give`, as the hybrid allocator gives a list)."""
-        per = self.per[t]
-        mask_of, full = self.mask, self.full[t]
+        per: i64 = self.per[t]
+        full = self.full[t]  # (masks: ints, see `LargePage`)
+        pages = self.pages
         words = self.partly[t]
         emptied: list[int] = []
         journaling = self.journaling
-        freed = 0
-        # a run of ids in one large page at a time (a table's ids mostly are: placement keeps
-        # a request's pages together), as slot by slot
-        i, n = 0, len(ids)
+        freed: i64 = 0
+        first: i64 = self.first[t]  # (read once, stored once)
+        start = first
+        # a run of ids in one large page at a time (placement keeps a request's pages
+        # together where it can), as slot by slot; the id that ends a run starts the next
+        i: i64 = 0
+        n: i64 = len(ids)
+        sid: i64 = ids[0] if n else 0
         while i < n:
-            sid = ids[i]
             lid = sid // per
             base = lid * per
             top = base + per
-            bits = 1 << (sid - base)
-            count = 1
+            bits = 1 << int(sid - base)
+            count: i64 = 1
             i += 1
             while i < n:
                 sid = ids[i]
                 if sid < base or sid >= top:
                     break
-                bits |= 1 << (sid - base)
+                bits |= 1 << int(sid - base)
                 count += 1
                 i += 1
-            before = mask_of[lid]
+            page = pages[lid]
+            before = page.mask
             after = before | bits
             if journaling:
                 journal = self.journal
@@ -287,24 +346,28 @@ class TwoLevelPool:
                 journal.append(bits)
             w = lid >> WORD_BITS
             if after != full:
-                mask_of[lid] = after
+                page.mask = after
                 freed += count
                 if not before:  # (it was full: partly used now)
-                    words[w] = words[w] | 1 << (lid & (WORD - 1))
-                    if w < self.first[t]:
-                        self.first[t] = w
+                    word = words[w]
+                    word.bits = word.bits | _bit(lid)
+                    if w < first:
+                        first = w
             else:  # (all free: back to the shared pool; `_drop` inline)
-                self.owner[lid] = -1
-                mask_of[lid] = 0
+                page.owner = -1
+                page.mask = 0
                 self.owned[t] = self.owned[t] - 1
-                words[w] = words[w] & ~(1 << (lid & (WORD - 1)))
+                word = words[w]
+                word.bits = word.bits & ~_bit(lid)
                 freed += count - per
                 emptied.append(lid)
         self.free_small[t] = self.free_small[t] + freed
+        if first != start:
+            self.first[t] = first
         if emptied:
             if journaling:  # (undone last first: popped in the order given)
-                for lid in reversed(emptied):
-                    self._log(_EMPTY, lid, t)
+                for gone in reversed(emptied):
+                    self._log(_EMPTY, gone, t)
             self.free_large.give(emptied)
 
     # ---------------------------------------------------------------- trials
@@ -316,7 +379,7 @@ class TwoLevelPool:
     def undo(self, mark: int) -> None:
         """Take back every change since `mark`, restoring the state by value."""
         journal = self.journal
-        owner, mask_of = self.owner, self.mask
+        pages = self.pages
         while len(journal) > mark:
             arg = journal.pop()
             lid = journal.pop()
@@ -332,31 +395,32 @@ class TwoLevelPool:
                 self.free_small[t] = self.free_small[t] - self.per[t]
                 self.free_large.give([lid])
             else:
-                t = owner[lid]
+                page = pages[lid]
+                t = page.owner
                 if op == _GIVE:
                     count = _bits(arg)
-                    mask_of[lid] = mask_of[lid] & ~arg
+                    page.mask = page.mask & ~arg
                     self.free_small[t] = self.free_small[t] - count
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
                     count = _bits(bits)
-                    mask_of[lid] = mask_of[lid] | bits
+                    page.mask = page.mask | bits
                     self.free_small[t] = self.free_small[t] + count
                 # (`_sync`, inline)
-                mask = mask_of[lid]
-                words = self.partly[t]
+                mask = page.mask
                 w = lid >> WORD_BITS
+                word = self.partly[t][w]
                 if mask != 0 and mask != self.full[t]:
-                    words[w] = words[w] | 1 << (lid & (WORD - 1))
+                    word.bits = word.bits | 1 << (lid & (WORD - 1))
                     if w < self.first[t]:
                         self.first[t] = w
                 else:
-                    words[w] = words[w] & ~(1 << (lid & (WORD - 1)))
+                    word.bits = word.bits & ~(1 << (lid & (WORD - 1)))
 
     def redo(self, journal: list[int]) -> None:
         """Apply again, in order, the changes of a trial's journal (entries from its mark on)
         that `undo` took back: the state it reached, from the state it started in."""
-        owner, mask_of = self.owner, self.mask
+        pages = self.pages
         emptied: list[int] = []
         i, n = 0, len(journal)
         while i < n:
@@ -372,11 +436,12 @@ class TwoLevelPool:
                 got = self._fresh(arg)
                 assert got == lid, (got, lid)
             else:
-                t = owner[lid]
+                page = pages[lid]
+                t = page.owner
                 if op == _GIVE:
                     count = _bits(arg)
-                    after = mask_of[lid] | arg
-                    mask_of[lid] = after
+                    after = page.mask | arg
+                    page.mask = after
                     self.free_small[t] = self.free_small[t] + count
                     if after == self.full[t]:  # (emptied: its _EMPTY entry gives it back)
                         self._drop(lid, t)
@@ -385,7 +450,7 @@ class TwoLevelPool:
                 else:  # _TAKEN, _TAKE
                     bits = arg if op == _TAKEN else 1 << arg
                     count = _bits(bits)
-                    mask_of[lid] = mask_of[lid] & ~bits
+                    page.mask = page.mask & ~bits
                     self.free_small[t] = self.free_small[t] - count
                 self._sync(lid, t)
 
@@ -404,12 +469,11 @@ class TwoLevelPool:
     def _fresh(self, t: int) -> int:
         """A fresh large page from the shared pool for type t (all its slots free)."""
         lid = self.free_large.pop()
-        while lid >= len(self.owner):
-            self.owner.append(-1)
-            self.mask.append(0)
-            if len(self.owner) > len(self.partly[0]) << WORD_BITS:  # (a word more per type)
+        while lid >= len(self.pages):
+            self.pages.append(LargePage())
+            if len(self.pages) > len(self.partly[0]) << WORD_BITS:  # (a word more per type)
                 for words in self.partly:
-                    words.append(0)
+                    words.append(Bits())
         self._own(lid, t)
         if self.journaling:
             self._log(_FRESH, lid, t)
@@ -418,14 +482,16 @@ class TwoLevelPool:
     def _own(self, lid: int, t: int) -> None:
         """(All its slots free, none used: not partly used, its bit clear already.)"""
         per = self.per[t]
-        self.owner[lid] = t
-        self.mask[lid] = self.full[t]
+        page = self.pages[lid]
+        page.owner = t
+        page.mask = self.full[t]
         self.free_small[t] = self.free_small[t] + per
         self.owned[t] = self.owned[t] + 1
 
     def _drop(self, lid: int, t: int) -> None:
-        self.owner[lid] = -1
-        self.mask[lid] = 0
+        page = self.pages[lid]
+        page.owner = -1
+        page.mask = 0
         self.owned[t] = self.owned[t] - 1
         self._sync(lid, t)
 
@@ -435,23 +501,24 @@ class TwoLevelPool:
         bitmaps hold exactly the partly used pages, no word below a type's `first` set."""
         free_small = [0] * len(self.per)
         owned = [0] * len(self.per)
-        for lid, t in enumerate(self.owner):
+        for page in self.pages:
+            t, mask = page.owner, page.mask
             if t < 0:
-                assert self.mask[lid] == 0
+                assert mask == 0
                 continue
-            mask = self.mask[lid]
             assert 0 <= mask <= self.full[t]
             assert mask != self.full[t] or self.journaling  # (a page held holds a slot)
             free_small[t] += mask.bit_count()
             owned[t] += 1
         for t, words in enumerate(self.partly):
-            assert len(words) << WORD_BITS >= len(self.owner)
-            assert not any(words[:self.first[t]]), (t, self.first[t])
-            for lid in range(len(self.owner)):
-                on = bool(words[lid >> WORD_BITS] >> (lid & (WORD - 1)) & 1)
+            assert len(words) << WORD_BITS >= len(self.pages)
+            assert not any(word.bits for word in words[:self.first[t]]), (t, self.first[t])
+            assert all(0 <= word.bits < 1 << WORD for word in words), t
+            for lid in range(len(self.pages)):
+                on = bool(words[lid >> WORD_BITS].bits >> (lid & (WORD - 1)) & 1)
                 assert on == self.is_partly(lid, t), (lid, t)
         assert free_small == self.free_small, (free_small, self.free_small)
         assert owned == self.owned, (owned, self.owned)
-        held = {lid for lid, t in enumerate(self.owner) if t >= 0}
+        held = {lid for lid, page in enumerate(self.pages) if page.owner >= 0}
         assert len(held) + len(self.free_large) == self.usable
         assert not held & set(self.free_large)

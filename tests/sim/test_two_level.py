@@ -144,6 +144,50 @@ def test_take_many_is_takes_in_a_row(ops):
         assert one.state() == many.state()
 
 
+def test_masks_wider_than_a_machine_word():
+    """A type of more than 64 small pages a large page (its masks beyond a machine int):
+    `take_many` places as `take` after `take`, a trial with gives undone restores the pool,
+    and giving everything back empties it."""
+    one, many = TwoLevelPool(4, [1, 70], False), TwoLevelPool(4, [1, 70], False)
+    want, hint = [], -1
+    for _ in range(100):
+        hint = one.take(1, hint)
+        want.append(hint)
+    got: list[int] = []
+    assert many.take_many(1, 100, -1, got) and got == want
+    assert many.state() == one.state()
+    mark = many.mark()
+    more: list[int] = []
+    assert many.take_many(1, 30, got[-1], more) and len(more) == 30
+    many.give(1, got[10:80])
+    many.undo(mark)
+    many.commit(mark)
+    many.check()
+    assert many.state() == one.state()
+    many.give(1, got)
+    many.check()
+    assert many.used_large_pages() == 0 and many.free_small == [0, 0]
+
+
+def test_the_last_page_of_a_bitmap_word():
+    """Large page 31, the last of its partly-used bitmap word: given a slot back inside a
+    trial and undone, no other page is left marked partly used, so with every page full a
+    take finds none."""
+    pool = TwoLevelPool(40, [2], False)
+    held: list[int] = []
+    assert pool.take_many(0, 80, -1, held)
+    mark = pool.mark()
+    pool.give(0, [held[63]])  # (page 31's second slot)
+    pool.check()
+    pool.undo(mark)
+    pool.commit(mark)
+    pool.check()
+    before = pool.state()
+    got: list[int] = []
+    assert not pool.take_many(0, 1, -1, got) and got == []
+    assert pool.state() == before
+
+
 def test_request_aware_placement_keeps_a_request_together():
     """A request's pages of one type fill its own large page first, so large pages empty as
     requests finish; fresh pages only when no large page of the type has room."""
