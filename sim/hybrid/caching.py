@@ -307,28 +307,35 @@ class HybridPrefixCaching(HybridAllocator):
         # (what a hit can use: the retention, the scheduler block, the lookup's junction)
         where = (self.retention, self.plan.scheduler_block_size, st.boundary.get(rid, 0))
         kept: dict[tuple[int, int], bool] = {}  # (kind, block) -> cached (alike per group)
+        insert, kinds, kind_of = st.pool.insert, self._kinds, self._manager_of
+        chained, own = len(chain), ("own", rid)  # (`block_key`, inlined)
         for g, table in enumerate(st.tables[rid]):
-            ki = self._manager_of[g]
-            k = self._kinds[ki]
+            ki = kind_of[g]
+            k = kinds[ki]
             full = tokens // k.block_size
+            start = done[g]
+            if start >= full:
+                continue
             mamba = k.kind == "mamba"
-            for j in range(done[g], full):
+            some = mamba or k.kind == "sliding_window"  # (caches only the blocks a hit uses)
+            for j in range(start, full):
                 b = table[j]
                 if not b:
                     continue
-                if k.kind == "sliding_window" or mamba:
+                if some:
                     got = kept.get((ki, j))
                     if got is None:
                         got = kept[ki, j] = (state_kept(req, k, j, *where) if mamba
                                              else reachable(req, k, j, *where))
                     if not got:
                         continue
-                key = self._key(req, chain, j, g)
-                st.pool.insert(key, b)
-                named = named or j < len(chain)
+                key = (chain[j] if j < chained else own, j, g)
+                insert(key, b)
+                if j < chained:
+                    named = True
                 if mamba and st is self._st:
                     self._fresh.add(key)
-            done[g] = max(done[g], full)
+            done[g] = full
         if named and st is self._st:
             self.frees += 1
 
@@ -719,7 +726,8 @@ class HybridPrefixCaching(HybridAllocator):
         """Per plan group, the ids in the requests' tables (an id two requests hold counts
         twice, as vLLM's managers count their tables)."""
         self._flush()
-        return self._st.blocks_per_group(self._manager_of, len(self.plan.groups))
+        return self._st.blocks_per_group(self._manager_of, len(self.plan.groups),
+                                         [k.kind != "mamba" for k in self._kinds])
 
     def blocks_of(self, rid: int) -> int:
         self._get(rid)

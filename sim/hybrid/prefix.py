@@ -44,6 +44,8 @@ applies them.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -87,14 +89,22 @@ class BlockPool:
         ref = self.ref
         for b in out:
             ref[b] = 1
-        for _ in range(left):
-            b = next(iter(self.idle))
-            del self.idle[b]
-            self._uncache(b)
-            self.evictions += 1
-            self.evicted.append(b)
-            ref[b] = 1
-            out.append(b)
+        if left:
+            idle, keys, cache, evicted = self.idle, self.keys, self.cache, self.evicted
+            for _ in range(left):
+                b = next(iter(idle))
+                del idle[b]
+                gone = keys.pop(b, ())  # (`_uncache`, inlined)
+                if cache is not None:
+                    for key in gone:
+                        ids = cache[key]
+                        del ids[b]
+                        if not ids:
+                            del cache[key]
+                evicted.append(b)
+                ref[b] = 1
+                out.append(b)
+            self.evictions += left
         return out
 
     def _take_free(self, n: int) -> tuple[list[int], int]:
@@ -401,6 +411,12 @@ def aligned_split(prompt: int, start: int, chunk: int, total: int, limit: int, b
     return max(end - start, 0)
 
 
+def leading_nulls(table: list[int]) -> int:
+    """The nulls a table starts with, found by bisection: where its nulls are a prefix
+    (an attention table's), the table's nulls."""
+    return bisect_left(table, True, key=bool)
+
+
 class PrefixState:
     """The pool and every live request's block tables (0: the null block) and cached-block
     counts, per plan group."""
@@ -488,9 +504,12 @@ class PrefixState:
                 until = min(until, k.next_skip(processed) + 1 + lag)
         self.quiet[rid] = until
 
-    def blocks_per_group(self, kind_of: list[int], groups: int) -> tuple[int, ...]:
+    def blocks_per_group(self, kind_of: list[int], groups: int,
+                         prefix_nulls: Sequence[bool] = ()) -> tuple[int, ...]:
         """Per group, the ids in the tables (an id two requests hold counts twice). A
-        request's tables of one kind are alike: one of them is counted for all."""
+        request's tables of one kind are alike: one of them is counted for all.
+        `prefix_nulls[ki]`: kind ki's nulls are a prefix of each table (attention kinds: a
+        window frees from the front; not Mamba), counted by bisection, not by a scan."""
         if len(kind_of) != groups:
             out = [0] * groups
             for tables in self.tables.values():
@@ -501,11 +520,18 @@ class PrefixState:
         for g, ki in enumerate(kind_of):
             first.setdefault(ki, g)
         counts = dict.fromkeys(first, 0)
-        reps = list(first.items())
+        reps = [(ki, g, ki < len(prefix_nulls) and prefix_nulls[ki])
+                for ki, g in first.items()]
         for tables in self.tables.values():
-            for ki, g in reps:
+            for ki, g, prefix in reps:
                 table = tables[g]
-                counts[ki] += len(table) - table.count(0)
+                if prefix:
+                    if table and not table[0]:
+                        counts[ki] += len(table) - leading_nulls(table)
+                    else:
+                        counts[ki] += len(table)
+                else:
+                    counts[ki] += len(table) - table.count(0)
         return tuple(counts[kind_of[g]] for g in range(groups))
 
     def held(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvfrag.sim.allocators.base import Live
-from kvfrag.sim.hybrid.prefix import Kind, PrefixState
+from kvfrag.sim.hybrid.prefix import Kind, PrefixState, leading_nulls
 
 
 def held_figures_walk(st: PrefixState, live_of: Mapping[int, Live], clock: int,
@@ -169,7 +169,7 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
             first, full = -(-lo // bs), tokens // bs
             f = first if first < size else size
             if f < size and not table[f]:  # nulls into the read range (the prefix's end)
-                z = table.count(0)
+                z = leading_nulls(table)
             else:  # the ids before the read range (not freed yet), back to the nulls
                 z = f
                 while z and table[z - 1]:

@@ -1,7 +1,8 @@
 """What prefix caching keeps to answer fast, pinned against recomputing it from scratch at every
 step of random runs (hybrid with prefix caching, two-level's own layout with it, and two-level
 under vLLM's constraints): the held ids' figures counted without sets (`held_figures`) against
-collecting every table's ids (`held_figures_walk`); each decoder's quiet stretch
+collecting every table's ids (`held_figures_walk`); the ids per group with an attention
+table's leading nulls found by bisection against counting its nulls; each decoder's quiet stretch
 (`PrefixState.quiet`: steps skipped as freeing, taking and caching nothing) against asking
 `_quiet_step` at each step; the decoders' list against the live requests; the look-ahead's
 answers, walked only as far as each question needs (or not at all where the free blocks
@@ -23,7 +24,7 @@ from kvfrag.sim.engine import run
 from kvfrag.sim.engine_config import EngineConfig, StepTime
 from kvfrag.sim.hybrid import caching, prefix_figures
 from kvfrag.sim.hybrid.caching import HORIZON, HybridPrefixCaching
-from kvfrag.sim.hybrid.prefix import AheadPool, BlockPool
+from kvfrag.sim.hybrid.prefix import AheadPool, BlockPool, PrefixState
 from kvfrag.sim.layers import FullAttention, LayerStack, MambaState
 
 warnings.filterwarnings("ignore", message=".*pure-Python.*")
@@ -39,7 +40,7 @@ MML = 256
 
 
 class Counts:
-    figures = steps = skipped = questions = 0
+    figures = steps = skipped = questions = blocks = 0
 
 
 @pytest.fixture
@@ -79,6 +80,15 @@ def checked(monkeypatch):
                      "steps_until_shrink"):
             monkeypatch.setattr(cls, name, _checked_question(getattr(cls, name), name, counts))
 
+    counted = PrefixState.blocks_per_group
+
+    def blocks_per_group(st, kind_of, groups, prefix_nulls=()):
+        got = counted(st, kind_of, groups, prefix_nulls)
+        assert got == counted(st, kind_of, groups)  # (bisection against a scan)
+        counts.blocks += 1
+        return got
+
+    monkeypatch.setattr(PrefixState, "blocks_per_group", blocks_per_group)
     monkeypatch.setattr(caching, "held_figures", figures)
     import kvfrag.sim.allocators.two_level_own_caching as own
     monkeypatch.setattr(own, "held_figures", figures)
@@ -162,6 +172,7 @@ def test_kept_answers_equal_the_recomputed_ones_at_every_step(checked, kind, nam
     assert res.summary["prefix_hit_blocks"] > 0
     assert checked.figures > 0 and checked.steps > 0 and checked.skipped > 0
     assert checked.questions > 0
+    assert checked.blocks > 0 or kind != "hybrid"
 
 
 def _reference_copy(pool: BlockPool) -> BlockPool:
