@@ -153,11 +153,16 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
     edge_of: list[dict[int, int]] = [{} for _ in range(groups)]
     edge_fix = [0] * groups
     token_states = 0
+    # (tables, tokens, final) per request
+    reqs = []
     for rid, tables in st.tables.items():
         live = live_of[rid]
-        tokens = live.base + clock if live.decoding else live.base
-        final = live.final
-        for read, window, bs, gs, first_g, c, any_shared in runs:
+        reqs.append((tables, live.base + clock if live.decoding else live.base, live.final))
+    for read, window, bs, gs, first_g, c, any_shared in runs:
+        if not any_shared:
+            c[:] = _plain_counts(reqs, read, window, bs, first_g)
+            continue
+        for tables, tokens, final in reqs:
             table = tables[first_g]
             size = len(table)
             if not read:
@@ -189,8 +194,6 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
             c[4] += slots - tokens
             if final > tokens and slots > tokens:
                 c[5] += (final if final < slots else slots) - tokens
-            if not any_shared:
-                continue
             for g in gs:
                 sh = shared[g]
                 if not sh:
@@ -208,7 +211,8 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
                     edge_fix[g] -= n_edge
                     if n_edge > edge_of[g].get(b, 0):
                         edge_of[g][b] = n_edge
-        for g in mamba:  # its state (its page's rest is padding)
+    for g in mamba:  # its state (its page's rest is padding)
+        for tables, _, _ in reqs:
             table = tables[g]
             n_ids = len(table) - table.count(0)
             if n_ids:
@@ -240,3 +244,60 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
         padding += n_held * (page - bs * token_bytes)
         out += (n_held * bs - unwritten - n) * token_bytes
     return token_states, reserved, padding, out
+
+
+def _plain_counts(reqs: list[tuple[list[list[int]], int, int]], read: int, window: int, bs: int,
+                  g: int) -> list[int]:
+    """One attention kind's counts over the requests (`held_figures`' per kind, for a kind
+    none of whose groups has shared ids), each request's table of group g counted: ids read
+    whole, non-null ids, tokens of window-edge ids, tokens in partly written last blocks,
+    slots of the last blocks past their tokens, slots still to be written. Apart from the
+    loop with shared ids, with local sums, and full attention's read range (from token 0)
+    taken on its own: what most figures' calls count."""
+    n_whole = n_held = n_edges = tail = unwritten = to_write = 0
+    if not read:
+        for tables, tokens, final in reqs:
+            table = tables[g]
+            size = len(table)
+            full = tokens // bs
+            z = leading_nulls(table) if size and not table[0] else 0
+            n_held += size - z
+            top = full if full < size else size
+            if top > z:
+                n_whole += top - z
+            tail += tokens - full * bs
+            slots = size * bs
+            unwritten += slots - tokens
+            if final > tokens and slots > tokens:
+                to_write += (final if final < slots else slots) - tokens
+        return [n_whole, n_held, n_edges, tail, unwritten, to_write]
+    for tables, tokens, final in reqs:
+        table = tables[g]
+        size = len(table)
+        if read == 1:
+            lo = tokens - window if tokens > window else 0
+        else:
+            lo = (tokens - 1) // window * window if tokens > 1 else 0
+        first, full = -(-lo // bs), tokens // bs
+        f = first if first < size else size
+        if f < size and not table[f]:  # nulls into the read range (the prefix's end)
+            z = leading_nulls(table)
+        else:  # the ids before the read range (not freed yet), back to the nulls
+            z = f
+            while z and table[z - 1]:
+                z -= 1
+        n_held += size - z
+        top = full if full < size else size
+        if top > first and top > z:
+            n_whole += top - (first if first > z else z)
+        if lo % bs:
+            edge = lo // bs
+            if edge < full and table[edge]:  # the window's edge falls inside a block
+                n_edges += (tokens if tokens < (edge + 1) * bs else (edge + 1) * bs) - lo
+        if tokens % bs:
+            tail += tokens - (full * bs if full * bs > lo else lo)
+        slots = size * bs
+        unwritten += slots - tokens
+        if final > tokens and slots > tokens:
+            to_write += (final if final < slots else slots) - tokens
+    return [n_whole, n_held, n_edges, tail, unwritten, to_write]
