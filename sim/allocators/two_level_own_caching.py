@@ -452,14 +452,15 @@ class TwoLevelOwnCaching(HybridPrefixCaching):
         queue = list(victims or ())
         typed: TypedPool = st.pool  # type: ignore[assignment]
         before = typed.freed
-        rank = -1
         quiet = self._quiet
-        until = st.quiet
-        for rid, live in self._decoders():
-            rank += 1
+        decoders = self._decoders()
+        # (the decoders whose steps are not known quiet, by rank: most are)
+        wake = st.quiet.get
+        due = ([i for i, (rid, live) in enumerate(decoders) if wake(rid, 0) <= live.base + clock]
+               if st.quiet else range(len(decoders)))
+        for rank in due:
+            rid, live = decoders[rank]
             tokens = live.base + clock
-            if until and until.get(rid, 0) > tokens:
-                continue
             processed = tokens - 1
             if self._lag:
                 processed = (self._first[rid] if self._joined[rid] == clock - 1

@@ -306,7 +306,8 @@ class HybridPrefixCaching(HybridAllocator):
         named = False
         # (what a hit can use: the retention, the scheduler block, the lookup's junction)
         where = (self.retention, self.plan.scheduler_block_size, st.boundary.get(rid, 0))
-        kept: dict[tuple[int, int], bool] = {}  # (kind, block) -> cached (alike per group)
+        # kind -> (first block, the blocks from it a hit can use: alike for its groups)
+        kept: dict[int, tuple[int, list[int]]] = {}
         insert, kinds, kind_of = st.pool.insert, self._kinds, self._manager_of
         chained, own = len(chain), ("own", rid)  # (`block_key`, inlined)
         for g, table in enumerate(st.tables[rid]):
@@ -317,18 +318,19 @@ class HybridPrefixCaching(HybridAllocator):
             if start >= full:
                 continue
             mamba = k.kind == "mamba"
-            some = mamba or k.kind == "sliding_window"  # (caches only the blocks a hit uses)
-            for j in range(start, full):
+            got = kept.get(ki)
+            if got is None or got[0] != start:
+                if mamba:  # (sliding and Mamba kinds cache only the blocks a hit can use)
+                    js = [j for j in range(start, full) if state_kept(req, k, j, *where)]
+                elif k.kind == "sliding_window":
+                    js = [j for j in range(start, full) if reachable(req, k, j, *where)]
+                else:
+                    js = list(range(start, full))
+                got = kept[ki] = (start, js)
+            for j in got[1]:
                 b = table[j]
                 if not b:
                     continue
-                if some:
-                    got = kept.get((ki, j))
-                    if got is None:
-                        got = kept[ki, j] = (state_kept(req, k, j, *where) if mamba
-                                             else reachable(req, k, j, *where))
-                    if not got:
-                        continue
                 key = (chain[j] if j < chained else own, j, g)
                 insert(key, b)
                 if j < chained:
@@ -543,14 +545,15 @@ class HybridPrefixCaching(HybridAllocator):
         queue = list(victims or ())
         before = st.pool.free_count()
         taken = 0
-        rank = -1
         quiet = self._quiet
-        until = st.quiet
-        for rid, live in self._decoders():
-            rank += 1
+        decoders = self._decoders()
+        # (the decoders whose steps are not known quiet, by rank: most are)
+        wake = st.quiet.get
+        due = ([i for i, (rid, live) in enumerate(decoders) if wake(rid, 0) <= live.base + clock]
+               if st.quiet else range(len(decoders)))
+        for rank in due:
+            rid, live = decoders[rank]
             tokens = live.base + clock
-            if until and until.get(rid, 0) > tokens:
-                continue
             processed = tokens - 1  # (async: less the token in flight; the first step, the
             if self._lag:  # final chunk)
                 processed = (self._first[rid] if self._joined[rid] == clock - 1
