@@ -319,22 +319,18 @@ class HybridPrefixCaching(HybridAllocator):
                 continue
             mamba = k.kind == "mamba"
             got = kept.get(ki)
-            if got is None or got[0] != start:
-                if mamba:  # (sliding and Mamba kinds cache only the blocks a hit can use)
-                    js = [j for j in range(start, full) if state_kept(req, k, j, *where)]
-                elif k.kind == "sliding_window":
-                    js = [j for j in range(start, full) if reachable(req, k, j, *where)]
-                else:
-                    js = list(range(start, full))
-                got = kept[ki] = (start, js)
+            if got is None or got[0] != start:  # (sliding and Mamba: the blocks a hit uses)
+                usable = (state_kept if mamba else reachable
+                          if k.kind == "sliding_window" else None)
+                got = kept[ki] = (start, list(range(start, full)) if usable is None else
+                                  [j for j in range(start, full) if usable(req, k, j, *where)])
             for j in got[1]:
                 b = table[j]
                 if not b:
                     continue
                 key = (chain[j] if j < chained else own, j, g)
                 insert(key, b)
-                if j < chained:
-                    named = True
+                named = named or j < chained
                 if mamba and st is self._st:
                     self._fresh.add(key)
             done[g] = full
