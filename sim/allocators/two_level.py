@@ -85,6 +85,8 @@ from kvfrag.sim.allocators.two_level_bounds import (
 )
 from kvfrag.sim.allocators.two_level_plan import (
     FULL,
+    SLOT_BITS,
+    SLOT_MASK,
     Decoder,
     large_page,
     layer_types,
@@ -166,15 +168,19 @@ class TwoLevelAllocator(HybridAllocator):
         for mi, m in enumerate(self.managers):
             if m.block_size < self.max_model_len:
                 self._tw[self._ptype[mi]] += self._lists[mi]
-        # The decoders' next events: per clock, the admission ranks due then (a bucket,
-        # sorted when its clock comes), and the clocks with a bucket in descending order, the
-        # next last (an insertion per clock, not per event: a step's events mostly share it;
-        # a short list, the clocks of the next block boundaries and window edges, where a
-        # heap's pop is a generic call); an entry is valid while the rank's decoder
-        # (`_decoders`) says that clock (`Decoder.at`)
-        self._events: dict[int, list[int]] = {}
+        # The decoders' next events: the clocks with one in descending order, the next last
+        # (an insertion per clock, not per event: a step's events mostly share it; a short
+        # list, the clocks of the next block boundaries and window edges, where a heap's pop
+        # is a generic call), and beside each its bucket: the keys (`Decoder.key`) of the
+        # decoders due then, sorted when its clock comes (admission order). Lists, not dicts
+        # by clock and rank: a lookup by an int key boxes it. An entry is valid while the
+        # decoder in its slot has its key and says that clock (`Decoder.at`)
         self._clocks: list[int] = []
+        self._buckets: list[list[int]] = []
         self._decoders: dict[int, Decoder] = {}  # rank -> the decoder's record
+        self._dead = Decoder(-1, 0, 0, -1, [], [])  # (a free slot's)
+        self._slots: list[Decoder] = []  # slot -> the decoder in it (`_dead`: none)
+        self._free_slots: list[int] = []
         self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
         self._taken: list[int] = []  # small pages the last placement took (`_try_place`)
         self._collect = False  # whether `_place` keeps them (not in the walks)
@@ -190,7 +196,7 @@ class TwoLevelAllocator(HybridAllocator):
         # (clock, version, horizon, the pool's journal, the tables' journal, the events after)
         # (and the decoders whose next event the walk moved, with that clock)
         self._replay: tuple[int, int, int, list[int], list[tuple[int, int, int, int, list[int]]],
-                            dict[int, list[int]], list[int],
+                            list[list[int]], list[int],
                             list[tuple[Decoder, int]]] | None = None
         self._atj: list[tuple[Decoder, int]] = []  # a look's walk: (decoder, its clock before)
 
@@ -344,7 +350,7 @@ class TwoLevelAllocator(HybridAllocator):
 
     def _redo(self, replay: tuple[int, int, int, list[int],
                                   list[tuple[int, int, int, int, list[int]]],
-                                  dict[int, list[int]], list[int],
+                                  list[list[int]], list[int],
                                   list[tuple[Decoder, int]]]) -> None:
         """The decoders' events up to the clock, as the look-ahead walked them from this very
         state and undid: its journals applied again, its events taken over (a walk's cost
@@ -358,7 +364,7 @@ class TwoLevelAllocator(HybridAllocator):
                 starts[rid][mi] += arg
             else:  # ids appended to table `arg`
                 tables[rid][mi][arg].extend(ids)
-        self._events, self._clocks = replay[5], replay[6]
+        self._buckets, self._clocks = replay[5], replay[6]
         for dec, at in replay[7]:
             dec.at = at
 
@@ -391,24 +397,28 @@ class TwoLevelAllocator(HybridAllocator):
             return tokens - 1 - self._lag
         return self._proc[rid]
 
-    def _push(self, dec: Decoder, rank: int, clock: int) -> None:
-        """Decoder `dec` (admission `rank`)'s next event at `clock`, unless it is done by
-        then."""
+    def _push(self, dec: Decoder, clock: int) -> None:
+        """Decoder `dec`'s next event at `clock`, unless it is done by then."""
         if self.pool.journaling:  # (a look's walk: undone)
             self._atj.append((dec, dec.at))
         if clock <= dec.done:
             dec.at = clock
-            bucket = self._events.get(clock)
-            if bucket is None:
-                self._events[clock] = [rank]
-                clocks = self._clocks
-                at: i64 = clock
-                i: i64 = len(clocks)
-                while i > 0 and clocks[i - 1] < at:
-                    i -= 1
-                clocks.insert(i, clock)
+            # (the clock's place: a bisection of the descending clocks)
+            clocks = self._clocks
+            at: i64 = clock
+            lo: i64 = 0
+            hi: i64 = len(clocks)
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if clocks[mid] >= at:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo > 0 and clocks[lo - 1] == at:
+                self._buckets[lo - 1].append(dec.key)
             else:
-                bucket.append(rank)
+                clocks.insert(lo, clock)
+                self._buckets.insert(lo, [dec.key])
         else:
             dec.at = -1
 
@@ -416,19 +426,18 @@ class TwoLevelAllocator(HybridAllocator):
         """Apply the decoders' events up to clock `limit`, in order (step, then admission
         order). Returns the clock of the first event that finds no page (-1: none); with a
         `timeline`, appends (clock, free large pages) after each event clock."""
-        events, clocks, decoders = self._events, self._clocks, self._decoders
+        clocks, buckets, slots = self._clocks, self._buckets, self._slots
         lag, mml = self._lag, self.max_model_len
         kinds, sizes, windows = self._mkind, self._mbs, self._mwin
         while clocks and clocks[-1] <= limit:
             clock = clocks.pop()
-            bucket = events[clock]  # (`dict.pop`, compiled, is a generic method call)
-            del events[clock]
+            bucket = buckets.pop()
             if len(bucket) > 1:
                 bucket.sort()  # (admission order)
             placed = False  # (whether an event of this clock was applied)
-            for rank in bucket:
-                dec = decoders.get(rank)
-                if dec is None or dec.at != clock:
+            for key in bucket:
+                dec = slots[key & SLOT_MASK]
+                if dec.key != key or dec.at != clock:
                     continue  # (stale: the decoder left, or its event moved)
                 rid = dec.rid
                 tokens = dec.base + clock
@@ -445,10 +454,10 @@ class TwoLevelAllocator(HybridAllocator):
                 # its next event: every step until its processed count follows its length,
                 # then where a count may change next (`two_level_plan.next_step`)
                 if clock < joined + 1 + lag:
-                    self._push(dec, rank, clock + 1)
+                    self._push(dec, clock + 1)
                 else:
-                    self._push(dec, rank, clock + next_step(kinds, sizes, windows, mml, tokens,
-                                                            tokens - 1 - lag))
+                    self._push(dec, clock + next_step(kinds, sizes, windows, mml, tokens,
+                                                      tokens - 1 - lag))
             if timeline is not None and placed:
                 timeline.append((clock, self.pool.free_large_pages()))
         return -1
@@ -460,17 +469,17 @@ class TwoLevelAllocator(HybridAllocator):
         if (memo is not None and memo[0] == self._clock and memo[1] == self._version
                 and (memo[2] >= horizon or memo[3] < memo[2])):
             return min(memo[3], horizon), memo[4]
-        events = {clock: list(bucket) for clock, bucket in self._events.items()}
+        buckets = [list(bucket) for bucket in self._buckets]
         clocks, amark = list(self._clocks), len(self._atj)
         mark = self._mark()
         timeline: list[tuple[int, int]] = []
         failed = self._walk(self._clock + horizon, timeline)
         if failed < 0 and mark[0] == 0:  # (for `_stepped`: the journals, the events after)
             self._replay = (self._clock, self._version, horizon, self.pool.journal[mark[0]:],
-                            self._tj[mark[1]:], self._events, self._clocks,
+                            self._tj[mark[1]:], self._buckets, self._clocks,
                             [(dec, dec.at) for dec, _at in self._atj[amark:]])
         self._undo(mark)
-        self._events, self._clocks = events, clocks
+        self._buckets, self._clocks = buckets, clocks
         atj = self._atj
         while len(atj) > amark:
             dec, at = atj.pop()
@@ -532,8 +541,7 @@ class TwoLevelAllocator(HybridAllocator):
         for d in (self._rank, self._proc, self._joined, self._last_n, self._first):
             if rid in d:
                 del d[rid]
-        if rank in self._decoders:
-            del self._decoders[rank]
+        self._drop_decoder(rank)
         self._changed()
 
     def _cohort_changed(self, live: Live, decoding: bool) -> None:
@@ -543,15 +551,31 @@ class TwoLevelAllocator(HybridAllocator):
             rank = self._rank[rid]
             dec = Decoder(rid, live.base, self._joined[rid], self._done_at[rid],
                           self._tables_of(rid), self._named_start[rid])
+            self._drop_decoder(rank)  # (its record anew)
+            free = self._free_slots
+            slot = free.pop() if free else len(self._slots)
+            assert slot <= SLOT_MASK, "more decoders at once than event keys name"
+            if slot == len(self._slots):
+                self._slots.append(dec)
+            else:
+                self._slots[slot] = dec
+            dec.key = rank << SLOT_BITS | slot
             self._decoders[rank] = dec
-            self._push(dec, rank, self._clock + 1)
+            self._push(dec, self._clock + 1)
             self._fresh[rid] = self._clock
         else:
             rank = self._rank.get(rid, -1)
             if rid in self._fresh:
                 del self._fresh[rid]
-            if rank in self._decoders:
-                del self._decoders[rank]
+            self._drop_decoder(rank)
+
+    def _drop_decoder(self, rank: int) -> None:
+        """The decoder of admission `rank` out of its slot, if it has one."""
+        if rank in self._decoders:
+            slot = self._decoders[rank].key & SLOT_MASK
+            self._slots[slot] = self._dead
+            self._free_slots.append(slot)
+            del self._decoders[rank]
 
     def _stepped(self) -> None:
         super()._stepped()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvfrag.sim.allocators.two_level_plan import CHUNKED, SLIDING, count_takes
+from kvfrag.sim.allocators.two_level_plan import CHUNKED, SLIDING, SLOT_MASK, count_takes
 
 if TYPE_CHECKING:
     from kvfrag.sim.allocators.two_level import TwoLevelAllocator
@@ -21,11 +21,12 @@ def few_fit(a: TwoLevelAllocator, steps: int) -> bool:
     entry each; stale entries only loosen it). False: not settled."""
     if steps > a._min_bs:
         return False
-    clock, events, n = a._clock, a._events, 0
-    for c in range(clock + 1, clock + steps + 1):
-        bucket = events.get(c)
-        if bucket is not None:
-            n += len(bucket)
+    clocks, buckets, n = a._clocks, a._buckets, 0
+    last = a._clock + steps
+    i = len(clocks)  # (descending: the next clocks last)
+    while i > 0 and clocks[i - 1] <= last:
+        i -= 1
+        n += len(buckets[i])
     return a.pool.large_needed([w * n for w in a._tw]) <= a.pool.free_large_pages()
 
 
@@ -45,16 +46,17 @@ def next_step_need(a: TwoLevelAllocator) -> list[int] | None:
     one of them gives a page back first (or a rank is due twice): only a walk knows then."""
     clock = a._clock + 1
     need = [0] * len(a.pool.per)
-    bucket = a._events.get(clock)
-    if bucket is None:
+    clocks = a._clocks  # (none before `clock`: the walks took them)
+    if not clocks or clocks[-1] != clock:
         return need
+    bucket = a._buckets[-1]
     if len(set(bucket)) != len(bucket):
         return None
     kinds, sizes, windows, ptype = a._mkind, a._mbs, a._mwin, a._ptype
-    lag = a._lag
-    for rank in bucket:
-        dec = a._decoders.get(rank)
-        if dec is None or dec.at != clock:
+    lag, slots = a._lag, a._slots
+    for key in bucket:
+        dec = slots[key & SLOT_MASK]
+        if dec.key != key or dec.at != clock:
             continue
         rid, tables, starts = dec.rid, dec.tables, dec.starts
         tokens = dec.base + clock

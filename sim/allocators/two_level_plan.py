@@ -24,6 +24,11 @@ MAX_LCM_RATIO = 64
 MIN_LARGE_PAGES = 64
 
 
+#: Bits of an event's key that name the decoder's slot (`TwoLevelAllocator._slots`); the
+#: rank above them orders a bucket's events by admission.
+SLOT_BITS: Final = 24
+SLOT_MASK: Final = (1 << 24) - 1
+
 #: Manager kinds as codes (`manager_code`; Final: the compiled walk reads them as constants).
 FULL: Final = 0
 SLIDING: Final = 1
@@ -46,6 +51,7 @@ class Decoder:
         self.tables = tables  # its small pages per manager and group (the allocator's lists)
         self.starts = starts  # per manager, its blocks skipped
         self.at = -1  # the clock of its next event (-1: none before it is done)
+        self.key = -1  # its events' key: admission rank << SLOT_BITS | its slot
 
 
 def manager_code(m: Manager) -> int:

@@ -380,7 +380,8 @@ def _walked_state(a):
     """What a walk of the decoders' events leaves: the pool by value, the tables, the
     events."""
     return (a.pool.state(), a.pool.free_large_pages(), a._tables, a._named_start,
-            sorted(a._clocks), a._events, {d.rid: d.at for d in a._decoders.values()})
+            sorted(a._clocks), dict(zip(a._clocks, a._buckets, strict=True)),
+            {d.rid: d.at for d in a._decoders.values()})
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
