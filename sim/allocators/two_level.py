@@ -181,7 +181,9 @@ class TwoLevelAllocator(HybridAllocator):
         self._dead = Decoder(-1, 0, 0, -1, [], [])  # (a free slot's)
         self._slots: list[Decoder] = []  # slot -> the decoder in it (`_dead`: none)
         self._free_slots: list[int] = []
-        self._tj: list[tuple[int, int, int, int, list[int]]] = []  # tables' journal (trials)
+        # the tables' journal (trials): (op, the list changed, index, arg, ids), the list
+        # itself, not the request's id: undone or redone with no lookup (see `_undo`)
+        self._tj: list[tuple[int, list[int], int, int, list[int]]] = []
         self._taken: list[int] = []  # small pages the last placement took (`_try_place`)
         self._collect = False  # whether `_place` keeps them (not in the walks)
         # decoders in their first steps (rid -> clock it joined), whose processed tokens do
@@ -195,7 +197,8 @@ class TwoLevelAllocator(HybridAllocator):
         # the last look-ahead's walk, to replay if the decoders then step as far (`_redo`):
         # (clock, version, horizon, the pool's journal, the tables' journal, the events after)
         # (and the decoders whose next event the walk moved, with that clock)
-        self._replay: tuple[int, int, int, list[int], list[tuple[int, int, int, int, list[int]]],
+        self._replay: tuple[int, int, int, list[int],
+                            list[tuple[int, list[int], int, int, list[int]]],
                             list[list[int]], list[int],
                             list[tuple[Decoder, int]]] | None = None
         self._atj: list[tuple[Decoder, int]] = []  # a look's walk: (decoder, its clock before)
@@ -293,14 +296,14 @@ class TwoLevelAllocator(HybridAllocator):
             skip = skipped_blocks(kind, sizes[mi], windows[mi], proc)
             drop: i64 = skip - starts[mi]
             if drop > 0:
-                for gi, ids in enumerate(tables[mi]):
+                for ids in tables[mi]:
                     gone = ids[:drop]
                     del ids[:drop]
                     pool.give(ptype[mi], gone)
                     if journaling:
-                        self._tj.append((0, rid, mi, gi, gone))
+                        self._tj.append((0, ids, 0, 0, gone))
                 if journaling:
-                    self._tj.append((1, rid, mi, drop, []))
+                    self._tj.append((1, starts, mi, drop, starts))  # (ids: unread)
                 starts[mi] = skip
         for mi in range(nm):
             bs: i64 = sizes[mi]
@@ -318,7 +321,7 @@ class TwoLevelAllocator(HybridAllocator):
                     if self._collect:
                         self._taken.extend(ids[n0:])
                     if journaling:
-                        self._tj.append((2, rid, mi, gi, ids[n0:]))
+                        self._tj.append((2, ids, 0, 0, ids[n0:]))
                     if not ok:
                         return False
         return True
@@ -330,14 +333,12 @@ class TwoLevelAllocator(HybridAllocator):
         pmark, tmark = mark
         tj = self._tj
         while len(tj) > tmark:
-            op, rid, mi, arg, ids = tj.pop()
-            tables = self._tables[rid]
-            if op == 0:  # ids given back from the head of table `arg`
-                tables[mi][arg][:0] = ids
-            elif op == 1:  # the start moved on by `arg`
-                self._named_start[rid][mi] -= arg
-            else:  # ids appended to table `arg` (mostly one: popped, no slice made)
-                table = tables[mi][arg]
+            op, table, mi, arg, ids = tj.pop()
+            if op == 0:  # ids given back from the head of the table
+                table[:0] = ids
+            elif op == 1:  # manager `mi`'s start (`table`: the starts) moved on by `arg`
+                table[mi] -= arg
+            else:  # ids appended to the table (mostly one: popped, no slice made)
                 for _ in range(len(ids)):
                     table.pop()
         self.pool.undo(pmark)
@@ -349,21 +350,20 @@ class TwoLevelAllocator(HybridAllocator):
             self._tj.clear()
 
     def _redo(self, replay: tuple[int, int, int, list[int],
-                                  list[tuple[int, int, int, int, list[int]]],
+                                  list[tuple[int, list[int], int, int, list[int]]],
                                   list[list[int]], list[int],
                                   list[tuple[Decoder, int]]]) -> None:
         """The decoders' events up to the clock, as the look-ahead walked them from this very
         state and undid: its journals applied again, its events taken over (a walk's cost
         without its choices: which page, where an event goes)."""
         self.pool.redo(replay[3])
-        tables, starts = self._tables, self._named_start
-        for op, rid, mi, arg, ids in replay[4]:
-            if op == 0:  # ids given back from the head of table `arg`
-                del tables[rid][mi][arg][:len(ids)]
-            elif op == 1:  # the start moved on by `arg`
-                starts[rid][mi] += arg
-            else:  # ids appended to table `arg`
-                tables[rid][mi][arg].extend(ids)
+        for op, table, mi, arg, ids in replay[4]:
+            if op == 0:  # ids given back from the head of the table
+                del table[:len(ids)]
+            elif op == 1:  # manager `mi`'s start (`table`: the starts) moved on by `arg`
+                table[mi] += arg
+            else:  # ids appended to the table
+                table.extend(ids)
         self._buckets, self._clocks = replay[5], replay[6]
         for dec, at in replay[7]:
             dec.at = at
