@@ -543,11 +543,7 @@ class HybridPrefixCaching(HybridAllocator):
         taken = 0
         quiet = self._quiet
         decoders = self._decoders()
-        # (the decoders whose steps are not known quiet, by rank: most are)
-        wake = st.quiet.get
-        due = ([i for i, (rid, live) in enumerate(decoders) if wake(rid, 0) <= live.base + clock]
-               if st.quiet else range(len(decoders)))
-        for rank in due:
+        for rank in st.due(decoders, clock):  # (skipping those known quiet: most are)
             rid, live = decoders[rank]
             tokens = live.base + clock
             processed = tokens - 1  # (async: less the token in flight; the first step, the

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvfrag.sim.hybrid.overlay import Overlay
 
 if TYPE_CHECKING:
-    from kvfrag.sim.allocators.values import Request
+    from kvfrag.sim.allocators.values import Live, Request
 
 Key = tuple  # (hash or ("own", rid), j, group)
 
@@ -470,6 +470,14 @@ class PrefixState:
             if mamba is not None:
                 self.mamba[rid] = list(mamba)
         return self.tables[rid]
+
+    def due(self, decoders: Sequence[tuple[int, Live]], clock: int) -> Sequence[int]:
+        """The ranks of `decoders` ((rid, live) in running order) whose step at `clock` is not
+        known quiet (`note_quiet`): the ones a decode step looks at."""
+        if not self.quiet:
+            return range(len(decoders))
+        wake = self.quiet.get
+        return [i for i, (rid, live) in enumerate(decoders) if wake(rid, 0) <= live.base + clock]
 
     def note_quiet(self, rid: int, tokens: int, processed: int,
                    quiet: list[tuple[int, int, bool]], kinds: list[Kind], kind_of: list[int],

@@ -165,20 +165,7 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
         for tables, tokens, final in reqs:
             table = tables[first_g]
             size = len(table)
-            if not read:
-                lo = 0
-            elif read == 1:
-                lo = tokens - window if tokens > window else 0
-            else:
-                lo = (tokens - 1) // window * window if tokens > 1 else 0
-            first, full = -(-lo // bs), tokens // bs
-            f = first if first < size else size
-            if f < size and not table[f]:  # nulls into the read range (the prefix's end)
-                z = leading_nulls(table)
-            else:  # the ids before the read range (not freed yet), back to the nulls
-                z = f
-                while z and table[z - 1]:
-                    z -= 1
+            lo, first, full, f, z = _span(table, tokens, read, window, bs)
             c[1] += size - z
             top = full if full < size else size
             if top > first and top > z:
@@ -246,6 +233,30 @@ def held_figures(st: PrefixState, live_of: Mapping[int, Live], clock: int, kinds
     return token_states, reserved, padding, out
 
 
+def _span(table: list[int], tokens: int, read: int, window: int,
+          bs: int) -> tuple[int, int, int, int, int]:
+    """(lo, first, full, f, z) of an attention table at `tokens`: the first token its layers
+    read (`read` 0 full, 1 sliding, 2 chunked: as `Kind.read_from`), the first block read
+    whole, the blocks written whole, `first` capped at the table's length, and where the
+    ids before `f` start (past the leading nulls a window left: they are a prefix)."""
+    if not read:
+        lo = 0
+    elif read == 1:
+        lo = tokens - window if tokens > window else 0
+    else:
+        lo = (tokens - 1) // window * window if tokens > 1 else 0
+    first, full = -(-lo // bs), tokens // bs
+    size = len(table)
+    f = first if first < size else size
+    if f < size and not table[f]:  # nulls into the read range (the prefix's end)
+        z = leading_nulls(table)
+    else:  # the ids before the read range (not freed yet), back to the nulls
+        z = f
+        while z and table[z - 1]:
+            z -= 1
+    return lo, first, full, f, z
+
+
 def _plain_counts(reqs: list[tuple[list[list[int]], int, int]], read: int, window: int, bs: int,
                   g: int) -> list[int]:
     """One attention kind's counts over the requests (`held_figures`' per kind, for a kind
@@ -274,18 +285,7 @@ def _plain_counts(reqs: list[tuple[list[list[int]], int, int]], read: int, windo
     for tables, tokens, final in reqs:
         table = tables[g]
         size = len(table)
-        if read == 1:
-            lo = tokens - window if tokens > window else 0
-        else:
-            lo = (tokens - 1) // window * window if tokens > 1 else 0
-        first, full = -(-lo // bs), tokens // bs
-        f = first if first < size else size
-        if f < size and not table[f]:  # nulls into the read range (the prefix's end)
-            z = leading_nulls(table)
-        else:  # the ids before the read range (not freed yet), back to the nulls
-            z = f
-            while z and table[z - 1]:
-                z -= 1
+        lo, first, full, _f, z = _span(table, tokens, read, window, bs)
         n_held += size - z
         top = full if full < size else size
         if top > first and top > z:
