@@ -442,10 +442,7 @@ class TwoLevelAllocator(HybridAllocator):
                 rid = dec.rid
                 tokens = dec.base + clock
                 joined = dec.joined
-                if joined == clock or (lag and joined == clock - 1):
-                    processed = self._processed_at(rid, tokens, clock, joined)
-                else:  # (`_processed_at`'s rule for a settled decoder)
-                    processed = tokens - 1 - lag
+                processed = self._processed_at(rid, tokens, clock, joined)
                 if not self._place_in(rid, dec.tables, dec.starts, tokens, processed):
                     if timeline is not None and placed:
                         timeline.append((clock, self.pool.free_large_pages()))

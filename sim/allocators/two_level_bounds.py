@@ -53,7 +53,7 @@ def next_step_need(a: TwoLevelAllocator) -> list[int] | None:
     if len(set(bucket)) != len(bucket):
         return None
     kinds, sizes, windows, ptype = a._mkind, a._mbs, a._mwin, a._ptype
-    lag, slots = a._lag, a._slots
+    slots = a._slots
     for key in bucket:
         dec = slots[key & SLOT_MASK]
         if dec.key != key or dec.at != clock:
@@ -61,10 +61,7 @@ def next_step_need(a: TwoLevelAllocator) -> list[int] | None:
         rid, tables, starts = dec.rid, dec.tables, dec.starts
         tokens = dec.base + clock
         joined = dec.joined
-        if joined == clock or (lag and joined == clock - 1):
-            processed = a._processed_at(rid, tokens, clock, joined)
-        else:
-            processed = tokens - 1 - lag
+        processed = a._processed_at(rid, tokens, clock, joined)
         if not count_takes(kinds, sizes, windows, ptype, tables, starts, tokens,
                            processed, need):
             return None

@@ -168,7 +168,7 @@ class TwoLevelPool:
         if it is partly used now, else cleared."""
         i = lid >> WORD_BITS
         word = self.partly[t][i]
-        bit = 1 << (lid & (WORD - 1))
+        bit = _bit(lid)
         mask = self.pages[lid].mask
         if mask != 0 and mask != self.full[t]:
             word.bits = word.bits | bit
@@ -406,16 +406,7 @@ class TwoLevelPool:
                     count = _bits(bits)
                     page.mask = page.mask | bits
                     self.free_small[t] = self.free_small[t] + count
-                # (`_sync`, inline)
-                mask = page.mask
-                w = lid >> WORD_BITS
-                word = self.partly[t][w]
-                if mask != 0 and mask != self.full[t]:
-                    word.bits = word.bits | 1 << (lid & (WORD - 1))
-                    if w < self.first[t]:
-                        self.first[t] = w
-                else:
-                    word.bits = word.bits & ~(1 << (lid & (WORD - 1)))
+                self._sync(lid, t)
 
     def redo(self, journal: list[int]) -> None:
         """Apply again, in order, the changes of a trial's journal (entries from its mark on)

@@ -721,7 +721,7 @@ class HybridPrefixCaching(HybridAllocator):
         """Per plan group, the ids in the requests' tables (an id two requests hold counts
         twice, as vLLM's managers count their tables)."""
         self._flush()
-        return self._st.blocks_per_group(self._manager_of, len(self.plan.groups),
+        return self._st.blocks_per_group(self._manager_of,
                                          [k.kind != "mamba" for k in self._kinds])
 
     def blocks_of(self, rid: int) -> int:

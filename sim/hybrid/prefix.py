@@ -512,18 +512,12 @@ class PrefixState:
                 until = min(until, k.next_skip(processed) + 1 + lag)
         self.quiet[rid] = until
 
-    def blocks_per_group(self, kind_of: list[int], groups: int,
+    def blocks_per_group(self, kind_of: list[int],
                          prefix_nulls: Sequence[bool] = ()) -> tuple[int, ...]:
-        """Per group, the ids in the tables (an id two requests hold counts twice). A
-        request's tables of one kind are alike: one of them is counted for all.
-        `prefix_nulls[ki]`: kind ki's nulls are a prefix of each table (attention kinds: a
-        window frees from the front; not Mamba), counted by bisection, not by a scan."""
-        if len(kind_of) != groups:
-            out = [0] * groups
-            for tables in self.tables.values():
-                for g, table in enumerate(tables):
-                    out[g] += len(table) - table.count(0)
-            return tuple(out)
+        """Per group (`kind_of[g]`: its kind), the ids in the tables (an id two requests hold
+        counts twice). A request's tables of one kind are alike: one of them is counted for
+        all. `prefix_nulls[ki]`: kind ki's nulls are a prefix of each table (attention kinds:
+        a window frees from the front; not Mamba), counted by bisection, not by a scan."""
         first: dict[int, int] = {}
         for g, ki in enumerate(kind_of):
             first.setdefault(ki, g)
@@ -540,7 +534,7 @@ class PrefixState:
                         counts[ki] += len(table)
                 else:
                     counts[ki] += len(table) - table.count(0)
-        return tuple(counts[kind_of[g]] for g in range(groups))
+        return tuple(counts[ki] for ki in kind_of)
 
     def held(self) -> int:
         """Ids in use (held by some request)."""
